@@ -1,0 +1,1 @@
+"""GPU devices: one interface (`device.py`), two backends (`nvml.py`, `simulated.py`)."""

@@ -1,0 +1,197 @@
+"""The GPU interface every backend implements, and the set of GPUs a node owns.
+
+Units are in the names: clocks in MHz, power in W, energy in J. Integer milliwatts and
+millijoules exist only inside the NVML backend.
+
+Clock control uses *locked* clocks (application clocks are deprecated since CUDA 13). We lock a
+range ``[lowest supported, cap]`` rather than pinning a single clock, so idle GPUs still drop to
+their idle clock; see research notes on "prefer cap over pin". NVML cannot read a lock back, so
+every backend records what it set (`GpuDevice.locked`).
+"""
+
+from __future__ import annotations
+
+import enum
+from abc import ABC, abstractmethod
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from slurm_cdgpc.errors import CdgpcError, GpuError, UnsupportedClockError
+
+
+class ThrottleReason(enum.IntFlag):
+    """Why the GPU runs below the requested clock (NVML clocks-event-reason bits)."""
+
+    NONE = 0
+    GPU_IDLE = 0x1
+    APPLICATIONS_CLOCKS = 0x2
+    SW_POWER_CAP = 0x4
+    HW_SLOWDOWN = 0x8
+    SYNC_BOOST = 0x10
+    SW_THERMAL = 0x20
+    HW_THERMAL = 0x40
+    HW_POWER_BRAKE = 0x80
+    DISPLAY_CLOCK = 0x100
+
+
+@dataclass(frozen=True)
+class ClockTable:
+    """Supported clocks as the device lists them.
+
+    ``graphics_mhz[mem]`` is the descending list of graphics clocks allowed with memory clock
+    ``mem``; ``memory_mhz`` is descending too. HBM datacenter parts list one memory clock.
+    """
+
+    memory_mhz: tuple[int, ...]
+    graphics_mhz: Mapping[int, tuple[int, ...]]
+
+    def __post_init__(self) -> None:
+        if not self.memory_mhz:
+            raise CdgpcError("a clock table needs at least one memory clock")
+        for mem in self.memory_mhz:
+            if not self.graphics_mhz.get(mem):
+                raise CdgpcError(f"memory clock {mem} MHz has no graphics clocks")
+
+    @property
+    def max_memory_mhz(self) -> int:
+        return self.memory_mhz[0]
+
+    def graphics_for(self, memory_mhz: int | None = None) -> tuple[int, ...]:
+        """Graphics clocks (descending) allowed with ``memory_mhz`` (default: the highest)."""
+        mem = self.max_memory_mhz if memory_mhz is None else memory_mhz
+        try:
+            return self.graphics_mhz[mem]
+        except KeyError:
+            raise UnsupportedClockError(
+                f"memory clock {mem} MHz is not supported (supported: {_fmt(self.memory_mhz)})"
+            ) from None
+
+    def check(self, graphics_mhz: int, memory_mhz: int | None = None) -> None:
+        """Raise `UnsupportedClockError` unless the pair is in the table."""
+        allowed = self.graphics_for(memory_mhz)
+        if graphics_mhz not in allowed:
+            raise UnsupportedClockError(
+                f"graphics clock {graphics_mhz} MHz is not supported with memory clock "
+                f"{self.max_memory_mhz if memory_mhz is None else memory_mhz} MHz "
+                f"(supported: {allowed[-1]}..{allowed[0]} MHz, {len(allowed)} levels)"
+            )
+
+
+def _fmt(values: Sequence[int]) -> str:
+    return ", ".join(str(v) for v in values)
+
+
+@dataclass(frozen=True)
+class LockedClocks:
+    """What we locked: graphics range and (on GDDR parts) the memory clock."""
+
+    graphics_min_mhz: int
+    graphics_max_mhz: int
+    memory_mhz: int | None = None
+
+
+@dataclass(frozen=True)
+class PowerLimitRange:
+    min_w: float
+    max_w: float
+    default_w: float
+
+
+@dataclass(frozen=True)
+class GpuReading:
+    """One sample of a GPU, taken at ``timestamp_s`` (monotonic seconds of the backend's clock)."""
+
+    uuid: str
+    timestamp_s: float
+    power_w: float
+    energy_j: float
+    sm_clock_mhz: int
+    memory_clock_mhz: int
+    enforced_limit_w: float
+    throttle: ThrottleReason = ThrottleReason.NONE
+
+
+class GpuDevice(ABC):
+    """One physical GPU. Getters never need root; setters do on real hardware."""
+
+    index: int
+    uuid: str
+    name: str
+
+    @abstractmethod
+    def supported_clocks(self) -> ClockTable: ...
+
+    @abstractmethod
+    def power_limit_range(self) -> PowerLimitRange: ...
+
+    @abstractmethod
+    def read(self) -> GpuReading:
+        """Power, energy counter, clocks, enforced limit and throttle reasons, now."""
+
+    @abstractmethod
+    def set_locked_clocks(self, graphics_mhz: int, memory_mhz: int | None = None) -> None:
+        """Cap the graphics clock at ``graphics_mhz`` (and lock memory on GDDR parts).
+
+        Refuses (`UnsupportedClockError`) clocks the device does not list. Idempotent: setting
+        the same lock twice makes no second driver call.
+        """
+
+    @abstractmethod
+    def reset_locked_clocks(self) -> None:
+        """Remove our locks (graphics and memory). Idempotent."""
+
+    @property
+    @abstractmethod
+    def locked(self) -> LockedClocks | None:
+        """The lock this process set, or None (NVML cannot read a lock back)."""
+
+
+@dataclass
+class GpuSet:
+    """The GPUs a node owns, addressed by index (as in ``SLURM_JOB_GPUS``) or UUID."""
+
+    devices: Sequence[GpuDevice]
+    _by_uuid: dict[str, GpuDevice] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._by_uuid = {d.uuid: d for d in self.devices}
+
+    def __len__(self) -> int:
+        return len(self.devices)
+
+    def __iter__(self) -> Iterator[GpuDevice]:
+        return iter(self.devices)
+
+    def __getitem__(self, index: int) -> GpuDevice:
+        for dev in self.devices:
+            if dev.index == index:
+                return dev
+        raise CdgpcError(f"no GPU with index {index} on this node")
+
+    def by_uuid(self, uuid: str) -> GpuDevice:
+        try:
+            return self._by_uuid[uuid]
+        except KeyError:
+            raise CdgpcError(f"no GPU with UUID {uuid} on this node") from None
+
+    def read_all(self) -> tuple[list[GpuReading], list[tuple[GpuDevice, GpuError]]]:
+        """Read every GPU; a GPU that fails is reported, not fatal for the others."""
+        readings: list[GpuReading] = []
+        failed: list[tuple[GpuDevice, GpuError]] = []
+        for dev in self.devices:
+            try:
+                readings.append(dev.read())
+            except GpuError as e:
+                failed.append((dev, e))
+        return readings, failed
+
+    def reset_all(self) -> list[tuple[GpuDevice, CdgpcError]]:
+        """Reset every GPU's locks, trying all of them even when some fail (a permission error
+        on one GPU included: leaving the others locked would be worse)."""
+        failed: list[tuple[GpuDevice, CdgpcError]] = []
+        for dev in self.devices:
+            try:
+                dev.reset_locked_clocks()
+            except CdgpcError as e:
+                failed.append((dev, e))
+        return failed
