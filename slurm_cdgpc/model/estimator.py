@@ -1,0 +1,183 @@
+"""The online estimator: per-job power and iteration-time models, learned by RLS as jobs run.
+
+Holds, for N running jobs, what the controller needs to know about each one: its GPU count, the
+normalisation of its clocks, whether its memory clock is adjustable, the knee of its GPU type,
+and two RLS banks (power per GPU, seconds per iteration). No offline profiling: a job starts from
+a prior built from its GPU type and learns from every interval's measurements.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+from numpy.typing import NDArray
+
+from slurm_cdgpc.model.families import (
+    FloatArray,
+    PowerFamily,
+    power_family,
+    time_regressors,
+)
+from slurm_cdgpc.model.rls import BoolArray, Rls, RlsSettings, RlsUpdate
+
+#: Share of a job's iteration time that the prior assigns to the core clock, the memory clock and
+#: neither (used until the job's first measurements arrive).
+TIME_PRIOR_SPLIT = (0.7, 0.2, 0.1)
+#: Share of (TDP − idle) the prior expects a training job to draw at its top clocks.
+POWER_PRIOR_ACTIVITY = 0.85
+
+
+@dataclass(frozen=True)
+class EstimatorSettings:
+    family: str = "bent"
+    # Power moves with phases and temperature: a short memory (≈ 20 intervals).
+    power: RlsSettings = field(default_factory=lambda: RlsSettings(forgetting=0.95))
+    # Iteration time is steadier: a longer memory (≈ 50 intervals).
+    time: RlsSettings = field(default_factory=lambda: RlsSettings(forgetting=0.98))
+
+
+@dataclass(frozen=True)
+class JobStatics:
+    """What the estimator knows about new jobs before measuring them (arrays of length m)."""
+
+    gpus: NDArray[np.int64]
+    graphics_max_mhz: FloatArray
+    memory_max_mhz: FloatArray
+    knee_mhz: FloatArray
+    #: 1.0 where the memory clock is adjustable (GDDR parts), 0.0 on HBM parts
+    mem_mask: FloatArray
+    idle_power_w: FloatArray
+    tdp_w: FloatArray
+
+    def __len__(self) -> int:
+        return int(self.gpus.shape[0])
+
+    @staticmethod
+    def concat(parts: list[JobStatics]) -> JobStatics:
+        return JobStatics(*(np.concatenate([getattr(p, f) for p in parts]) for f in _STATIC_FIELDS))
+
+    def select(self, mask: BoolArray) -> JobStatics:
+        return JobStatics(*(getattr(self, f)[mask] for f in _STATIC_FIELDS))
+
+
+_STATIC_FIELDS = (
+    "gpus",
+    "graphics_max_mhz",
+    "memory_max_mhz",
+    "knee_mhz",
+    "mem_mask",
+    "idle_power_w",
+    "tdp_w",
+)
+
+
+def power_prior(family: PowerFamily, statics: JobStatics) -> FloatArray:
+    """θ_P at job start: idle power as intercept, a core term reaching ≈85 % of TDP at f_max."""
+    one = np.ones(len(statics))
+    knee_x = statics.knee_mhz / statics.graphics_max_mhz
+    h_top = family.basis(one, knee_x)  # h_j(1)
+    dynamic = POWER_PRIOR_ACTIVITY * (statics.tdp_w - statics.idle_power_w)
+    theta = np.zeros((len(statics), family.n_params))
+    # put the whole dynamic share on the first core coefficient: a₁ h₁(1) = dynamic
+    theta[:, 0] = dynamic / h_top[:, 0]
+    theta[:, -1] = statics.idle_power_w
+    return theta
+
+
+def time_prior(statics: JobStatics, iteration_s: FloatArray | None = None) -> FloatArray:
+    """θ_T at job start from a first iteration time at top clocks (1 s when unknown).
+
+    The scale only matters relative to the job's own weight, which is itself "remaining time
+    over slack", so an unknown job starts scale-free.
+    """
+    t0 = np.ones(len(statics)) if iteration_s is None else np.asarray(iteration_s, np.float64)
+    core, mem, other = TIME_PRIOR_SPLIT
+    m = statics.mem_mask
+    # on HBM parts the memory share is clock-independent time
+    return np.stack([core * t0, mem * m * t0, (other + mem * (1.0 - m)) * t0], axis=1)
+
+
+class JobEstimator:
+    """Power and iteration-time models of every running job, learned online."""
+
+    def __init__(self, settings: EstimatorSettings | None = None) -> None:
+        self.settings = settings or EstimatorSettings()
+        self.family = power_family(self.settings.family)
+        k_p = self.family.n_params
+        # clock coefficients ≥ 0 keep the subproblem convex; the intercept a_e may go negative
+        # (a tangent model above the knee crosses zero below it), the time coefficients may not
+        nonneg_p = np.arange(k_p) < k_p - 1
+        self.power = Rls(np.zeros((0, k_p)), self.settings.power, nonneg=nonneg_p)
+        self.time = Rls(np.zeros((0, 3)), self.settings.time, nonneg=np.ones(3, dtype=bool))
+        empty = np.zeros(0)
+        self.statics = JobStatics(np.zeros(0, dtype=np.int64), *([empty] * 6))
+
+    def __len__(self) -> int:
+        return self.power.n
+
+    @property
+    def knee_x(self) -> FloatArray:
+        return self.statics.knee_mhz / self.statics.graphics_max_mhz
+
+    def add_jobs(self, statics: JobStatics, iteration_s: FloatArray | None = None) -> None:
+        self.power.append(power_prior(self.family, statics))
+        self.time.append(time_prior(statics, iteration_s))
+        self.statics = JobStatics.concat([self.statics, statics])
+
+    def keep(self, mask: BoolArray) -> None:
+        self.power.keep(mask)
+        self.time.keep(mask)
+        self.statics = self.statics.select(mask)
+
+    def normalise(
+        self, graphics_mhz: FloatArray, memory_mhz: FloatArray
+    ) -> tuple[FloatArray, FloatArray]:
+        return (
+            graphics_mhz / self.statics.graphics_max_mhz,
+            memory_mhz / self.statics.memory_max_mhz,
+        )
+
+    def power_regressors(self, x: FloatArray, x_m: FloatArray) -> FloatArray:
+        return self.family.regressors(x, x_m, self.statics.mem_mask, self.knee_x)
+
+    def predict_power_w(self, x: FloatArray, x_m: FloatArray) -> FloatArray:
+        """Per-GPU power at normalised clocks (x, x_m); shapes (N,) or (H, N)."""
+        return self.power.predict(self.power_regressors(x, x_m))
+
+    def predict_iteration_s(self, x: FloatArray, x_m: FloatArray) -> FloatArray:
+        return self.time.predict(time_regressors(x, x_m, self.statics.mem_mask))
+
+    def observe(
+        self,
+        x: FloatArray,
+        x_m: FloatArray,
+        power_w: FloatArray,
+        iteration_s: FloatArray,
+        mask: BoolArray | None = None,
+    ) -> tuple[RlsUpdate, RlsUpdate]:
+        """Learn from one interval: applied clocks (normalised), mean per-GPU power and mean
+        iteration time. NaN marks "not measured" (e.g. a job that reports no progress)."""
+        phi_p = self.power_regressors(x, x_m)
+        phi_t = time_regressors(x, x_m, self.statics.mem_mask)
+        _anchor_first(self.power, phi_p, power_w, mask)
+        _anchor_first(self.time, phi_t, iteration_s, mask)
+        return self.power.update(phi_p, power_w, mask), self.time.update(phi_t, iteration_s, mask)
+
+
+def _anchor_first(rls: Rls, phi: FloatArray, y: FloatArray, mask: BoolArray | None) -> None:
+    """Scale a new job's prior so it predicts its first measurement exactly.
+
+    The prior's *shape* (how power and time split between the clocks) is a fair guess for any
+    training job; its *scale* (a 1 s iteration, 85 % of TDP) is not. Rescaling on the first
+    sample, before RLS sees it, avoids a large first correction along near-collinear directions.
+    """
+    first = (rls.count == 0) & np.isfinite(y) & (y > 0)
+    if mask is not None:
+        first &= mask
+    if not first.any():
+        return
+    y_hat = np.einsum("nk,nk->n", phi[first], rls.theta[first])
+    ok = y_hat > 0
+    rows = np.flatnonzero(first)[ok]
+    rls.theta[rows] *= (y[rows] / y_hat[ok])[:, None]

@@ -1,0 +1,177 @@
+"""Model families: how a job's per-GPU power and iteration time depend on its clocks.
+
+Clocks enter normalised, x = f / f_max (core) and x_m = f_m / f_m,max (memory), which keeps the
+RLS covariance well conditioned. Every family is linear in its parameters, so RLS fits it, and
+convex and increasing in the core clock, so the controller's per-job subproblem keeps a closed form.
+
+Power per GPU:  P = Σ_j a_j h_j(x) + a_m x_m + a_e      (family chooses the core basis h_j)
+Iteration time: T = b_c / x + b_m / x_m + b_e          (all families)
+
+On HBM parts (one memory clock) the memory columns are masked to zero, so a_m and b_m stay at
+their prior and the memory clock is fixed at its only value.
+
+Families:
+- ``linear``: h(x) = x, the paper's published model.
+- ``bent``: h(x) = max(x, x³/k²), k = the GPU type's voltage-floor knee (normalised). Measured
+  GPU power falls steeply with the clock above the knee and slowly below it; this family keeps
+  three parameters, like ``linear``, and halves the one-step prediction error on the A100 sweeps
+  (see `slurm_cdgpc.model.replay`).
+- ``cubic``: h(x) ∈ {x, x³}, one more parameter, no knee needed.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import ClassVar
+
+import numpy as np
+from numpy.typing import NDArray
+
+from slurm_cdgpc.errors import InputError
+
+FloatArray = NDArray[np.float64]
+
+# The time model is shared by all families: φ_T = [1/x, m/x_m, 1].
+TIME_PARAMS = 3
+
+
+def time_regressors(x: FloatArray, x_m: FloatArray, mem_mask: FloatArray) -> FloatArray:
+    """φ_T = [1/x, mask/x_m, 1], shape (..., 3)."""
+    return np.stack([1.0 / x, mem_mask / x_m, np.ones_like(x)], axis=-1)
+
+
+class PowerFamily(ABC):
+    """A core-clock basis for the power model, with what the controller needs from it."""
+
+    name: ClassVar[str]
+    core_params: ClassVar[int]
+
+    @property
+    def n_params(self) -> int:
+        """Core coefficients, then a_m, then a_e."""
+        return self.core_params + 2
+
+    @abstractmethod
+    def basis(self, x: FloatArray, knee_x: FloatArray) -> FloatArray:
+        """h_j(x), shape (..., core_params)."""
+
+    @abstractmethod
+    def marginal(self, a: FloatArray, x: FloatArray, knee_x: FloatArray) -> FloatArray:
+        """m(x) = dP/dx = Σ_j a_j h_j'(x)."""
+
+    @abstractmethod
+    def marginal_slope(self, a: FloatArray, x: FloatArray, knee_x: FloatArray) -> FloatArray:
+        """m'(x) = d²P/dx² (≥ 0: the basis is convex)."""
+
+    @abstractmethod
+    def stationary(self, s: FloatArray, a: FloatArray, knee_x: FloatArray) -> FloatArray:
+        """Unclipped x > 0 solving s / x² = m(x), i.e. the minimiser of s/x + P(x).
+
+        ``s = w b_c / (λ g)`` (≥ 0); ``a`` holds the core coefficients, shape (..., core_params).
+        Returns +inf where m ≡ 0 (power does not depend on the clock).
+        """
+
+    def regressors(
+        self, x: FloatArray, x_m: FloatArray, mem_mask: FloatArray, knee_x: FloatArray
+    ) -> FloatArray:
+        """φ_P = [h(x), mask·x_m, 1], shape (..., n_params)."""
+        core = self.basis(x, knee_x)
+        return np.concatenate(
+            [core, (mem_mask * x_m)[..., None], np.ones_like(x)[..., None]], axis=-1
+        )
+
+    def power(
+        self,
+        theta: FloatArray,
+        x: FloatArray,
+        x_m: FloatArray,
+        mem_mask: FloatArray,
+        knee_x: FloatArray,
+    ) -> FloatArray:
+        """P = φ_P · θ per GPU."""
+        phi = self.regressors(x, x_m, mem_mask, knee_x)
+        return np.asarray(np.einsum("...k,...k->...", phi, theta), dtype=np.float64)
+
+
+class LinearPower(PowerFamily):
+    name = "linear"
+    core_params = 1
+
+    def basis(self, x: FloatArray, knee_x: FloatArray) -> FloatArray:
+        return x[..., None]
+
+    def marginal(self, a: FloatArray, x: FloatArray, knee_x: FloatArray) -> FloatArray:
+        return np.broadcast_to(a[..., 0], x.shape).copy()
+
+    def marginal_slope(self, a: FloatArray, x: FloatArray, knee_x: FloatArray) -> FloatArray:
+        return np.zeros_like(x)
+
+    def stationary(self, s: FloatArray, a: FloatArray, knee_x: FloatArray) -> FloatArray:
+        # s/x² = a  →  x = sqrt(s/a)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            return np.where(a[..., 0] > 0, np.sqrt(s / a[..., 0]), np.inf)
+
+
+class BentPower(PowerFamily):
+    name = "bent"
+    core_params = 1
+
+    def basis(self, x: FloatArray, knee_x: FloatArray) -> FloatArray:
+        # h(x) = max(x, x³/k²): linear below the knee, cubic above, continuous at k
+        return np.maximum(x, x**3 / knee_x**2)[..., None]
+
+    def marginal(self, a: FloatArray, x: FloatArray, knee_x: FloatArray) -> FloatArray:
+        return a[..., 0] * np.where(x > knee_x, 3.0 * x**2 / knee_x**2, 1.0)
+
+    def marginal_slope(self, a: FloatArray, x: FloatArray, knee_x: FloatArray) -> FloatArray:
+        # at the knee m jumps from a to 3a: a job parked there does not move with λ (slope ∞)
+        return a[..., 0] * np.where(
+            x == knee_x, np.inf, np.where(x > knee_x, 6.0 * x / knee_x**2, 0.0)
+        )
+
+    def stationary(self, s: FloatArray, a: FloatArray, knee_x: FloatArray) -> FloatArray:
+        # below the knee s/x² = a → x = sqrt(s/a); above it s/x² = 3a x²/k² → x = (s k²/3a)^¼;
+        # h' jumps from 1 to 3 at k, so when neither branch is self-consistent the answer is k.
+        with np.errstate(divide="ignore", invalid="ignore"):
+            r = np.where(a[..., 0] > 0, s / a[..., 0], np.inf)
+            below = np.sqrt(r)
+            above = np.sqrt(np.sqrt(r * knee_x**2 / 3.0))
+        return np.where(below <= knee_x, below, np.maximum(above, knee_x))
+
+
+class CubicPower(PowerFamily):
+    name = "cubic"
+    core_params = 2
+
+    def basis(self, x: FloatArray, knee_x: FloatArray) -> FloatArray:
+        return np.stack([x, x**3], axis=-1)
+
+    def marginal(self, a: FloatArray, x: FloatArray, knee_x: FloatArray) -> FloatArray:
+        return a[..., 0] + 3.0 * a[..., 1] * x**2
+
+    def marginal_slope(self, a: FloatArray, x: FloatArray, knee_x: FloatArray) -> FloatArray:
+        return 6.0 * a[..., 1] * x
+
+    def stationary(self, s: FloatArray, a: FloatArray, knee_x: FloatArray) -> FloatArray:
+        # s/x² = a1 + 3 a3 x²  →  3 a3 y² + a1 y − s = 0 with y = x²
+        a1, a3 = a[..., 0], a[..., 1]
+        with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+            disc = np.sqrt(a1**2 + 12.0 * a3 * s)
+            # (−a1 + disc)/(6 a3) written as 2s/(a1 + disc) to stay exact when a3 → 0
+            y = 2.0 * s / (a1 + disc)
+            return np.where((a1 > 0) | (a3 > 0), np.sqrt(y), np.inf)
+
+
+FAMILIES: dict[str, type[PowerFamily]] = {
+    cls.name: cls for cls in (LinearPower, BentPower, CubicPower)
+}
+
+
+def power_family(name: str) -> PowerFamily:
+    """The power family called ``name``; a one-line error lists the known ones."""
+    try:
+        return FAMILIES[name]()
+    except KeyError:
+        raise InputError(
+            f"unknown model family {name!r} (known: {', '.join(sorted(FAMILIES))})"
+        ) from None

@@ -1,0 +1,184 @@
+"""Vectorised recursive least squares over all jobs at once.
+
+One `Rls` holds N independent estimators of k parameters each: θ (N, k) and covariance P (N, k, k).
+Exponentially weighted RLS (Haykin, *Adaptive Filter Theory*), per job n:
+
+    e = y − φᵀθ                  a-priori error
+    K = Pφ / (ϕ + φᵀPφ)          gain, ϕ = forgetting factor
+    θ ← θ + K e
+    P ← (P − K (Pφ)ᵀ) / ϕ
+
+Safeguards, all vectorised:
+- non-negativity projection of chosen parameters (keeps the controller's subproblem convex);
+- covariance bound: P is rescaled when tr P exceeds ``max_trace`` (no wind-up when the regressor
+  stops moving, e.g. a job held at one clock for hours);
+- outlier skip: once a job has ``warmup`` updates, a sample with |e| > κ σ̂ (σ̂² an exponentially
+  weighted mean of e²) is not learned from (checkpoints, evaluation phases), but counts towards σ̂
+  so that a persistent change is accepted after a few intervals.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from numpy.typing import NDArray
+
+from slurm_cdgpc.errors import InputError
+
+FloatArray = NDArray[np.float64]
+BoolArray = NDArray[np.bool_]
+
+
+@dataclass(frozen=True)
+class RlsSettings:
+    forgetting: float = 0.97
+    initial_cov: float = 1e3
+    max_trace: float = 1e4
+    outlier_sigmas: float = 4.0
+    warmup: int = 5
+    #: floor of σ̂ relative to |y| (measurement noise never reads as zero)
+    min_rel_sigma: float = 0.005
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.forgetting <= 1.0:
+            raise InputError(f"RLS forgetting factor must be in (0, 1], got {self.forgetting}")
+        if self.initial_cov <= 0 or self.max_trace <= 0:
+            raise InputError("RLS covariance settings must be positive")
+        if self.outlier_sigmas <= 0:
+            raise InputError("RLS outlier threshold must be positive")
+
+
+@dataclass(frozen=True)
+class RlsUpdate:
+    """What one vectorised update did."""
+
+    updated: int
+    outliers: int
+    mean_abs_rel_error: float
+
+
+class Rls:
+    """N independent k-parameter RLS estimators, updated together."""
+
+    def __init__(
+        self,
+        theta: FloatArray,
+        settings: RlsSettings,
+        nonneg: BoolArray | None = None,
+        cov: FloatArray | None = None,
+    ) -> None:
+        theta = np.array(theta, dtype=np.float64, ndmin=2)
+        n, k = theta.shape
+        self.settings = settings
+        self.theta = theta
+        self.cov = (
+            np.array(cov, dtype=np.float64)
+            if cov is not None
+            else np.broadcast_to(np.eye(k) * settings.initial_cov, (n, k, k)).copy()
+        )
+        self.nonneg = np.zeros(k, dtype=bool) if nonneg is None else np.asarray(nonneg, bool)
+        self.err_var = np.zeros(n)
+        self.count = np.zeros(n, dtype=np.int64)
+
+    @property
+    def n(self) -> int:
+        return int(self.theta.shape[0])
+
+    @property
+    def k(self) -> int:
+        return int(self.theta.shape[1])
+
+    def predict(self, phi: FloatArray) -> FloatArray:
+        """ŷ = φᵀθ for every job; ``phi`` has shape (N, k) or (..., N, k)."""
+        return np.asarray(np.einsum("...nk,nk->...n", phi, self.theta), dtype=np.float64)
+
+    def update(self, phi: FloatArray, y: FloatArray, mask: BoolArray | None = None) -> RlsUpdate:
+        """Learn from one measurement per job; jobs with ``mask`` False are left alone."""
+        s = self.settings
+        active = np.isfinite(y) & np.all(np.isfinite(phi), axis=1)
+        if mask is not None:
+            active &= mask
+        y = np.where(active, y, 0.0)
+        e = y - np.einsum("nk,nk->n", phi, self.theta)
+
+        # outlier test against the running error scale, floored at a fraction of |y|
+        sigma = np.sqrt(np.maximum(self.err_var, (s.min_rel_sigma * y) ** 2))
+        outlier = active & (self.count >= s.warmup) & (np.abs(e) > s.outlier_sigmas * sigma)
+        learn = active & ~outlier
+        # σ̂² tracks every active sample (outliers included, clipped) so a real shift is
+        # accepted after a few intervals instead of being rejected forever
+        e_clip = np.minimum(np.abs(e), 2.0 * s.outlier_sigmas * sigma)
+        self.err_var = np.where(
+            active,
+            np.where(self.count > 0, 0.9 * self.err_var + 0.1 * e_clip**2, e**2),
+            self.err_var,
+        )
+
+        idx = np.flatnonzero(learn)
+        if idx.size:
+            self._update_rows(idx, phi[idx], e[idx])
+        self.count[active] += 1
+        with np.errstate(divide="ignore", invalid="ignore"):
+            rel = np.abs(e[active]) / np.abs(y[active])
+        rel = rel[np.isfinite(rel)]
+        return RlsUpdate(
+            updated=int(idx.size),
+            outliers=int(outlier.sum()),
+            mean_abs_rel_error=float(rel.mean()) if rel.size else 0.0,
+        )
+
+    def _update_rows(self, idx: NDArray[np.intp], phi: FloatArray, e: FloatArray) -> None:
+        s = self.settings
+        cov = self.cov[idx]
+        theta = self.theta[idx]
+        p_phi = np.einsum("nij,nj->ni", cov, phi)  # Pφ
+        den = s.forgetting + np.einsum("ni,ni->n", phi, p_phi)  # ϕ + φᵀPφ
+        gain = p_phi / den[:, None]  # K
+        theta += gain * e[:, None]  # θ ← θ + K e
+        cov -= np.einsum("ni,nj->nij", gain, p_phi)  # P ← P − K (Pφ)ᵀ
+        cov /= s.forgetting  # … / ϕ
+        cov = 0.5 * (cov + cov.transpose(0, 2, 1))  # keep it symmetric against round-off
+        trace = np.einsum("nii->n", cov)
+        over = trace > s.max_trace
+        if over.any():
+            cov[over] *= (s.max_trace / trace[over])[:, None, None]
+        if self.nonneg.any():
+            _project_nonneg(theta, cov, self.nonneg)
+        self.theta[idx] = theta
+        self.cov[idx] = cov
+
+    # -- job churn -------------------------------------------------------------------------
+
+    def append(self, theta0: FloatArray) -> None:
+        """Add estimators for new jobs, starting at ``theta0`` (m, k) with the prior covariance."""
+        theta0 = np.array(theta0, dtype=np.float64, ndmin=2)
+        m = theta0.shape[0]
+        cov0 = np.broadcast_to(np.eye(self.k) * self.settings.initial_cov, (m, self.k, self.k))
+        self.theta = np.concatenate([self.theta, theta0])
+        self.cov = np.concatenate([self.cov, cov0])
+        self.err_var = np.concatenate([self.err_var, np.zeros(m)])
+        self.count = np.concatenate([self.count, np.zeros(m, dtype=np.int64)])
+
+    def keep(self, mask: BoolArray) -> None:
+        """Drop the estimators of jobs where ``mask`` is False (finished jobs)."""
+        self.theta = self.theta[mask]
+        self.cov = self.cov[mask]
+        self.err_var = self.err_var[mask]
+        self.count = self.count[mask]
+
+
+def _project_nonneg(theta: FloatArray, cov: FloatArray, nonneg: BoolArray) -> None:
+    """Move θ onto {θ_j ≥ 0} in the metric of P⁻¹, in place.
+
+    Clipping a coefficient alone leaves the correlated ones where the unconstrained fit put
+    them (with near-collinear regressors such as 1/x and 1 near the top clock, that diverges).
+    The least-squares answer with θ_j pinned at 0 is θ − P[:, j] θ_j / P[j, j]: the other
+    coefficients take up what θ_j explained. One active constraint at a time, then a final clip.
+    """
+    for j in np.flatnonzero(nonneg):
+        bad = theta[:, j] < 0.0
+        if bad.any():
+            col = cov[bad, :, j]
+            theta[bad] -= col * (theta[bad, j] / col[:, j])[:, None]
+    theta[:, nonneg] = np.maximum(theta[:, nonneg], 0.0)
