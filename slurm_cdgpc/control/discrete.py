@@ -1,0 +1,187 @@
+"""From continuous clocks to the clocks a GPU accepts (research/paper.md §6.6).
+
+1. Floor every job's clocks to the nearest supported level at or below the continuous optimum.
+   Power is increasing in the clock, so the plan stays within budget.
+2. Greedy fill: rank one-level upgrades by marginal benefit over marginal cost,
+   w (T(x) − T(x⁺)) / (g (P(x⁺) − P(x))), and take them in that order while the leftover budget
+   lasts; repeat for a few rounds (a job may climb more than one level).
+
+Everything is vectorised over jobs; the per-type loops run over a handful of GPU types.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+from numpy.typing import NDArray
+
+from slurm_cdgpc.control.dual import DualProblem
+from slurm_cdgpc.errors import InputError
+from slurm_cdgpc.gpu.device import ClockTable
+from slurm_cdgpc.model.families import FloatArray
+
+IntArray = NDArray[np.int64]
+
+
+@dataclass(frozen=True)
+class ClockGrid:
+    """The supported clocks of every GPU type in the fleet, padded into arrays.
+
+    ``graphics_mhz[t, m, i]``: the i-th lowest graphics clock the controller may use on type t
+    with its m-th lowest memory clock (padding: a huge value); ``memory_mhz[t, m]`` likewise.
+    Clocks below ``min_fraction`` of a type's top graphics clock are left out: below the
+    efficient range a GPU takes longer *and* draws more energy per iteration.
+    """
+
+    names: tuple[str, ...]
+    graphics_mhz: IntArray  # (T, M, G)
+    graphics_count: IntArray  # (T, M)
+    memory_mhz: IntArray  # (T, M)
+    memory_count: IntArray  # (T,)
+
+    @staticmethod
+    def from_tables(
+        tables: Sequence[tuple[str, ClockTable]], min_fraction: float = 0.5
+    ) -> ClockGrid:
+        if not tables:
+            raise InputError("a clock grid needs at least one GPU type")
+        if not 0.0 <= min_fraction < 1.0:
+            raise InputError(f"min_fraction must be in [0, 1), got {min_fraction}")
+        per_type: list[list[np.ndarray]] = []
+        mems: list[list[int]] = []
+        for _, table in tables:
+            mem_levels = sorted(table.memory_mhz)
+            top = max(table.graphics_for(m)[0] for m in mem_levels)
+            rows = []
+            for m in mem_levels:
+                g = np.array(sorted(table.graphics_for(m)), dtype=np.int64)
+                keep = g[g >= min_fraction * top]
+                rows.append(keep if keep.size else g[-1:])
+            per_type.append(rows)
+            mems.append(mem_levels)
+        T = len(tables)
+        M = max(len(m) for m in mems)
+        G = max(r.size for rows in per_type for r in rows)
+        pad = np.iinfo(np.int64).max // 4
+        graphics = np.full((T, M, G), pad, dtype=np.int64)
+        g_count = np.zeros((T, M), dtype=np.int64)
+        memory = np.full((T, M), pad, dtype=np.int64)
+        for t, rows in enumerate(per_type):
+            memory[t, : len(mems[t])] = mems[t]
+            for m, r in enumerate(rows):
+                graphics[t, m, : r.size] = r
+                g_count[t, m] = r.size
+        m_count = np.array([len(m) for m in mems], dtype=np.int64)
+        return ClockGrid(tuple(n for n, _ in tables), graphics, g_count, memory, m_count)
+
+    def type_index(self, name: str) -> int:
+        try:
+            return self.names.index(name)
+        except ValueError:
+            raise InputError(f"GPU type {name!r} is not in the controller's clock grid") from None
+
+    def top_mhz(self, types: IntArray) -> tuple[FloatArray, FloatArray]:
+        """Top graphics and memory clock per job (the normalisation of x and x_m)."""
+        m_top = self.memory_count[types] - 1
+        g_top = self.graphics_count[types, m_top] - 1
+        return (
+            self.graphics_mhz[types, m_top, g_top].astype(np.float64),
+            self.memory_mhz[types, m_top].astype(np.float64),
+        )
+
+    def bottom_mhz(self, types: IntArray) -> tuple[FloatArray, FloatArray]:
+        """Lowest graphics clock the controller may use, and the lowest memory clock."""
+        return (
+            self.graphics_mhz[types, 0, 0].astype(np.float64),
+            self.memory_mhz[types, 0].astype(np.float64),
+        )
+
+
+@dataclass(frozen=True)
+class DiscretePlan:
+    graphics_mhz: IntArray
+    memory_mhz: IntArray
+    x: FloatArray  # normalised clocks actually planned
+    x_m: FloatArray
+    job_power_w: FloatArray  # predicted g P per job at the planned clocks
+    upgrades: int  # one-level upgrades the greedy fill took
+
+
+def _floor_index(table: IntArray, counts: IntArray, key: IntArray, mhz: FloatArray) -> IntArray:
+    """Per job, the index of the highest level ≤ mhz (0 if none) in row ``key`` of ``table``."""
+    idx = np.zeros(mhz.shape[0], dtype=np.int64)
+    for k in np.unique(key):
+        sel = key == k
+        row = table[k, : counts[k]]
+        idx[sel] = np.searchsorted(row, mhz[sel] * (1 + 1e-12), side="right") - 1
+    return np.clip(idx, 0, counts[key] - 1)
+
+
+def discretise(
+    problem: DualProblem,
+    grid: ClockGrid,
+    types: IntArray,
+    x: FloatArray,
+    x_m: FloatArray,
+    max_rounds: int = 8,
+) -> DiscretePlan:
+    """Floor the step-0 continuous clocks to supported levels, then fill the budget greedily."""
+    g_top, m_top = grid.top_mhz(types)
+    w = problem.weight[0]
+    budget = float(problem.budget_w[0])
+    # 1. floor: memory first, then graphics within that memory clock's list
+    im = _floor_index(grid.memory_mhz, grid.memory_count, types, x_m * m_top)
+    T, M, G = grid.graphics_mhz.shape
+    ig = _floor_index(
+        grid.graphics_mhz.reshape(T * M, G),
+        grid.graphics_count.reshape(T * M),
+        types * M + im,
+        x * g_top,
+    )
+    n_g = grid.graphics_count[types, im]
+
+    def clocks(ig: IntArray, im: IntArray) -> tuple[FloatArray, FloatArray]:
+        return grid.graphics_mhz[types, im, ig] / g_top, grid.memory_mhz[types, im] / m_top
+
+    xf, xmf = clocks(ig, im)
+    power = problem.power_w(xf, xmf)
+    time = problem.time_s(xf, xmf)
+    leftover = budget - power.sum()
+    upgrades = 0
+    # 2. greedy fill, one graphics level per job per round
+    for _ in range(max_rounds):
+        can = ig + 1 < n_g
+        if not can.any() or leftover <= 0:
+            break
+        ig_up = np.where(can, ig + 1, ig)
+        xu, xmu = clocks(ig_up, im)
+        d_power = np.where(can, problem.power_w(xu, xmu) - power, np.inf)
+        time_up = problem.time_s(xu, xmu)
+        d_gain = w * (time - time_up)
+        fits = can & (d_power <= leftover)
+        if not fits.any():
+            break
+        cand = np.flatnonzero(fits)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            ratio = np.where(d_power[cand] > 0, d_gain[cand] / d_power[cand], np.inf)
+        order = cand[np.argsort(-ratio, kind="stable")]
+        spent = np.cumsum(d_power[order])
+        take = order[spent <= leftover]
+        if take.size == 0:
+            break
+        leftover -= float(d_power[take].sum())
+        ig[take] += 1
+        power[take] += d_power[take]
+        time[take] = time_up[take]
+        upgrades += int(take.size)
+    xf, xmf = clocks(ig, im)
+    return DiscretePlan(
+        graphics_mhz=grid.graphics_mhz[types, im, ig],
+        memory_mhz=grid.memory_mhz[types, im],
+        x=xf,
+        x_m=xmf,
+        job_power_w=problem.power_w(xf, xmf),
+        upgrades=upgrades,
+    )

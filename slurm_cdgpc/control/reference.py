@@ -1,0 +1,82 @@
+"""The same continuous problem, stated for cvxpy: the reference our dual solvers must match.
+
+    minimise   Σ_n w_n (b_c/x_n + b_m m_n/x_m,n + b_e)
+    subject to Σ_n g_n P_n(x_n, x_m,n) ≤ B,   x_lo ≤ x ≤ x_hi,   x_m,lo ≤ x_m ≤ x_m,hi
+
+P is convex in the clocks for every family (non-negative clock coefficients), so the problem is
+DCP and any conic solver gives the global optimum. It is slow (a generic interior-point solve),
+which is the point of the decomposition; it is used on small instances, in tests and benchmarks.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import cvxpy as cp
+import numpy as np
+
+from slurm_cdgpc.control.dual import DualProblem
+from slurm_cdgpc.errors import SolverError
+from slurm_cdgpc.model.families import BentPower, CubicPower, FloatArray, LinearPower
+
+
+@dataclass(frozen=True)
+class ReferenceSolution:
+    x: FloatArray
+    x_m: FloatArray
+    objective: float
+    solve_s: float
+    solver: str
+
+
+def _core_power(problem: DualProblem, x: cp.Variable) -> cp.Expression:
+    a = problem.core_theta
+    fam = problem.family
+    if isinstance(fam, LinearPower):
+        return cp.multiply(a[:, 0], x)
+    if isinstance(fam, BentPower):
+        return cp.multiply(a[:, 0], cp.maximum(x, cp.multiply(1.0 / problem.knee_x**2, x**3)))
+    if isinstance(fam, CubicPower):
+        return cp.multiply(a[:, 0], x) + cp.multiply(a[:, 1], x**3)
+    raise SolverError(f"no cvxpy form for model family {fam.name!r}")
+
+
+def solve_reference(problem: DualProblem, step: int = 0) -> ReferenceSolution:
+    """Solve horizon step ``step`` of ``problem`` with cvxpy (Clarabel)."""
+    n = problem.gpus.shape[0]
+    w = problem.weight[step]
+    b = problem.time_theta
+    mask = problem.mem_mask > 0
+    x = cp.Variable(n)
+    x_m = cp.Variable(n)
+    time_terms = cp.multiply(w * b[:, 0], cp.inv_pos(x)) + cp.multiply(
+        w * b[:, 1] * mask, cp.inv_pos(x_m)
+    )
+    power = cp.multiply(
+        problem.gpus,
+        _core_power(problem, x)
+        + cp.multiply(problem.power_theta[:, -2] * mask, x_m)
+        + problem.power_theta[:, -1],
+    )
+    constraints = [
+        cp.sum(power) <= problem.budget_w[step],
+        x >= problem.x_lo,
+        x <= problem.x_hi,
+        x_m >= problem.xm_lo,
+        x_m <= problem.xm_hi,
+    ]
+    prob = cp.Problem(cp.Minimize(cp.sum(time_terms) + float(np.sum(w * b[:, 2]))), constraints)
+    t0 = time.perf_counter()
+    try:
+        prob.solve(solver=cp.CLARABEL)
+    except cp.error.SolverError as e:
+        raise SolverError(f"reference solver failed: {e}") from e
+    elapsed = time.perf_counter() - t0
+    if prob.status not in (cp.OPTIMAL, cp.OPTIMAL_INACCURATE) or x.value is None:
+        raise SolverError(f"reference solver ended with status {prob.status}")
+    xv = np.clip(np.asarray(x.value, dtype=np.float64), problem.x_lo, problem.x_hi)
+    xmv = np.clip(np.asarray(x_m.value, dtype=np.float64), problem.xm_lo, problem.xm_hi)
+    return ReferenceSolution(
+        x=xv, x_m=xmv, objective=float(prob.value), solve_s=elapsed, solver="CLARABEL"
+    )
