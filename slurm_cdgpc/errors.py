@@ -2,7 +2,7 @@
 
 `SoftError` means "log it and carry on" (one GPU fell off the bus, one node did not answer);
 `FatalError` means the component cannot do its job (no permission to set clocks, no NVML at all).
-Bad input from a person or a peer is an `InputError`: it gets a one-line message and changes nothing.
+Bad input from a person or a peer is an `InputError`: a one-line message, and nothing changes.
 Vendor exceptions are translated once, at their seam, with ``raise ... from e``.
 """
 

@@ -1,0 +1,1 @@
+"""Trace-driven cluster simulation: job traces in, policies replayed against simulated GPUs."""
