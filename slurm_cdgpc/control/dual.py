@@ -82,7 +82,7 @@ class DualProblem:
         """Every job's minimiser of w T + λ g P, shape (H, N); λ may be 0 or +inf."""
         lam = price[:, None]
         g = self.gpus
-        with np.errstate(divide="ignore", invalid="ignore"):
+        with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
             # core: s/x² = m(x) with s = w b_c / (λ g); λ = 0 → s = ∞ → x_hi; b_c = 0 → x_lo
             s = np.where(lam > 0, self.weight * self.time_theta[:, 0] / (lam * g), np.inf)
             s = np.nan_to_num(s, nan=0.0)

@@ -1,0 +1,141 @@
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from slurm_cdgpc.control.discrete import ClockGrid
+from slurm_cdgpc.control.dual import StepStatus
+from slurm_cdgpc.control.empc import (
+    ControllerSettings,
+    EconomicMPC,
+    JobState,
+    Measurements,
+)
+from slurm_cdgpc.errors import InputError
+from slurm_cdgpc.gpu.device import ClockTable
+from slurm_cdgpc.model.estimator import JobEstimator, JobStatics
+
+A100 = ClockTable(memory_mhz=(1593,), graphics_mhz={1593: tuple(range(1410, 209, -15))})
+
+
+def _setup(
+    n: int, settings: ControllerSettings | None = None
+) -> tuple[EconomicMPC, JobEstimator, JobState]:
+    grid = ClockGrid.from_tables([("A100", A100)], min_fraction=0.5)
+    est = JobEstimator()
+    est.add_jobs(
+        JobStatics(
+            gpus=np.full(n, 4, dtype=np.int64),
+            graphics_max_mhz=np.full(n, 1410.0),
+            memory_max_mhz=np.full(n, 1593.0),
+            knee_mhz=np.full(n, 1085.0),
+            mem_mask=np.zeros(n),
+            idle_power_w=np.full(n, 60.0),
+            tdp_w=np.full(n, 400.0),
+        ),
+        iteration_s=np.full(n, 0.5),
+    )
+    jobs = JobState(
+        gpu_type=np.zeros(n, dtype=np.int64),
+        remaining_iterations=np.full(n, 10_000.0),
+        deadline_s=np.full(n, np.nan),
+    )
+    return EconomicMPC(grid, settings), est, jobs
+
+
+def test_weights_are_deadline_pressure() -> None:
+    mpc, est, _ = _setup(3)
+    jobs = JobState(
+        gpu_type=np.zeros(3, dtype=np.int64),
+        remaining_iterations=np.array([1000.0, 1000.0, np.nan]),
+        deadline_s=np.array([1000.0, 4000.0, 2000.0]),
+    )
+    w = mpc.weights(est, jobs, now_s=0.0)[0]
+    t_top = est.predict_iteration_s(np.ones(3), np.ones(3))
+    # w T(top) = R T / slack: 1000 × 0.5 s over 1000 s = 0.5; over 4000 s = 0.125
+    np.testing.assert_allclose(w[:2] * t_top[:2], [0.5, 0.125])
+    # unknown remaining work: pressure 1 at top clocks
+    assert w[2] * t_top[2] == pytest.approx(1.0)
+
+
+def test_jobs_without_deadline_get_the_default_pressure_and_late_jobs_are_capped() -> None:
+    mpc, est, _ = _setup(2, ControllerSettings(default_pressure=0.25, max_pressure=50.0))
+    jobs = JobState(
+        gpu_type=np.zeros(2, dtype=np.int64),
+        remaining_iterations=np.array([1e6, 1e6]),
+        deadline_s=np.array([np.nan, -10.0]),
+    )
+    w = mpc.weights(est, jobs, now_s=0.0)[0]
+    t_top = est.predict_iteration_s(np.ones(2), np.ones(2))
+    np.testing.assert_allclose(w * t_top, [0.25, 50.0])
+
+
+def test_urgent_jobs_get_higher_clocks() -> None:
+    mpc, est, jobs = _setup(4)
+    jobs = JobState(jobs.gpu_type, jobs.remaining_iterations, np.array([3e4, 3e4, 1e6, 1e6]))
+    budget = 4 * 4 * 250.0
+    d = mpc.step(est, jobs, now_s=0.0, budget_w=budget)
+    assert d.status is StepStatus.BINDING
+    assert d.graphics_mhz[0] == d.graphics_mhz[1] > d.graphics_mhz[2] == d.graphics_mhz[3]
+    assert d.predicted_power_w <= d.effective_budget_w
+    assert -0.5 < d.budget_error_pct <= 0
+
+
+def test_scheduled_budget_change_prices_each_horizon_step() -> None:
+    mpc, est, jobs = _setup(20, ControllerSettings(horizon=3))
+    jobs = JobState(jobs.gpu_type, jobs.remaining_iterations, np.full(20, 3e4))
+    budget = np.array([20 * 4 * 300.0, 20 * 4 * 300.0, 20 * 4 * 200.0])
+    d = mpc.step(est, jobs, now_s=0.0, budget_w=budget)
+    assert d.prices.shape == (3,)
+    assert d.prices[2] > d.prices[0]  # power is dearer once the budget drops
+    # the clocks applied now answer to the current budget, not the future one
+    assert d.budget_w == budget[0]
+    assert d.predicted_power_w <= d.effective_budget_w
+
+
+def test_offset_correction_absorbs_a_persistent_model_error() -> None:
+    mpc, est, jobs = _setup(10, ControllerSettings(offset_gain=0.3))
+    budget = 10 * 4 * 260.0
+    d = mpc.step(est, jobs, now_s=0.0, budget_w=budget)
+    for k in range(1, 30):
+        # the plant always draws 2 % more than the controller predicted
+        measured = Measurements(
+            graphics_mhz=d.graphics_mhz.astype(float),
+            memory_mhz=d.memory_mhz.astype(float),
+            power_w=np.full(10, np.nan),  # no per-job learning: only the offset can fix it
+            iteration_s=np.full(10, np.nan),
+            total_power_w=1.02 * d.predicted_power_w,
+        )
+        d = mpc.step(est, jobs, now_s=60.0 * k, budget_w=budget, measured=measured)
+    true_power = 1.02 * d.predicted_power_w
+    assert abs(true_power - (budget * (1 - 0.003))) / budget < 1e-3
+    assert d.offset_w > 0
+
+
+def test_infeasible_budget_is_flagged_not_raised() -> None:
+    mpc, est, jobs = _setup(5)
+    d = mpc.step(est, jobs, now_s=0.0, budget_w=100.0)
+    assert d.status is StepStatus.INFEASIBLE
+    assert np.all(d.graphics_mhz == mpc.grid.bottom_mhz(jobs.gpu_type)[0])
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"mode": "magic"}, "unknown dual mode"),
+        ({"horizon": 0}, "horizon"),
+        ({"interval_s": -1.0}, "interval"),
+        ({"guard_band": 0.9}, "guard band"),
+        ({"offset_gain": 2.0}, "offset gain"),
+    ],
+)
+def test_bad_settings_are_refused(kwargs: dict[str, object], message: str) -> None:
+    with pytest.raises(InputError, match=message):
+        ControllerSettings(**kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("budget", [0.0, -5.0, float("nan")])
+def test_bad_budget_is_refused(budget: float) -> None:
+    mpc, est, jobs = _setup(2)
+    with pytest.raises(InputError, match="positive number of watts"):
+        mpc.step(est, jobs, now_s=0.0, budget_w=budget)
