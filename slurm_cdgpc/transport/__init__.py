@@ -1,0 +1,8 @@
+"""Everything that crosses a process or machine boundary: request authentication, HTTP, SSH.
+
+`auth` is the only module in the project that knows MUNGE (it runs the ``munge`` and ``unmunge``
+programs) and the only one that reads the shared HMAC key. Nothing is imported here, so that the
+Prolog and Epilog pay only for the modules they use.
+"""
+
+from __future__ import annotations
