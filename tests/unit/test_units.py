@@ -24,7 +24,14 @@ def test_bad_power_is_a_one_line_error(text: str) -> None:
 
 @pytest.mark.parametrize(
     ("text", "seconds"),
-    [("90s", 90.0), ("5m", 300.0), ("1.5h", 5400.0), ("2d", 172800.0), ("250ms", 0.25), ("60", 60.0)],
+    [
+        ("90s", 90.0),
+        ("5m", 300.0),
+        ("1.5h", 5400.0),
+        ("2d", 172800.0),
+        ("250ms", 0.25),
+        ("60", 60.0),
+    ],
 )
 def test_durations(text: str, seconds: float) -> None:
     assert parse_duration_s(text) == pytest.approx(seconds)

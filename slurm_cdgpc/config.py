@@ -1,0 +1,643 @@
+"""The one configuration file, ``/etc/cdgpc/cdgpc.toml``, typed and validated at load.
+
+Precedence, highest first: explicit overrides (the command line) > environment variables
+``CDGPC_<SECTION>_<KEY>`` (``CDGPC_HEAD_URL``, ``CDGPC_CONTROL_INTERVAL``) > the file > defaults.
+``daemon/cdgpc.toml`` documents every key.
+
+Every value given anywhere is checked, and every error is one line naming where the value came
+from and the key: ``cdgpc.toml: control.interval: must be a duration like 30s, got 'fast'``.
+Unknown sections and keys are errors, in the file and in ``CDGPC_<SECTION>_*`` variables alike:
+a typo must not silently fall back to a default. Other ``CDGPC_*`` variables (``CDGPC_DEBUG``,
+``CDGPC_CONFIG``, ``CDGPC_DATA_DIR``) are not settings and are left alone.
+
+This module imports only the standard library and `slurm_cdgpc.units`: the Prolog and Epilog
+read the head's URL from it and must start in milliseconds.
+"""
+
+from __future__ import annotations
+
+import difflib
+import ipaddress
+import logging
+import math
+import os
+import re
+import stat
+import tomllib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+from slurm_cdgpc.errors import InputError
+from slurm_cdgpc.units import parse_duration_s, parse_power_w
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_PATH = Path("/etc/cdgpc/cdgpc.toml")
+#: Names the config file when no explicit path is given (before the default path).
+PATH_ENV = "CDGPC_CONFIG"
+ENV_PREFIX = "CDGPC_"
+
+#: Mirrors of `slurm_cdgpc.control.dual.MODES` and `slurm_cdgpc.model.families.FAMILIES`, kept
+#: here so that loading the config never imports numpy (a unit test keeps them equal).
+DUAL_MODES = ("newton", "bisection", "gradient")
+MODEL_FAMILIES = ("bent", "cubic", "linear")
+LEASE_ACTIONS = ("cap", "reset", "keep")
+
+
+class ConfigError(InputError):
+    """A configuration value is missing, malformed or out of range (one line, names the key)."""
+
+
+# -- the typed configuration -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class HeadConfig:
+    """[head]: where ``cdgpcd`` listens and the URL that nodes, Prolog and admins use."""
+
+    listen_address: str = "0.0.0.0"
+    listen_port: int = 8463
+    url: str = "http://localhost:8463"
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    """[store]: the SQLAlchemy URL of the database (SQLite file or PostgreSQL)."""
+
+    url: str = "sqlite:////var/lib/cdgpc/cdgpc.db"
+
+
+@dataclass(frozen=True)
+class ControlConfig:
+    """[control]: the controller solved every interval (DESIGN.md, "Control core")."""
+
+    interval_s: float = 30.0
+    horizon: int = 1
+    dual_mode: str = "newton"
+    #: ε: fraction of the budget held back for a hard cap
+    guard_band: float = 0.003
+    #: η: gain of the model-error offset estimate
+    offset_gain: float = 0.3
+    model_family: str = "bent"
+    power_forgetting: float = 0.95
+    time_forgetting: float = 0.98
+    #: deadline pressure of jobs without a deadline
+    default_pressure: float = 0.5
+    #: lowest core clock the controller may choose, as a fraction of the top clock
+    min_clock_fraction: float = 0.3
+    #: decide and record, but apply nothing
+    shadow: bool = False
+
+
+@dataclass(frozen=True)
+class BudgetConfig:
+    """[budget]: the budget to start with when the store holds none (None: uncapped)."""
+
+    initial_w: float | None = None
+
+
+@dataclass(frozen=True)
+class SafeCap:
+    """What a node falls back to when its lease lapses: exactly one of the two is set."""
+
+    clock_fraction: float | None = 0.6
+    power_w: float | None = None
+
+    def __str__(self) -> str:
+        if self.power_w is not None:
+            return f"{self.power_w:g}W per GPU"
+        return f"{self.clock_fraction:g} of the top clock"
+
+
+@dataclass(frozen=True)
+class LeaseConfig:
+    """[lease]: how long a setpoint stays valid and what an agent does when it lapses."""
+
+    duration_s: float = 90.0
+    safe_cap: SafeCap = SafeCap()
+    #: ``cap``: apply the safe cap; ``reset``: restore default clocks; ``keep``: keep the last ones
+    on_lapse: str = "cap"
+
+
+@dataclass(frozen=True)
+class AuthConfig:
+    """[auth]: how components prove who they are, and who may change what."""
+
+    method: str = "munge"
+    hmac_key_file: Path = Path("/etc/cdgpc/hmac.key")
+    munge_socket: Path = Path("/run/munge/munge.socket.2")
+    max_clock_skew_s: float = 10.0
+    #: method = hmac: whether key holders may change the budget (HMAC proves no user identity)
+    hmac_is_admin: bool = False
+    admin_users: tuple[str, ...] = ("root",)
+    admin_groups: tuple[str, ...] = ()
+    slurm_user: str = "slurm"
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    """[node]: the node agent ``cdgpc-noded``."""
+
+    backend: str = "nvml"
+    simulated_gpu_type: str = "A100-SXM4-80GB"
+    simulated_gpu_count: int = 8
+    state_file: Path = Path("/var/lib/cdgpc/node-state.json")
+    progress_socket: Path = Path("/run/cdgpc/progress.sock")
+    transport: str = "http"
+    listen_address: str = "0.0.0.0"
+    listen_port: int = 8464
+
+
+@dataclass(frozen=True)
+class RetentionConfig:
+    """[retention]: how long raw measurements are kept (budget changes and decisions stay)."""
+
+    measurements_s: float = 30 * 86400.0
+
+
+@dataclass(frozen=True)
+class Config:
+    head: HeadConfig = HeadConfig()
+    store: StoreConfig = StoreConfig()
+    control: ControlConfig = ControlConfig()
+    budget: BudgetConfig = BudgetConfig()
+    lease: LeaseConfig = LeaseConfig()
+    auth: AuthConfig = AuthConfig()
+    node: NodeConfig = NodeConfig()
+    retention: RetentionConfig = RetentionConfig()
+    #: the file that was read (None: defaults and environment only)
+    path: Path | None = None
+
+
+# -- value parsers: each returns the typed value or raises _BadValueError("must be ...") ------
+
+
+class _BadValueError(Exception):
+    """A value does not parse; the loader adds where it came from and the key."""
+
+
+Parser = Callable[[object], Any]
+
+
+def _got(value: object) -> str:
+    return f"got {value!r}"
+
+
+def _duration(value: object) -> float:
+    what = "must be a duration like 30s"
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        if value > 0 and math.isfinite(value):
+            return float(value)
+        raise _BadValueError(f"{what}, {_got(value)}")
+    if isinstance(value, str):
+        try:
+            return parse_duration_s(value)
+        except InputError:
+            pass
+    raise _BadValueError(f"{what}, {_got(value)}")
+
+
+def _power(value: object) -> float:
+    what = "must be a power like 450kW"
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        if value > 0 and math.isfinite(value):
+            return float(value)
+        raise _BadValueError(f"{what}, {_got(value)}")
+    if isinstance(value, str):
+        try:
+            return parse_power_w(value)
+        except InputError:
+            pass
+    raise _BadValueError(f"{what}, {_got(value)}")
+
+
+def _optional(parse: Parser) -> Parser:
+    """An empty string (e.g. ``CDGPC_BUDGET_INITIAL=``) clears the value."""
+
+    def parse_optional(value: object) -> object:
+        if value is None or value == "":
+            return None
+        return parse(value)
+
+    return parse_optional
+
+
+def _number(value: object) -> float:
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return float(value)
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            pass
+    raise _BadValueError(f"must be a number, {_got(value)}")
+
+
+def _in_range(lo: float, hi: float, *, lo_open: bool = False, hi_open: bool = False) -> Parser:
+    text = f"{'(' if lo_open else '['}{lo:g}, {hi:g}{')' if hi_open else ']'}"
+
+    def parse_in_range(value: object) -> float:
+        try:
+            x = _number(value)
+        except _BadValueError:
+            raise _BadValueError(f"must be a number in {text}, {_got(value)}") from None
+        above = x > lo if lo_open else x >= lo
+        below = x < hi if hi_open else x <= hi
+        if not (above and below):
+            raise _BadValueError(f"must be a number in {text}, {_got(value)}")
+        return x
+
+    return parse_in_range
+
+
+def _positive(value: object) -> float:
+    try:
+        x = _number(value)
+    except _BadValueError:
+        x = math.nan
+    if not (x > 0 and math.isfinite(x)):
+        raise _BadValueError(f"must be a positive number, {_got(value)}")
+    return x
+
+
+def _integer(lo: int, hi: int | None = None) -> Parser:
+    bounds = f"from {lo} to {hi}" if hi is not None else f"≥ {lo}"
+
+    def parse_integer(value: object) -> int:
+        n: int | None = None
+        if isinstance(value, int) and not isinstance(value, bool):
+            n = value
+        elif isinstance(value, str) and re.fullmatch(r"\s*[+-]?[0-9]+\s*", value):
+            n = int(value)
+        if n is None or n < lo or (hi is not None and n > hi):
+            raise _BadValueError(f"must be an integer {bounds}, {_got(value)}")
+        return n
+
+    return parse_integer
+
+
+_TRUE = {"true", "yes", "on", "1"}
+_FALSE = {"false", "no", "off", "0"}
+
+
+def _boolean(value: object) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in _TRUE | _FALSE:
+        return value.strip().lower() in _TRUE
+    raise _BadValueError(f"must be true or false, {_got(value)}")
+
+
+def _choice(*options: str) -> Parser:
+    def parse_choice(value: object) -> str:
+        if isinstance(value, str) and value in options:
+            return value
+        raise _BadValueError(f"must be one of {', '.join(options)}, {_got(value)}")
+
+    return parse_choice
+
+
+def _text(value: object) -> str:
+    if isinstance(value, str) and value.strip() and "\n" not in value:
+        return value.strip()
+    raise _BadValueError(f"must be a non-empty string, {_got(value)}")
+
+
+def _absolute_path(value: object) -> Path:
+    if isinstance(value, str) and value.startswith("/") and "\0" not in value:
+        return Path(value)
+    raise _BadValueError(f"must be an absolute path, {_got(value)}")
+
+
+_HOSTNAME = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?$")
+
+
+def _listen_address(value: object) -> str:
+    if isinstance(value, str):
+        try:
+            return str(ipaddress.ip_address(value))
+        except ValueError:
+            if _HOSTNAME.match(value):
+                return value
+    raise _BadValueError(f"must be an IP address or host name like 0.0.0.0, {_got(value)}")
+
+
+def _http_url(value: object) -> str:
+    what = "must be an http(s) URL like http://head.example:8463"
+    if not isinstance(value, str):
+        raise _BadValueError(f"{what}, {_got(value)}")
+    try:
+        parts = urlsplit(value)
+        _ = parts.port  # raises ValueError on a bad port
+    except ValueError:
+        raise _BadValueError(f"{what}, {_got(value)}") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise _BadValueError(f"{what}, {_got(value)}")
+    return value.rstrip("/")
+
+
+_STORE_URL = re.compile(r"^(sqlite|postgresql|postgresql\+psycopg)://")
+
+
+def _store_url(value: object) -> str:
+    if isinstance(value, str) and _STORE_URL.match(value) and value.strip() == value:
+        return value
+    raise _BadValueError(
+        "must be a database URL like sqlite:////var/lib/cdgpc/cdgpc.db or "
+        f"postgresql+psycopg://cdgpc@dbhost/cdgpc, {_got(value)}"
+    )
+
+
+_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]*\$?$")
+
+
+def _account_name(value: object) -> str:
+    if isinstance(value, str) and _NAME.match(value) and len(value) <= 64:
+        return value
+    raise _BadValueError(f"must be a user or group name, {_got(value)}")
+
+
+def _names(value: object) -> tuple[str, ...]:
+    """A TOML list of names, or a comma-separated string (``CDGPC_AUTH_ADMIN_USERS=alice,bob``)."""
+    items: list[object]
+    if isinstance(value, str):
+        items = [v.strip() for v in value.split(",") if v.strip()]
+    elif isinstance(value, list):
+        items = value
+    else:
+        raise _BadValueError(f"must be a list of user or group names, {_got(value)}")
+    names = []
+    for item in items:
+        try:
+            names.append(_account_name(item))
+        except _BadValueError:
+            raise _BadValueError(f"must be a list of user or group names, {_got(item)}") from None
+    return tuple(names)
+
+
+def _safe_cap(value: object) -> SafeCap:
+    """``0.6`` or ``"60%"`` → a clock fraction; ``"250W"`` → per-GPU power."""
+    what = "must be a clock fraction in (0, 1] like 0.6 or a per-GPU power like 250W"
+    if isinstance(value, str):
+        text = value.strip()
+        if text.lower().endswith("w"):
+            try:
+                return SafeCap(clock_fraction=None, power_w=parse_power_w(text))
+            except InputError:
+                raise _BadValueError(f"{what}, {_got(value)}") from None
+        if text.endswith("%"):
+            try:
+                value = float(text[:-1]) / 100.0
+            except ValueError:
+                raise _BadValueError(f"{what}, {_got(value)}") from None
+    try:
+        fraction = _in_range(0.0, 1.0, lo_open=True)(value)
+    except _BadValueError:
+        raise _BadValueError(f"{what}, {_got(value)}") from None
+    return SafeCap(clock_fraction=fraction, power_w=None)
+
+
+# -- the schema: section → TOML key → (dataclass field, parser) --------------------------------
+
+
+@dataclass(frozen=True)
+class _Key:
+    field: str
+    parse: Parser
+
+
+_SCHEMA: dict[str, tuple[type[Any], dict[str, _Key]]] = {
+    "head": (
+        HeadConfig,
+        {
+            "listen_address": _Key("listen_address", _listen_address),
+            "listen_port": _Key("listen_port", _integer(1, 65535)),
+            "url": _Key("url", _http_url),
+        },
+    ),
+    "store": (StoreConfig, {"url": _Key("url", _store_url)}),
+    "control": (
+        ControlConfig,
+        {
+            "interval": _Key("interval_s", _duration),
+            "horizon": _Key("horizon", _integer(1, 1000)),
+            "dual_mode": _Key("dual_mode", _choice(*DUAL_MODES)),
+            "guard_band": _Key("guard_band", _in_range(0.0, 0.5, hi_open=True)),
+            "offset_gain": _Key("offset_gain", _in_range(0.0, 1.0)),
+            "model_family": _Key("model_family", _choice(*MODEL_FAMILIES)),
+            "power_forgetting": _Key("power_forgetting", _in_range(0.0, 1.0, lo_open=True)),
+            "time_forgetting": _Key("time_forgetting", _in_range(0.0, 1.0, lo_open=True)),
+            "default_pressure": _Key("default_pressure", _positive),
+            "min_clock_fraction": _Key("min_clock_fraction", _in_range(0.0, 1.0, lo_open=True)),
+            "shadow": _Key("shadow", _boolean),
+        },
+    ),
+    "budget": (BudgetConfig, {"initial": _Key("initial_w", _optional(_power))}),
+    "lease": (
+        LeaseConfig,
+        {
+            "duration": _Key("duration_s", _duration),
+            "safe_cap": _Key("safe_cap", _safe_cap),
+            "on_lapse": _Key("on_lapse", _choice(*LEASE_ACTIONS)),
+        },
+    ),
+    "auth": (
+        AuthConfig,
+        {
+            "method": _Key("method", _choice("munge", "hmac")),
+            "hmac_key_file": _Key("hmac_key_file", _absolute_path),
+            "munge_socket": _Key("munge_socket", _absolute_path),
+            "max_clock_skew": _Key("max_clock_skew_s", _duration),
+            "hmac_is_admin": _Key("hmac_is_admin", _boolean),
+            "admin_users": _Key("admin_users", _names),
+            "admin_groups": _Key("admin_groups", _names),
+            "slurm_user": _Key("slurm_user", _account_name),
+        },
+    ),
+    "node": (
+        NodeConfig,
+        {
+            "backend": _Key("backend", _choice("nvml", "simulated")),
+            "simulated_gpu_type": _Key("simulated_gpu_type", _text),
+            "simulated_gpu_count": _Key("simulated_gpu_count", _integer(1, 64)),
+            "state_file": _Key("state_file", _absolute_path),
+            "progress_socket": _Key("progress_socket", _absolute_path),
+            "transport": _Key("transport", _choice("http", "ssh")),
+            "listen_address": _Key("listen_address", _listen_address),
+            "listen_port": _Key("listen_port", _integer(1, 65535)),
+        },
+    ),
+    "retention": (RetentionConfig, {"measurements": _Key("measurements_s", _duration)}),
+}
+
+
+def known_keys() -> dict[str, tuple[str, ...]]:
+    """Every section and its keys, as written in the TOML file."""
+    return {section: tuple(keys) for section, (_, keys) in _SCHEMA.items()}
+
+
+# -- loading -----------------------------------------------------------------------------------
+
+#: (section, key) → (parsed value, where it came from)
+_Values = dict[tuple[str, str], tuple[object, str]]
+_COMMAND_LINE = "command line"
+_DEFAULT = "default"
+
+
+def load_config(
+    path: Path | None = None,
+    env: Mapping[str, str] | None = None,
+    overrides: Mapping[str, object] | None = None,
+) -> Config:
+    """Read, merge and check the configuration; raises `ConfigError` with a one-line reason.
+
+    ``path``: the TOML file; without it ``$CDGPC_CONFIG``, else ``/etc/cdgpc/cdgpc.toml`` (which
+    may be absent: defaults then). ``env``: the environment (default ``os.environ``).
+    ``overrides``: command-line values keyed ``"section.key"`` (``{"control.interval": "10s"}``);
+    ``None`` values mean "not given" and are skipped.
+    """
+    env = os.environ if env is None else env
+    values: _Values = {}
+    file = _config_path(path, env)
+    if file is not None:
+        _merge(values, _read_file(file), str(file))
+    _merge(values, _from_env(env), "environment")
+    _merge(values, _from_overrides(overrides or {}), _COMMAND_LINE)
+    config = _build(values, file)
+    _check(config, values)
+    logger.debug("configuration loaded from %s", file or "defaults and environment")
+    return config
+
+
+def _config_path(path: Path | None, env: Mapping[str, str]) -> Path | None:
+    if path is not None:
+        return path
+    if env.get(PATH_ENV):
+        return Path(env[PATH_ENV])
+    if DEFAULT_PATH.exists():
+        return DEFAULT_PATH
+    logger.debug("no %s: using defaults and environment", DEFAULT_PATH)
+    return None
+
+
+def _read_file(path: Path) -> _Values:
+    """The file's raw values keyed by (section, key), each with its origin."""
+    try:
+        with path.open("rb") as f:
+            data = tomllib.load(f)
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read: {e.strerror or e}") from e
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: not valid TOML: {e}") from e
+    raw: _Values = {}
+    for section, table in data.items():
+        if section not in _SCHEMA:
+            raise ConfigError(
+                f"{path}: [{section}]: unknown section{_suggest(section, _SCHEMA)}"
+                f" (known: {', '.join(_SCHEMA)})"
+            )
+        if not isinstance(table, dict):
+            raise ConfigError(f"{path}: {section}: must be a table [{section}], {_got(table)}")
+        for key, value in table.items():
+            raw[(section, key)] = (value, str(path))
+    return raw
+
+
+def _from_env(env: Mapping[str, str]) -> _Values:
+    raw: _Values = {}
+    for name in sorted(env):
+        if not name.startswith(ENV_PREFIX):
+            continue
+        rest = name[len(ENV_PREFIX) :]
+        for section in _SCHEMA:
+            prefix = section.upper() + "_"
+            if rest.startswith(prefix):
+                raw[(section, rest[len(prefix) :].lower())] = (env[name], name)
+                break
+    return raw
+
+
+def _from_overrides(overrides: Mapping[str, object]) -> _Values:
+    raw: _Values = {}
+    for dotted, value in overrides.items():
+        if value is None:
+            continue
+        section, _, key = dotted.partition(".")
+        if section not in _SCHEMA or not key:
+            raise ConfigError(
+                f"{_COMMAND_LINE}: {dotted}: unknown setting"
+                " (use section.key, e.g. control.interval)"
+            )
+        raw[(section, key)] = (value, _COMMAND_LINE)
+    return raw
+
+
+def _merge(values: _Values, raw: _Values, where: str) -> None:
+    """Check every value of one layer, then let it override the layers below."""
+    for (section, key), (value, origin) in raw.items():
+        keys = _SCHEMA[section][1]
+        if key not in keys:
+            raise ConfigError(
+                f"{origin}: {section}.{key}: unknown key{_suggest(key, keys)}"
+                f" (known in [{section}]: {', '.join(keys)})"
+            )
+        try:
+            parsed = keys[key].parse(value)
+        except _BadValueError as e:
+            raise ConfigError(f"{origin}: {section}.{key}: {e}") from None
+        values[(section, key)] = (parsed, origin)
+    logger.debug("%s: %d setting(s)", where, len(raw))
+
+
+def _build(values: _Values, path: Path | None) -> Config:
+    sections: dict[str, Any] = {}
+    for section, (cls, keys) in _SCHEMA.items():
+        given = {
+            spec.field: values[(section, key)][0]
+            for key, spec in keys.items()
+            if (section, key) in values
+        }
+        sections[section] = cls(**given)
+    return Config(**sections, path=path)
+
+
+def _origin(values: _Values, section: str, key: str) -> str:
+    return values.get((section, key), (None, _DEFAULT))[1]
+
+
+def _check(config: Config, values: _Values) -> None:
+    """Checks that involve more than one key (each names the key to change)."""
+    if config.lease.duration_s <= config.control.interval_s:
+        raise ConfigError(
+            f"{_origin(values, 'lease', 'duration')}: lease.duration: must be longer than "
+            f"control.interval ({config.control.interval_s:g}s), got {config.lease.duration_s:g}s"
+        )
+    if config.auth.method == "hmac":
+        where = f"{_origin(values, 'auth', 'hmac_key_file')}: auth.hmac_key_file"
+        check_secret_file(config.auth.hmac_key_file, where)
+
+
+def check_secret_file(path: Path, where: str) -> None:
+    """Refuse a secret that others can read or write: a regular file, owned by root (or by us),
+    mode 0600 or stricter. Only its metadata is read here."""
+    try:
+        st = path.stat()
+    except OSError as e:
+        raise ConfigError(f"{where}: cannot use {path}: {e.strerror or e}") from e
+    if not stat.S_ISREG(st.st_mode):
+        raise ConfigError(f"{where}: {path} must be a regular file")
+    if st.st_uid not in (0, os.geteuid()):
+        raise ConfigError(f"{where}: {path} must be owned by root, is owned by uid {st.st_uid}")
+    mode = stat.S_IMODE(st.st_mode)
+    if mode & 0o077:
+        raise ConfigError(
+            f"{where}: {path} must be readable by its owner only (chmod 600), has mode {mode:04o}"
+        )
+
+
+def _suggest(word: str, known: Mapping[str, object]) -> str:
+    close = difflib.get_close_matches(word, list(known), n=1)
+    return f" (did you mean {close[0]}?)" if close else ""

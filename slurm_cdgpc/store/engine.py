@@ -1,0 +1,96 @@
+"""Connecting to the database (SQLite or PostgreSQL) and translating its errors, once.
+
+No module-level engine: `make_engine` builds one from a URL and the caller passes it on.
+
+SQLite: foreign keys on and WAL (readers never block the writer) on every new connection. The
+driver's own transaction handling is switched off (it does not wrap DDL and begins lazily) and
+replaced by an explicit ``BEGIN``, or ``BEGIN IMMEDIATE`` for writes: every write is one
+transaction that takes the write lock up front, so two writers wait for each other instead of
+failing on a lock upgrade. PostgreSQL: driver psycopg 3; ``postgresql://`` means
+``postgresql+psycopg://``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from sqlalchemy import Connection, Engine, create_engine, event
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import ArgumentError, DBAPIError, NoSuchModuleError, SQLAlchemyError
+
+from slurm_cdgpc.errors import InputError, SoftError
+
+logger = logging.getLogger(__name__)
+
+#: Connection execution option: this transaction writes (SQLite: ``BEGIN IMMEDIATE``).
+WRITE = "cdgpc_write"
+#: Seconds a SQLite connection waits for another writer before giving up.
+SQLITE_BUSY_TIMEOUT_S = 30.0
+
+
+class StoreError(SoftError):
+    """The database could not be reached or refused a write; nothing was changed."""
+
+
+def make_engine(url: str, *, echo: bool = False) -> Engine:
+    """An engine for a ``sqlite:///…`` or ``postgresql[+psycopg]://…`` URL (no connection yet)."""
+    try:
+        parsed = make_url(url)
+    except ArgumentError as e:
+        raise InputError("store URL is not a database URL like sqlite:////path/cdgpc.db") from e
+    backend, driver = parsed.get_backend_name(), parsed.get_driver_name()
+    try:
+        if backend == "sqlite" and driver == "pysqlite":
+            engine = create_engine(
+                parsed, echo=echo, connect_args={"timeout": SQLITE_BUSY_TIMEOUT_S}
+            )
+            event.listen(engine, "connect", _sqlite_connect)
+            event.listen(engine, "begin", _sqlite_begin)
+            return engine
+        if parsed.drivername in ("postgresql", "postgresql+psycopg"):
+            # plain postgresql:// would pick psycopg2 in SQLAlchemy; this project uses psycopg 3
+            return create_engine(
+                parsed.set(drivername="postgresql+psycopg"), echo=echo, pool_pre_ping=True
+            )
+    except (NoSuchModuleError, ImportError) as e:
+        raise InputError(f"store URL {parsed!r}: database driver not installed ({e})") from e
+    raise InputError(
+        f"store URL {parsed!r}: only sqlite:// and postgresql+psycopg:// are supported"
+    )
+
+
+def _sqlite_connect(dbapi_connection: Any, _record: Any) -> None:
+    # no implicit BEGIN/COMMIT from the sqlite3 module: `_sqlite_begin` emits our own
+    dbapi_connection.isolation_level = None
+    cursor = dbapi_connection.cursor()
+    try:
+        cursor.execute("PRAGMA foreign_keys = ON")
+        cursor.execute("PRAGMA journal_mode = WAL")
+    finally:
+        cursor.close()
+
+
+def _sqlite_begin(connection: Connection) -> None:
+    write = connection.get_execution_options().get(WRITE, False)
+    connection.exec_driver_sql("BEGIN IMMEDIATE" if write else "BEGIN")
+
+
+@contextmanager
+def translated_errors(what: str) -> Iterator[None]:
+    """Turn SQLAlchemy and driver errors into a one-line `StoreError` (``raise … from e``)."""
+    try:
+        yield
+    except SQLAlchemyError as e:
+        raise StoreError(f"{what}: {describe(e)}") from e
+
+
+def describe(error: SQLAlchemyError) -> str:
+    """The first line of the database's own message, without SQLAlchemy's SQL echo."""
+    cause: BaseException = error
+    if isinstance(error, DBAPIError) and error.orig is not None:
+        cause = error.orig
+    lines = [line.strip() for line in str(cause).splitlines() if line.strip()]
+    return f"{type(cause).__name__}: {lines[0] if lines else 'no message'}"

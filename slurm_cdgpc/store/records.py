@@ -1,0 +1,186 @@
+"""What the store hands out and takes in: small frozen dataclasses, never ORM rows.
+
+Times are UNIX epoch seconds, powers watts, clocks MHz.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from numpy.typing import NDArray
+
+from slurm_cdgpc.errors import InputError
+from slurm_cdgpc.model.estimator import EstimatorSettings, JobEstimator, JobStatics
+from slurm_cdgpc.model.rls import FloatArray, Rls
+
+IntArray = NDArray[np.int64]
+
+#: Jobs that hold GPUs now.
+ACTIVE_STATES = ("registered", "running", "adopted")
+
+
+@dataclass(frozen=True)
+class BudgetChange:
+    id: int
+    effective_at_s: float
+    budget_w: float
+    set_by: str
+    reason: str
+    created_at_s: float
+
+
+@dataclass(frozen=True, order=True)
+class JobGpu:
+    node: str
+    gpu_index: int
+
+
+@dataclass(frozen=True)
+class Job:
+    job_id: str
+    user: str
+    #: registered (Prolog ran) | running (measured) | finished (Epilog ran) | adopted (found
+    #: running without a registration, e.g. after a head outage)
+    state: str
+    deadline_s: float | None
+    iterations_total: int | None
+    iterations_done: int
+    registered_at_s: float
+    finished_at_s: float | None
+    gpus: tuple[JobGpu, ...]
+
+    @property
+    def nodes(self) -> tuple[str, ...]:
+        return tuple(sorted({g.node for g in self.gpus}))
+
+    @property
+    def gpu_count(self) -> int:
+        return len(self.gpus)
+
+
+@dataclass(frozen=True)
+class Node:
+    name: str
+    url: str
+    transport: str
+    last_seen_s: float | None
+    reachable: bool
+    gpu_count: int
+    gpu_type: str
+    #: all the node's GPUs at their power limit: what an unreachable node is counted at
+    worst_case_power_w: float
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """One GPU over one reporting period (the mean power, the energy counter at its end)."""
+
+    time_s: float
+    node: str
+    gpu_index: int
+    power_w: float
+    job_id: str | None = None
+    energy_j: float | None = None
+    graphics_mhz: int | None = None
+    memory_mhz: int | None = None
+    iterations_per_s: float | None = None
+
+
+@dataclass(frozen=True)
+class Setpoint:
+    """One job's clocks in one decision."""
+
+    job_id: str
+    graphics_mhz: int
+    memory_mhz: int
+    predicted_power_w: float
+
+
+@dataclass(frozen=True)
+class DecisionRecord:
+    """One interval of the audit trail."""
+
+    id: int
+    time_s: float
+    interval_index: int
+    status: str
+    mode: str
+    shadow: bool
+    price: float
+    budget_w: float
+    effective_budget_w: float
+    predicted_power_w: float
+    #: None until the next interval measured what the GPUs drew under this decision
+    measured_power_w: float | None
+    solve_s: float
+    setpoints: tuple[Setpoint, ...]
+
+
+# -- the model state that survives a restart ---------------------------------------------------
+
+
+@dataclass(frozen=True, eq=False)
+class RlsState:
+    """The learned part of one `Rls` bank for N jobs: θ (N, k), P (N, k, k), σ̂² (N,), count (N,)."""
+
+    theta: FloatArray
+    cov: FloatArray
+    err_var: FloatArray
+    count: IntArray
+
+    @classmethod
+    def of(cls, rls: Rls) -> RlsState:
+        return cls(rls.theta.copy(), rls.cov.copy(), rls.err_var.copy(), rls.count.copy())
+
+    def copy_into(self, rls: Rls) -> None:
+        """Overwrite ``rls``'s learned state (its settings and projection mask stay)."""
+        if self.theta.shape[1:] != rls.theta.shape[1:]:
+            raise InputError(
+                f"stored model has {self.theta.shape[1]} parameters, the estimator {rls.k}"
+            )
+        rls.theta = self.theta.copy()
+        rls.cov = self.cov.copy()
+        rls.err_var = self.err_var.copy()
+        rls.count = self.count.copy()
+
+
+@dataclass(frozen=True, eq=False)
+class ModelSnapshot:
+    """Every job's models as `JobEstimator` holds them, row n belonging to ``job_ids[n]``."""
+
+    job_ids: tuple[str, ...]
+    family: str
+    power: RlsState
+    time: RlsState
+    statics: JobStatics
+
+    def __len__(self) -> int:
+        return len(self.job_ids)
+
+    @classmethod
+    def of(cls, job_ids: tuple[str, ...] | list[str], estimator: JobEstimator) -> ModelSnapshot:
+        if len(job_ids) != len(estimator):
+            raise InputError(f"{len(job_ids)} job ids for an estimator of {len(estimator)} jobs")
+        if len(set(job_ids)) != len(job_ids):
+            raise InputError("job ids of a model snapshot must be unique")
+        return cls(
+            job_ids=tuple(job_ids),
+            family=estimator.family.name,
+            power=RlsState.of(estimator.power),
+            time=RlsState.of(estimator.time),
+            statics=estimator.statics.select(np.ones(len(estimator), dtype=bool)),
+        )
+
+    def restore(self, settings: EstimatorSettings | None = None) -> JobEstimator:
+        """A new estimator in exactly the stored state (same family required)."""
+        estimator = JobEstimator(settings)
+        if estimator.family.name != self.family:
+            raise InputError(
+                f"stored models are of family {self.family!r}, the estimator uses "
+                f"{estimator.family.name!r}"
+            )
+        self.power.copy_into(estimator.power)
+        self.time.copy_into(estimator.time)
+        estimator.statics = self.statics.select(np.ones(len(self), dtype=bool))
+        return estimator

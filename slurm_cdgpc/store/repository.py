@@ -1,0 +1,767 @@
+"""`Store`: every read and write the daemons and `cdgpc-admin` make, each one transaction.
+
+Writes are atomic: a crash or an error midway leaves the database as it was. Several writes can be
+made atomic together with ``with store.transaction(): ...`` (the head writes one interval's
+decision, models and measurements that way, so a restart finds the old interval or the new one,
+never half of it). Methods return frozen records (`slurm_cdgpc.store.records`), never ORM rows.
+The store records; it never decides.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Any, TypeVar, cast
+
+import numpy as np
+from sqlalchemy import CursorResult, Engine, delete, func, insert, select, update
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.orm import Session, selectinload
+
+from slurm_cdgpc.errors import InputError
+from slurm_cdgpc.model.estimator import JobStatics
+from slurm_cdgpc.model.families import TIME_PARAMS, power_family
+from slurm_cdgpc.store.codec import decode_f64, encode_f64, vector_length
+from slurm_cdgpc.store.engine import WRITE, translated_errors
+from slurm_cdgpc.store.records import (
+    BudgetChange,
+    DecisionRecord,
+    Job,
+    JobGpu,
+    Measurement,
+    ModelSnapshot,
+    Node,
+    RlsState,
+    Setpoint,
+)
+from slurm_cdgpc.store.schema import (
+    JOB_STATES,
+    STATIC_FLOATS,
+    TRANSPORTS,
+    Base,
+    BudgetChangeRow,
+    DecisionRow,
+    JobGpuRow,
+    JobModelRow,
+    JobRow,
+    MeasurementRow,
+    NodeRow,
+    SetpointRow,
+)
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+#: Slurm job ids: ``123``, ``123_4`` (array task), ``123+1`` (heterogeneous job component)
+_JOB_ID = re.compile(r"^[0-9]{1,20}([_+][0-9]{1,10})?$")
+_ACCOUNT = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,62}\$?$")
+_NODE = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9._-]{0,253}[A-Za-z0-9])?$")
+#: rows per statement when a list of keys goes into ``IN (…)`` (SQLite allows 32766 parameters)
+_CHUNK = 1000
+_MAX_REASON = 1000
+
+
+class Store:
+    """The head's database: budget history, jobs, nodes, models, measurements, decisions."""
+
+    def __init__(self, engine: Engine, clock: Callable[[], float] = time.time) -> None:
+        self.engine = engine
+        self._clock = clock
+        self._session: ContextVar[Session | None] = ContextVar(f"cdgpc-store-{id(self)}")
+
+    # -- transactions ----------------------------------------------------------------------
+
+    @contextmanager
+    def transaction(self) -> Iterator[None]:
+        """Every store call inside the block commits together at its end, or not at all."""
+        with self._begin(write=True):
+            yield
+
+    @contextmanager
+    def _begin(self, *, write: bool) -> Iterator[Session]:
+        joined = self._session.get(None)
+        if joined is not None:
+            yield joined
+            return
+        with (
+            translated_errors("store"),
+            self.engine.connect() as connection,
+        ):
+            connection.execution_options(**{WRITE: write})  # in place (SQLAlchemy 2)
+            with connection.begin(), Session(bind=connection, expire_on_commit=False) as session:
+                token = self._session.set(session)
+                try:
+                    yield session
+                    session.flush()
+                finally:
+                    self._session.reset(token)
+
+    def _now(self, at_s: float | None) -> float:
+        return self._clock() if at_s is None else _finite(at_s, "time")
+
+    # -- budget ----------------------------------------------------------------------------
+
+    def set_budget(
+        self,
+        budget_w: float,
+        user: str,
+        *,
+        effective_at_s: float | None = None,
+        reason: str = "",
+    ) -> BudgetChange:
+        """Record a budget change, effective now or at ``effective_at_s`` (may be in the future)."""
+        if not (math.isfinite(budget_w) and budget_w > 0):
+            raise InputError(f"budget must be a positive number of watts, got {budget_w!r}")
+        _check_account(user)
+        if len(reason) > _MAX_REASON:
+            raise InputError(f"reason is longer than {_MAX_REASON} characters")
+        now = self._clock()
+        row = BudgetChangeRow(
+            effective_at_s=now if effective_at_s is None else _finite(effective_at_s, "time"),
+            budget_w=float(budget_w),
+            set_by=user,
+            reason=reason,
+            created_at_s=now,
+        )
+        with self._begin(write=True) as session:
+            session.add(row)
+            session.flush()
+            logger.info("budget %.0f W set by %s, effective %s", budget_w, user, row.effective_at_s)
+            return _budget(row)
+
+    def current_budget(self, at_s: float | None = None) -> BudgetChange | None:
+        """The change in force at ``at_s`` (default now); None if no budget was ever set."""
+        at = self._now(at_s)
+        query = (
+            select(BudgetChangeRow)
+            .where(BudgetChangeRow.effective_at_s <= at)
+            .order_by(BudgetChangeRow.effective_at_s.desc(), BudgetChangeRow.id.desc())
+            .limit(1)
+        )
+        with self._begin(write=False) as session:
+            row = session.scalars(query).first()
+            return None if row is None else _budget(row)
+
+    def budget_history(self, since_s: float | None = None) -> list[BudgetChange]:
+        """Every change in effective order (scheduled ones included), optionally from a time."""
+        query = select(BudgetChangeRow).order_by(BudgetChangeRow.effective_at_s, BudgetChangeRow.id)
+        if since_s is not None:
+            query = query.where(BudgetChangeRow.effective_at_s >= since_s)
+        with self._begin(write=False) as session:
+            return [_budget(row) for row in session.scalars(query)]
+
+    # -- jobs ------------------------------------------------------------------------------
+
+    def register_job(
+        self,
+        job_id: str,
+        user: str,
+        gpus: Mapping[str, Iterable[int]],
+        *,
+        deadline_s: float | None = None,
+        iterations_total: int | None = None,
+        adopted: bool = False,
+        at_s: float | None = None,
+    ) -> Job:
+        """Record a job and its GPUs on the given node(s); idempotent.
+
+        The Prolog runs on every node of a job and registers that node's GPUs: each call
+        replaces the GPU set of the nodes it names and keeps the others, so a retried Prolog
+        changes nothing and a multi-node job collects its nodes. A finished job registered
+        again was requeued by Slurm (same id): it starts over with only the new GPUs, unless
+        ``at_s`` (when the Prolog ran, for spooled registrations) is not after it finished.
+        Deadline and iteration count are updated when given.
+        """
+        _check_job_id(job_id)
+        _check_account(user)
+        new_gpus = _gpu_rows(job_id, gpus)
+        if deadline_s is not None:
+            _finite(deadline_s, "deadline")
+        if iterations_total is not None and iterations_total < 0:
+            raise InputError(f"iterations must be ≥ 0, got {iterations_total}")
+        now = self._now(at_s)
+        state = "adopted" if adopted else "registered"
+        with self._begin(write=True) as session:
+            inserted = session.execute(
+                _upsert(session, JobRow)
+                .values(
+                    job_id=job_id,
+                    user_name=user,
+                    state=state,
+                    deadline_s=deadline_s,
+                    iterations_total=iterations_total,
+                    iterations_done=0,
+                    registered_at_s=now,
+                    finished_at_s=None,
+                )
+                .on_conflict_do_nothing(index_elements=["job_id"])
+                .returning(JobRow.job_id)
+            ).first()
+            row = session.scalars(
+                select(JobRow).where(JobRow.job_id == job_id).with_for_update()
+            ).one()
+            replace_nodes: set[str] | None = {g["node"] for g in new_gpus}
+            if inserted is None:  # the job was known
+                if row.finished_at_s is not None and now <= row.finished_at_s:
+                    # a spooled registration delivered after the run it belongs to ended
+                    logger.info("job %s: registration from before it finished ignored", job_id)
+                    session.expire(row, ["gpus"])
+                    return _job(row)
+                if row.state == "finished":
+                    logger.info("job %s: registered again after it finished (requeued)", job_id)
+                    row.state, row.user_name, row.finished_at_s = state, user, None
+                    row.registered_at_s, row.iterations_done = now, 0
+                    replace_nodes = None  # a new allocation: drop every old GPU
+                elif row.user_name != user:
+                    raise InputError(f"job {job_id} is registered to {row.user_name}, not {user}")
+                if deadline_s is not None:
+                    row.deadline_s = deadline_s
+                if iterations_total is not None:
+                    row.iterations_total = iterations_total
+            session.flush()
+            old = delete(JobGpuRow).where(JobGpuRow.job_id == job_id)
+            if replace_nodes is not None:
+                old = old.where(JobGpuRow.node.in_(replace_nodes))
+            session.execute(old.execution_options(synchronize_session=False))
+            if new_gpus:
+                session.execute(insert(JobGpuRow), new_gpus)
+            session.expire(row, ["gpus"])
+            return _job(row)
+
+    def start_job(self, job_id: str) -> Job | None:
+        """A registered job was seen running (its first measurements); None if unknown."""
+        return self._update_job(job_id, lambda row: _set_state(row, "running", "registered"))
+
+    def record_progress(
+        self, job_id: str, iterations_done: int, iterations_total: int | None = None
+    ) -> Job | None:
+        """The job's own progress report; None if the job is unknown."""
+        if iterations_done < 0 or (iterations_total is not None and iterations_total < 0):
+            raise InputError("iteration counts must be ≥ 0")
+
+        def progress(row: JobRow) -> None:
+            row.iterations_done = iterations_done
+            if iterations_total is not None:
+                row.iterations_total = iterations_total
+
+        return self._update_job(job_id, progress)
+
+    def finish_job(self, job_id: str, at_s: float | None = None) -> Job | None:
+        """The Epilog ran (on any of the job's nodes) at ``at_s``; idempotent. None if the job is
+        unknown. A spooled Epilog older than the job's registration (it belongs to the run
+        before a requeue) changes nothing."""
+        now = self._now(at_s)
+
+        def finish(row: JobRow) -> None:
+            if row.state == "finished":
+                return
+            if now < row.registered_at_s:
+                logger.info("job %s: Epilog from before its registration ignored", job_id)
+                return
+            row.state, row.finished_at_s = "finished", now
+
+        return self._update_job(job_id, finish)
+
+    def _update_job(self, job_id: str, change: Callable[[JobRow], None]) -> Job | None:
+        _check_job_id(job_id)
+        with self._begin(write=True) as session:
+            row = session.scalars(
+                select(JobRow).where(JobRow.job_id == job_id).with_for_update()
+            ).one_or_none()
+            if row is None:
+                logger.info("job %s: not registered", job_id)
+                return None
+            change(row)
+            session.flush()
+            return _job(row)
+
+    def job(self, job_id: str) -> Job | None:
+        with self._begin(write=False) as session:
+            row = session.get(JobRow, job_id, options=[selectinload(JobRow.gpus)])
+            return None if row is None else _job(row)
+
+    def jobs(self, state: str | Iterable[str] | None = None) -> list[Job]:
+        """Jobs by registration time, optionally in one or several states (`ACTIVE_STATES`)."""
+        query = (
+            select(JobRow)
+            .options(selectinload(JobRow.gpus))
+            .order_by(JobRow.registered_at_s, JobRow.job_id)
+        )
+        if state is not None:
+            states = {state} if isinstance(state, str) else set(state)
+            unknown = states - set(JOB_STATES)
+            if unknown:
+                raise InputError(
+                    f"unknown job state {sorted(unknown)[0]!r} (known: {', '.join(JOB_STATES)})"
+                )
+            query = query.where(JobRow.state.in_(sorted(states)))
+        with self._begin(write=False) as session:
+            return [_job(row) for row in session.scalars(query)]
+
+    # -- nodes -----------------------------------------------------------------------------
+
+    def upsert_node(
+        self,
+        name: str,
+        url: str,
+        *,
+        gpu_count: int,
+        gpu_type: str,
+        worst_case_power_w: float,
+        transport: str = "http",
+        reachable: bool = True,
+        last_seen_s: float | None = None,
+    ) -> Node:
+        """Add or update a node (an agent announced itself)."""
+        _check_node(name)
+        if transport not in TRANSPORTS:
+            raise InputError(f"transport must be one of {', '.join(TRANSPORTS)}, got {transport!r}")
+        if gpu_count < 0:
+            raise InputError(f"GPU count must be ≥ 0, got {gpu_count}")
+        if not (math.isfinite(worst_case_power_w) and worst_case_power_w >= 0):
+            raise InputError(f"worst-case power must be ≥ 0 W, got {worst_case_power_w!r}")
+        if last_seen_s is None and reachable:
+            last_seen_s = self._clock()
+        values = {
+            "url": url,
+            "transport": transport,
+            "last_seen_s": last_seen_s,
+            "reachable": reachable,
+            "gpu_count": gpu_count,
+            "gpu_type": gpu_type,
+            "worst_case_power_w": float(worst_case_power_w),
+        }
+        with self._begin(write=True) as session:
+            statement = _upsert(session, NodeRow).values(name=name, **values)
+            session.execute(
+                statement.on_conflict_do_update(
+                    index_elements=["name"],
+                    set_={key: statement.excluded[key] for key in values},
+                )
+            )
+            row = session.scalars(
+                select(NodeRow)
+                .where(NodeRow.name == name)
+                .execution_options(populate_existing=True)
+            ).one()
+            return _node(row)
+
+    def mark_node(self, name: str, reachable: bool, at_s: float | None = None) -> Node | None:
+        """An exchange with the node succeeded (``last_seen_s`` moves) or failed."""
+        now = self._now(at_s)
+        with self._begin(write=True) as session:
+            row = session.get(NodeRow, name, with_for_update=True)
+            if row is None:
+                return None
+            row.reachable = reachable
+            if reachable:
+                row.last_seen_s = now
+            session.flush()
+            return _node(row)
+
+    def nodes(self) -> list[Node]:
+        with self._begin(write=False) as session:
+            return [_node(r) for r in session.scalars(select(NodeRow).order_by(NodeRow.name))]
+
+    # -- model state -----------------------------------------------------------------------
+
+    def save_models(self, snapshot: ModelSnapshot, at_s: float | None = None) -> int:
+        """Store (replace) the models of every job in the snapshot; returns the row count."""
+        now = self._now(at_s)
+        with self._begin(write=True) as session:
+            missing = set(snapshot.job_ids) - _existing_jobs(session, snapshot.job_ids)
+            if missing:
+                raise InputError(f"models for unregistered job(s): {', '.join(sorted(missing))}")
+            rows = _model_rows(snapshot, now)
+            if not rows:
+                return 0
+            statement = _upsert(session, JobModelRow)
+            session.execute(
+                statement.on_conflict_do_update(
+                    index_elements=["job_id"],
+                    set_={key: statement.excluded[key] for key in rows[0] if key != "job_id"},
+                ),
+                rows,
+            )
+            return len(rows)
+
+    def load_models(self, family: str, job_ids: Sequence[str] | None = None) -> ModelSnapshot:
+        """The stored models of ``family``, for ``job_ids`` (in that order) or for every job.
+
+        Jobs without stored models, or with models of another family (the configuration
+        changed), are left out: compare ``snapshot.job_ids`` and start those from a prior.
+        """
+        k_power = power_family(family).n_params
+        with self._begin(write=False) as session:
+            query = select(JobModelRow)
+            if job_ids is None:
+                found = list(session.scalars(query.order_by(JobModelRow.job_id)))
+            else:
+                by_id = {
+                    row.job_id: row
+                    for chunk in _chunks(job_ids)
+                    for row in session.scalars(query.where(JobModelRow.job_id.in_(chunk)))
+                }
+                found = [by_id[j] for j in job_ids if j in by_id]
+        rows = [row for row in found if row.family == family]
+        if len(rows) < len(found):
+            logger.info(
+                "%d stored model(s) of another family than %s ignored",
+                len(found) - len(rows),
+                family,
+            )
+        return _snapshot(rows, family, k_power)
+
+    # -- measurements ----------------------------------------------------------------------
+
+    def record_measurements(self, samples: Iterable[Measurement]) -> int:
+        """Append samples (all or none); NaN in an optional field is stored as None."""
+        rows = [
+            {
+                "time_s": _number(m.time_s, "measurement time"),
+                "node": m.node,
+                "gpu_index": m.gpu_index,
+                "job_id": m.job_id,
+                "power_w": _number(m.power_w, f"power of {m.node} GPU {m.gpu_index}"),
+                "energy_j": _optional(m.energy_j),
+                "graphics_mhz": m.graphics_mhz,
+                "memory_mhz": m.memory_mhz,
+                "iterations_per_s": _optional(m.iterations_per_s),
+            }
+            for m in samples
+        ]
+        if not rows:
+            return 0
+        with self._begin(write=True) as session:
+            session.execute(insert(MeasurementRow), rows)
+        return len(rows)
+
+    def measurements(
+        self,
+        since_s: float | None = None,
+        *,
+        until_s: float | None = None,
+        job_id: str | None = None,
+        node: str | None = None,
+    ) -> list[Measurement]:
+        query = select(MeasurementRow).order_by(
+            MeasurementRow.time_s, MeasurementRow.node, MeasurementRow.gpu_index
+        )
+        if since_s is not None:
+            query = query.where(MeasurementRow.time_s >= since_s)
+        if until_s is not None:
+            query = query.where(MeasurementRow.time_s < until_s)
+        if job_id is not None:
+            query = query.where(MeasurementRow.job_id == job_id)
+        if node is not None:
+            query = query.where(MeasurementRow.node == node)
+        with self._begin(write=False) as session:
+            return [_measurement(row) for row in session.scalars(query)]
+
+    def prune_measurements(self, older_than_s: float, *, now_s: float | None = None) -> int:
+        """Delete measurements older than ``older_than_s`` seconds; returns how many went."""
+        if not (math.isfinite(older_than_s) and older_than_s >= 0):
+            raise InputError(f"retention must be ≥ 0 s, got {older_than_s!r}")
+        cutoff = self._now(now_s) - older_than_s
+        with self._begin(write=True) as session:
+            result = session.execute(
+                delete(MeasurementRow)
+                .where(MeasurementRow.time_s < cutoff)
+                .execution_options(synchronize_session=False)
+            )
+            count = cast(CursorResult[Any], result).rowcount
+        logger.info("pruned %d measurement(s) older than %.0f s", count, older_than_s)
+        return count
+
+    # -- decisions (the audit trail) -------------------------------------------------------
+
+    def record_decision(
+        self,
+        *,
+        interval_index: int,
+        status: str,
+        mode: str,
+        price: float,
+        budget_w: float,
+        effective_budget_w: float,
+        predicted_power_w: float,
+        solve_s: float,
+        setpoints: Iterable[Setpoint] = (),
+        shadow: bool = False,
+        measured_power_w: float | None = None,
+        time_s: float | None = None,
+    ) -> DecisionRecord:
+        """Append one interval to the audit trail (with its setpoints, all or nothing).
+
+        Floats may be ±inf but not NaN (SQLite cannot store NaN; refused on both databases).
+        """
+        points = list(setpoints)
+        seen = {p.job_id for p in points}
+        if len(seen) != len(points):
+            raise InputError("a decision holds one setpoint per job")
+        row = DecisionRow(
+            time_s=self._now(time_s),
+            interval_index=interval_index,
+            status=status,
+            mode=mode,
+            shadow=shadow,
+            price=_number(price, "price"),
+            budget_w=_number(budget_w, "budget"),
+            effective_budget_w=_number(effective_budget_w, "effective budget"),
+            predicted_power_w=_number(predicted_power_w, "predicted power"),
+            measured_power_w=_optional(measured_power_w),
+            solve_s=_number(solve_s, "solve time"),
+            setpoints=[
+                SetpointRow(
+                    job_id=p.job_id,
+                    graphics_mhz=p.graphics_mhz,
+                    memory_mhz=p.memory_mhz,
+                    predicted_power_w=_number(p.predicted_power_w, f"power of job {p.job_id}"),
+                )
+                for p in points
+            ],
+        )
+        with self._begin(write=True) as session:
+            session.add(row)
+            session.flush()
+            return _decision(row)
+
+    def set_measured_power(self, decision_id: int, measured_power_w: float) -> None:
+        """What the GPUs drew over the interval the decision governed (known one interval on)."""
+        _number(measured_power_w, "measured power")
+        with self._begin(write=True) as session:
+            result = session.execute(
+                update(DecisionRow)
+                .where(DecisionRow.id == decision_id)
+                .values(measured_power_w=measured_power_w)
+                .execution_options(synchronize_session=False)
+            )
+            if cast(CursorResult[Any], result).rowcount != 1:
+                raise InputError(f"no decision with id {decision_id}")
+
+    def decisions(
+        self, since_s: float | None = None, limit: int | None = None
+    ) -> list[DecisionRecord]:
+        """Decisions in time order, from ``since_s``; with ``limit``, the latest ``limit``."""
+        query = (
+            select(DecisionRow)
+            .options(selectinload(DecisionRow.setpoints))
+            .order_by(DecisionRow.time_s.desc(), DecisionRow.id.desc())
+        )
+        if since_s is not None:
+            query = query.where(DecisionRow.time_s >= since_s)
+        if limit is not None:
+            query = query.limit(limit)
+        with self._begin(write=False) as session:
+            return [_decision(row) for row in reversed(list(session.scalars(query)))]
+
+    def count_rows(self) -> dict[str, int]:
+        """Rows per table (status output, tests)."""
+        with self._begin(write=False) as session:
+            return {
+                table.name: session.scalar(select(func.count()).select_from(table)) or 0
+                for table in Base.metadata.sorted_tables
+            }
+
+
+# -- checks --------------------------------------------------------------------------------
+
+
+def _finite(value: float, what: str) -> float:
+    if not math.isfinite(value):
+        raise InputError(f"{what} must be a finite number, got {value!r}")
+    return float(value)
+
+
+def _number(value: float, what: str) -> float:
+    """A float for a NOT NULL column: ±inf is fine, NaN is not (SQLite would store NULL)."""
+    if math.isnan(value):
+        raise InputError(f"{what} must be a number, got NaN")
+    return float(value)
+
+
+def _optional(value: float | None) -> float | None:
+    """A float for a nullable column: NaN ("not measured") becomes NULL on both databases."""
+    return None if value is None or math.isnan(value) else float(value)
+
+
+def _check_job_id(job_id: str) -> None:
+    if not _JOB_ID.match(job_id):
+        raise InputError(f"not a Slurm job id: {job_id!r} (e.g. 1234 or 1234_7)")
+
+
+def _check_account(user: str) -> None:
+    if not _ACCOUNT.match(user):
+        raise InputError(f"not a user name: {user!r}")
+
+
+def _check_node(name: str) -> None:
+    if not _NODE.match(name):
+        raise InputError(f"not a node name: {name!r}")
+
+
+def _gpu_rows(job_id: str, gpus: Mapping[str, Iterable[int]]) -> list[dict[str, Any]]:
+    rows = []
+    for node, indices in gpus.items():
+        _check_node(node)
+        for index in sorted(set(indices)):
+            if not 0 <= index < 1024:
+                raise InputError(f"GPU index on {node} must be in [0, 1024), got {index!r}")
+            rows.append({"job_id": job_id, "node": node, "gpu_index": int(index)})
+    return rows
+
+
+def _chunks(items: Sequence[T]) -> Iterator[Sequence[T]]:
+    for start in range(0, len(items), _CHUNK):
+        yield items[start : start + _CHUNK]
+
+
+def _existing_jobs(session: Session, job_ids: Sequence[str]) -> set[str]:
+    return {
+        job_id
+        for chunk in _chunks(job_ids)
+        for job_id in session.scalars(select(JobRow.job_id).where(JobRow.job_id.in_(chunk)))
+    }
+
+
+def _upsert(session: Session, row: type[Any]) -> Any:
+    """INSERT … ON CONFLICT for this dialect (both spell it the same way)."""
+    dialect = session.get_bind().dialect.name
+    return (postgresql.insert if dialect == "postgresql" else sqlite.insert)(row)
+
+
+def _set_state(row: JobRow, new: str, only_from: str) -> None:
+    if row.state == only_from:
+        row.state = new
+
+
+# -- rows → records ------------------------------------------------------------------------
+
+
+def _budget(row: BudgetChangeRow) -> BudgetChange:
+    return BudgetChange(
+        id=row.id,
+        effective_at_s=row.effective_at_s,
+        budget_w=row.budget_w,
+        set_by=row.set_by,
+        reason=row.reason,
+        created_at_s=row.created_at_s,
+    )
+
+
+def _job(row: JobRow) -> Job:
+    return Job(
+        job_id=row.job_id,
+        user=row.user_name,
+        state=row.state,
+        deadline_s=row.deadline_s,
+        iterations_total=row.iterations_total,
+        iterations_done=row.iterations_done,
+        registered_at_s=row.registered_at_s,
+        finished_at_s=row.finished_at_s,
+        gpus=tuple(sorted(JobGpu(g.node, g.gpu_index) for g in row.gpus)),
+    )
+
+
+def _node(row: NodeRow) -> Node:
+    return Node(
+        name=row.name,
+        url=row.url,
+        transport=row.transport,
+        last_seen_s=row.last_seen_s,
+        reachable=row.reachable,
+        gpu_count=row.gpu_count,
+        gpu_type=row.gpu_type,
+        worst_case_power_w=row.worst_case_power_w,
+    )
+
+
+def _measurement(row: MeasurementRow) -> Measurement:
+    return Measurement(
+        time_s=row.time_s,
+        node=row.node,
+        gpu_index=row.gpu_index,
+        power_w=row.power_w,
+        job_id=row.job_id,
+        energy_j=row.energy_j,
+        graphics_mhz=row.graphics_mhz,
+        memory_mhz=row.memory_mhz,
+        iterations_per_s=row.iterations_per_s,
+    )
+
+
+def _decision(row: DecisionRow) -> DecisionRecord:
+    return DecisionRecord(
+        id=row.id,
+        time_s=row.time_s,
+        interval_index=row.interval_index,
+        status=row.status,
+        mode=row.mode,
+        shadow=row.shadow,
+        price=row.price,
+        budget_w=row.budget_w,
+        effective_budget_w=row.effective_budget_w,
+        predicted_power_w=row.predicted_power_w,
+        measured_power_w=row.measured_power_w,
+        solve_s=row.solve_s,
+        setpoints=tuple(
+            Setpoint(p.job_id, p.graphics_mhz, p.memory_mhz, p.predicted_power_w)
+            for p in sorted(row.setpoints, key=lambda p: p.job_id)
+        ),
+    )
+
+
+# -- model state ↔ rows ---------------------------------------------------------------------
+
+
+def _model_rows(snapshot: ModelSnapshot, now: float) -> list[dict[str, Any]]:
+    statics = snapshot.statics
+    floats = np.stack([getattr(statics, name) for name in STATIC_FLOATS], axis=1)
+    rows = []
+    for n, job_id in enumerate(snapshot.job_ids):
+        row: dict[str, Any] = {"job_id": job_id, "family": snapshot.family, "updated_at_s": now}
+        for prefix, state in (("power", snapshot.power), ("time", snapshot.time)):
+            row[f"{prefix}_theta"] = encode_f64(state.theta[n])
+            row[f"{prefix}_cov"] = encode_f64(state.cov[n])
+            row[f"{prefix}_err_var"] = encode_f64(state.err_var[n : n + 1])
+            row[f"{prefix}_count"] = int(state.count[n])
+        row["gpus"] = int(statics.gpus[n])
+        row["statics"] = encode_f64(floats[n])
+        rows.append(row)
+    return rows
+
+
+def _snapshot(rows: list[JobModelRow], family: str, k_power: int) -> ModelSnapshot:
+    def bank(prefix: str, k_default: int) -> RlsState:
+        k = vector_length(getattr(rows[0], f"{prefix}_theta"), "model") if rows else k_default
+        theta = np.empty((len(rows), k))
+        cov = np.empty((len(rows), k, k))
+        err_var = np.empty(len(rows))
+        for n, r in enumerate(rows):
+            what = f"job {r.job_id} {prefix} model"
+            theta[n] = decode_f64(getattr(r, f"{prefix}_theta"), (k,), what)
+            cov[n] = decode_f64(getattr(r, f"{prefix}_cov"), (k, k), what)
+            err_var[n] = decode_f64(getattr(r, f"{prefix}_err_var"), (1,), what)[0]
+        count = np.array([getattr(r, f"{prefix}_count") for r in rows], dtype=np.int64)
+        return RlsState(theta=theta, cov=cov, err_var=err_var, count=count)
+
+    floats = np.empty((len(rows), len(STATIC_FLOATS)))
+    for n, r in enumerate(rows):
+        floats[n] = decode_f64(r.statics, (len(STATIC_FLOATS),), f"job {r.job_id} statics")
+    statics = JobStatics(
+        gpus=np.array([r.gpus for r in rows], dtype=np.int64),
+        **{name: floats[:, i].copy() for i, name in enumerate(STATIC_FLOATS)},
+    )
+    return ModelSnapshot(
+        job_ids=tuple(r.job_id for r in rows),
+        family=family,
+        power=bank("power", k_power),
+        time=bank("time", TIME_PARAMS),
+        statics=statics,
+    )

@@ -1,0 +1,1 @@
+"""Tests against real components (PostgreSQL, Slurm, daemons over loopback)."""
