@@ -2,10 +2,14 @@
 
 One step:
 1. learn: RLS update of every job's power and iteration-time model from the last interval;
-2. offset: d̂ ← (1−η) d̂ + η (P_meas − P_pred), the model–plant mismatch of the last plan;
+2. offset: δ ← (1−η) δ + η (Σ P_meas − Σ P_plan) / Σ P_plan, the share by which the last plan
+   missed (model error, clocks the firmware held down), over the jobs it actually modelled. It
+   is relative, so it stays right when the budget moves;
 3. weights: w_n = R_n / max(D_n − t, Δt), remaining iterations over remaining slack, so that
    w_n T_n(f) is the job's deadline pressure (> 1 means a predicted miss);
-4. budget: B_eff(k+h) = B(k+h) − P_uncontrolled − d̂ − ε B(k+h), per horizon step;
+4. budget: B_eff(k+h) = (B(k+h) − P_uncontrolled − ε B(k+h)) / (1 + δ), per step; a job not
+   measured yet is not a decision variable: it runs at its top clock and is counted at its power
+   limit (the firmware enforces it), so an unknown job can never push the cluster over;
 5. price: dual decomposition (`dual.py`), one price per horizon step;
 6. clocks: floor to supported levels and greedy fill (`discrete.py`) for the step applied now.
 
@@ -27,7 +31,7 @@ from slurm_cdgpc.control.dual import MODES, DualProblem, DualResult, StepStatus,
 from slurm_cdgpc.errors import InputError
 from slurm_cdgpc.model.estimator import JobEstimator
 from slurm_cdgpc.model.families import FloatArray
-from slurm_cdgpc.model.rls import RlsUpdate
+from slurm_cdgpc.model.rls import BoolArray, RlsUpdate
 
 IntArray = NDArray[np.int64]
 
@@ -47,6 +51,8 @@ class ControllerSettings:
     #: pressure cap for jobs at or past their deadline (their slack is floored at Δt)
     max_pressure: float = 1e3
     greedy_rounds: int = 8
+    #: measured intervals before a job's plan counts towards the offset estimate
+    settle_intervals: int = 3
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -78,8 +84,11 @@ class Measurements:
     memory_mhz: FloatArray
     power_w: FloatArray  # mean power per GPU
     iteration_s: FloatArray  # mean seconds per iteration
-    #: measured total of the jobs' GPUs that the last decision planned for
-    total_power_w: float | None = None
+    #: the last decision's `Decision.planned_power_w` for these rows (NaN: not planned)
+    planned_power_w: FloatArray | None = None
+    #: the firmware held the job's clock below the lock to stay within its power limit
+    #: (NVML's SW_POWER_CAP clocks-event reason on any of its GPUs)
+    power_capped: BoolArray | None = None
 
 
 @dataclass(frozen=True)
@@ -89,11 +98,14 @@ class Decision:
     prices: FloatArray  # per horizon step
     graphics_mhz: IntArray
     memory_mhz: IntArray
-    job_power_w: FloatArray  # predicted per job at the planned clocks
+    job_power_w: FloatArray  # predicted per job at the planned clocks (unknown jobs: g × TDP)
+    #: `job_power_w` where it is a model's prediction, NaN for jobs counted at their limit;
+    #: hand it back with the next interval's `Measurements` for the offset estimate
+    planned_power_w: FloatArray
     predicted_power_w: float
     budget_w: float
     effective_budget_w: float
-    offset_w: float
+    offset: float  # δ, the relative miss of recent plans
     dual_evaluations: int
     upgrades: int
     solve_s: float
@@ -111,8 +123,7 @@ class EconomicMPC:
     def __init__(self, grid: ClockGrid, settings: ControllerSettings | None = None) -> None:
         self.grid = grid
         self.settings = settings or ControllerSettings()
-        self.offset_w = 0.0
-        self._last_predicted_w: float | None = None
+        self.offset = 0.0  # δ
         self._last_price: FloatArray | None = None
 
     def step(
@@ -129,10 +140,20 @@ class EconomicMPC:
         learn = None
         if measured is not None:
             x_a, xm_a = estimator.normalise(measured.graphics_mhz, measured.memory_mhz)
-            learn = estimator.observe(x_a, xm_a, measured.power_w, measured.iteration_s)
-            if measured.total_power_w is not None and self._last_predicted_w is not None:
-                miss = measured.total_power_w - self._last_predicted_w
-                self.offset_w = (1 - s.offset_gain) * self.offset_w + s.offset_gain * miss
+            if measured.planned_power_w is not None:
+                drawn = estimator.statics.gpus * measured.power_w
+                both = np.isfinite(drawn) & np.isfinite(measured.planned_power_w)
+                planned_w = float(np.sum(measured.planned_power_w[both]))
+                if planned_w > 0:
+                    miss = float(np.sum(drawn[both])) / planned_w - 1.0
+                    self.offset = (1 - s.offset_gain) * self.offset + s.offset_gain * miss
+            learn = estimator.observe(
+                x_a,
+                xm_a,
+                measured.power_w,
+                measured.iteration_s,
+                power_capped=measured.power_capped,
+            )
 
         problem = self.problem(estimator, jobs, now_s, budget_w, uncontrolled_w)
         warm = self._last_price
@@ -142,8 +163,15 @@ class EconomicMPC:
         if np.all(np.isfinite(result.price) & (result.price > 0)):
             self._last_price = result.price
         x, x_m = problem.best_response(result.price[:1])
+        if result.status[0] is StepStatus.INFEASIBLE:
+            # nothing fits: unknown jobs too go to their lowest clock (still counted at the limit)
+            x, x_m = problem.x_lo[None, :], problem.xm_lo[None, :]
         plan = discretise(problem, self.grid, jobs.gpu_type, x[0], x_m[0], s.greedy_rounds)
-        return self._decide(problem, result, plan, learn, t0, float(np.ravel(budget_w)[0]))
+        # the offset learns only from settled models: a young job's error is RLS's to fix, and
+        # counting it twice (model and offset) overshoots once the model has caught up
+        settled = estimator.power.count >= s.settle_intervals
+        planned = np.where(settled, plan.job_power_w, np.nan)
+        return self._decide(planned, problem, result, plan, learn, t0, float(np.ravel(budget_w)[0]))
 
     def problem(
         self,
@@ -163,16 +191,31 @@ class EconomicMPC:
         g_lo, m_lo = self.grid.bottom_mhz(jobs.gpu_type)
         x_hi = g_top / st.graphics_max_mhz
         xm_hi = m_top / st.memory_max_mhz
-        effective = budget - uncontrolled_w - self.offset_w - s.guard_band * budget
+        effective = (budget - uncontrolled_w - s.guard_band * budget) / (1.0 + self.offset)
+        # unmeasured jobs: power flat at the power limit (an upper bound at any clock) → top clock
+        new = estimator.power.count == 0
+        power_theta = estimator.power.theta
+        if new.any():
+            power_theta = power_theta.copy()
+            power_theta[new] = 0.0
+            power_theta[new, -1] = st.power_limit_w[new]
+        x_lo = g_lo / st.graphics_max_mhz
+        # above the clock where a job reaches its power limit the firmware holds the clock down
+        # anyway: planning for it would book power the job can never draw. Where the limit was
+        # seen to bind, the clock it allowed; elsewhere where the model says it would bind.
+        x_hi = estimator.family.clock_at_power(
+            power_theta, st.power_limit_w, xm_hi, st.mem_mask, estimator.knee_x, x_lo, x_hi
+        )
+        x_hi = np.clip(np.minimum(x_hi, estimator.limit_x), x_lo, None)
         return DualProblem(
             family=estimator.family,
             gpus=st.gpus.astype(np.float64),
-            power_theta=estimator.power.theta,
+            power_theta=power_theta,
             time_theta=estimator.time.theta,
             weight=self.weights(estimator, jobs, now_s),
             knee_x=estimator.knee_x,
             mem_mask=st.mem_mask,
-            x_lo=g_lo / st.graphics_max_mhz,
+            x_lo=x_lo,
             x_hi=x_hi,
             xm_lo=np.where(st.mem_mask > 0, m_lo / st.memory_max_mhz, xm_hi),
             xm_hi=xm_hi,
@@ -204,6 +247,7 @@ class EconomicMPC:
 
     def _decide(
         self,
+        planned_power_w: FloatArray,
         problem: DualProblem,
         result: DualResult,
         plan: DiscretePlan,
@@ -212,7 +256,6 @@ class EconomicMPC:
         budget_w: float,
     ) -> Decision:
         predicted = float(plan.job_power_w.sum())
-        self._last_predicted_w = predicted
         effective = float(problem.budget_w[0])
         return Decision(
             status=result.status[0],
@@ -221,10 +264,11 @@ class EconomicMPC:
             graphics_mhz=plan.graphics_mhz,
             memory_mhz=plan.memory_mhz,
             job_power_w=plan.job_power_w,
+            planned_power_w=planned_power_w,
             predicted_power_w=predicted,
             budget_w=budget_w,
             effective_budget_w=effective,
-            offset_w=self.offset_w,
+            offset=self.offset,
             dual_evaluations=result.evaluations,
             upgrades=plan.upgrades,
             solve_s=time.perf_counter() - t0,

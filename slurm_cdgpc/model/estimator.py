@@ -24,8 +24,9 @@ from slurm_cdgpc.model.rls import BoolArray, Rls, RlsSettings, RlsUpdate
 #: Share of a job's iteration time that the prior assigns to the core clock, the memory clock and
 #: neither (used until the job's first measurements arrive).
 TIME_PRIOR_SPLIT = (0.7, 0.2, 0.1)
-#: Share of (TDP − idle) the prior expects a training job to draw at its top clocks.
-POWER_PRIOR_ACTIVITY = 0.85
+#: Share of (limit − idle) the prior expects a job to draw at its top clocks (all of it: the prior
+#: should not under-estimate).
+POWER_PRIOR_ACTIVITY = 1.0
 
 
 @dataclass(frozen=True)
@@ -48,7 +49,8 @@ class JobStatics:
     #: 1.0 where the memory clock is adjustable (GDDR parts), 0.0 on HBM parts
     mem_mask: FloatArray
     idle_power_w: FloatArray
-    tdp_w: FloatArray
+    #: enforced power limit per GPU (the default limit, i.e. the TDP, unless an admin lowered it)
+    power_limit_w: FloatArray
 
     def __len__(self) -> int:
         return int(self.gpus.shape[0])
@@ -68,16 +70,16 @@ _STATIC_FIELDS = (
     "knee_mhz",
     "mem_mask",
     "idle_power_w",
-    "tdp_w",
+    "power_limit_w",
 )
 
 
 def power_prior(family: PowerFamily, statics: JobStatics) -> FloatArray:
-    """θ_P at job start: idle power as intercept, a core term reaching ≈85 % of TDP at f_max."""
+    """θ_P at job start: idle power as intercept, a core term reaching the limit at f_max."""
     one = np.ones(len(statics))
     knee_x = statics.knee_mhz / statics.graphics_max_mhz
     h_top = family.basis(one, knee_x)  # h_j(1)
-    dynamic = POWER_PRIOR_ACTIVITY * (statics.tdp_w - statics.idle_power_w)
+    dynamic = POWER_PRIOR_ACTIVITY * (statics.power_limit_w - statics.idle_power_w)
     theta = np.zeros((len(statics), family.n_params))
     # put the whole dynamic share on the first core coefficient: a₁ h₁(1) = dynamic
     theta[:, 0] = dynamic / h_top[:, 0]
@@ -112,6 +114,9 @@ class JobEstimator:
         self.time = Rls(np.zeros((0, 3)), self.settings.time, nonneg=np.ones(3, dtype=bool))
         empty = np.zeros(0)
         self.statics = JobStatics(np.zeros(0, dtype=np.int64), *([empty] * 6))
+        #: the clock (normalised) at which the firmware was last seen holding the job at its
+        #: power limit; +inf while it has not been
+        self.limit_x = np.zeros(0)
 
     def __len__(self) -> int:
         return self.power.n
@@ -124,11 +129,13 @@ class JobEstimator:
         self.power.append(power_prior(self.family, statics))
         self.time.append(time_prior(statics, iteration_s))
         self.statics = JobStatics.concat([self.statics, statics])
+        self.limit_x = np.concatenate([self.limit_x, np.full(len(statics), np.inf)])
 
     def keep(self, mask: BoolArray) -> None:
         self.power.keep(mask)
         self.time.keep(mask)
         self.statics = self.statics.select(mask)
+        self.limit_x = self.limit_x[mask]
 
     def normalise(
         self, graphics_mhz: FloatArray, memory_mhz: FloatArray
@@ -155,9 +162,20 @@ class JobEstimator:
         power_w: FloatArray,
         iteration_s: FloatArray,
         mask: BoolArray | None = None,
+        power_capped: BoolArray | None = None,
     ) -> tuple[RlsUpdate, RlsUpdate]:
         """Learn from one interval: applied clocks (normalised), mean per-GPU power and mean
-        iteration time. NaN marks "not measured" (e.g. a job that reports no progress)."""
+        iteration time. NaN marks "not measured" (e.g. a job that reports no progress).
+        ``power_capped`` marks jobs the firmware held below their lock at the applied clock."""
+        if power_capped is not None:
+            seen = np.isfinite(x) & (True if mask is None else mask)
+            capped = seen & power_capped
+            # the limit binds at the applied clock; once a job runs above that uncapped
+            # (a lighter phase, a raised limit) the old ceiling no longer holds
+            self.limit_x = np.where(capped, x, self.limit_x)
+            self.limit_x = np.where(
+                seen & ~power_capped & (x >= self.limit_x), np.inf, self.limit_x
+            )
         phi_p = self.power_regressors(x, x_m)
         phi_t = time_regressors(x, x_m, self.statics.mem_mask)
         _anchor_first(self.power, phi_p, power_w, mask)
@@ -169,8 +187,9 @@ def _anchor_first(rls: Rls, phi: FloatArray, y: FloatArray, mask: BoolArray | No
     """Scale a new job's prior so it predicts its first measurement exactly.
 
     The prior's *shape* (how power and time split between the clocks) is a fair guess for any
-    training job; its *scale* (a 1 s iteration, 85 % of TDP) is not. Rescaling on the first
-    sample, before RLS sees it, avoids a large first correction along near-collinear directions.
+    training job; its *scale* (a 1 s iteration, the power limit at the top clock) is not.
+    Rescaling on the first sample, before RLS sees it, avoids a large first correction along
+    near-collinear directions.
     """
     first = (rls.count == 0) & np.isfinite(y) & (y > 0)
     if mask is not None:

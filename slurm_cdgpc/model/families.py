@@ -92,6 +92,31 @@ class PowerFamily(ABC):
         phi = self.regressors(x, x_m, mem_mask, knee_x)
         return np.asarray(np.einsum("...k,...k->...", phi, theta), dtype=np.float64)
 
+    def clock_at_power(
+        self,
+        theta: FloatArray,
+        power_w: FloatArray,
+        x_m: FloatArray,
+        mem_mask: FloatArray,
+        knee_x: FloatArray,
+        x_lo: FloatArray,
+        x_hi: FloatArray,
+    ) -> FloatArray:
+        """The highest x in [x_lo, x_hi] with P(x) ≤ ``power_w`` (x_lo if none, x_hi if all).
+
+        P is convex and increasing in x, so Newton started at x_hi walks down monotonically onto
+        the root: x ← x − (P(x) − target) / P'(x) while P(x) > target.
+        """
+        x = x_hi.copy()
+        core = theta[:, : self.core_params]
+        for _ in range(12):
+            excess = self.power(theta, x, x_m, mem_mask, knee_x) - power_w
+            slope = self.marginal(core, x, knee_x)
+            with np.errstate(divide="ignore", invalid="ignore"):
+                step = np.where((excess > 0) & (slope > 0), excess / slope, 0.0)
+            x = np.maximum(x - step, x_lo)
+        return x
+
 
 class LinearPower(PowerFamily):
     name = "linear"

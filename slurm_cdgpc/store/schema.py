@@ -149,7 +149,7 @@ STATIC_FLOATS = (
     "knee_mhz",
     "mem_mask",
     "idle_power_w",
-    "tdp_w",
+    "power_limit_w",
 )
 
 

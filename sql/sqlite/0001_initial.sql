@@ -53,7 +53,7 @@ CREATE TABLE nodes (
 );
 
 -- Every float of the model state is little-endian float64 bytes (bit for bit, NaN included);
--- statics holds graphics_max_mhz, memory_max_mhz, knee_mhz, mem_mask, idle_power_w, tdp_w.
+-- statics holds graphics_max_mhz, memory_max_mhz, knee_mhz, mem_mask, idle_power_w, power_limit_w.
 CREATE TABLE job_models (
     job_id VARCHAR(64) NOT NULL PRIMARY KEY,
     family VARCHAR(16) NOT NULL,

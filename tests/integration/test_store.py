@@ -251,7 +251,7 @@ def _statics(m: int) -> JobStatics:
         knee_mhz=np.array([1005.0, 1005.0, 1200.0, 1300.0][:m]),
         mem_mask=np.array([0.0, 0.0, 1.0, 0.0][:m]),
         idle_power_w=np.array([55.0, 55.0, 30.0, 70.0][:m]),
-        tdp_w=np.array([400.0, 400.0, 300.0, 700.0][:m]),
+        power_limit_w=np.array([400.0, 400.0, 300.0, 700.0][:m]),
     )
 
 

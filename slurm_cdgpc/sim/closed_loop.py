@@ -1,0 +1,241 @@
+"""The controller driving simulated GPUs, one control interval at a time.
+
+A `Fleet` is a set of running jobs on simulated GPUs: per job a GPU type, a GPU count, a
+ground-truth workload (`slurm_cdgpc.gpu.plant`, calibrated on real measurements), remaining
+iterations and a deadline. `ClosedLoop` runs the real control path against it each interval:
+
+    measurements of the last interval → JobEstimator (RLS) → EconomicMPC → clocks → plant
+
+The controller never sees the plant's parameters, only noisy per-job power, iteration times and
+applied clocks, as a head daemon would receive them from its node agents.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+from numpy.typing import NDArray
+
+from slurm_cdgpc.control.discrete import ClockGrid
+from slurm_cdgpc.control.dual import StepStatus
+from slurm_cdgpc.control.empc import (
+    ControllerSettings,
+    Decision,
+    EconomicMPC,
+    JobState,
+    Measurements,
+)
+from slurm_cdgpc.errors import InputError
+from slurm_cdgpc.gpu.catalog import GpuSpec, catalog_spec
+from slurm_cdgpc.gpu.plant import NoiseModel, Plant, WorkloadArrays, draw_workloads
+from slurm_cdgpc.model.estimator import EstimatorSettings, JobEstimator, JobStatics
+from slurm_cdgpc.model.families import FloatArray
+
+IntArray = NDArray[np.int64]
+
+#: GPU types of the synthetic fleet and their shares of the jobs
+DEFAULT_MIX: tuple[tuple[str, float], ...] = (
+    ("A100-SXM4-80GB", 0.40),
+    ("H100-SXM", 0.25),
+    ("H200", 0.10),
+    ("A40", 0.15),
+    ("V100-SXM2", 0.10),
+)
+
+
+@dataclass
+class Fleet:
+    """Running jobs on simulated GPUs (arrays of shape (N,), one row per job)."""
+
+    specs: tuple[GpuSpec, ...]
+    gpu_type: IntArray
+    gpus: IntArray
+    workloads: WorkloadArrays
+    remaining_iterations: FloatArray
+    deadline_s: FloatArray
+
+    def __len__(self) -> int:
+        return int(self.gpu_type.shape[0])
+
+    def plant(self) -> Plant:
+        return Plant(self.specs, self.gpu_type, self.workloads)
+
+    def statics(self) -> JobStatics:
+        specs = self.specs
+        t = self.gpu_type
+
+        def per_job(values: Sequence[float]) -> FloatArray:
+            return np.asarray(values, dtype=np.float64)[t]
+
+        return JobStatics(
+            gpus=self.gpus.astype(np.int64),
+            graphics_max_mhz=per_job([s.max_graphics_mhz for s in specs]),
+            memory_max_mhz=per_job([s.max_memory_mhz for s in specs]),
+            knee_mhz=per_job([s.knee_mhz for s in specs]),
+            mem_mask=per_job([1.0 if s.memory_lockable else 0.0 for s in specs]),
+            idle_power_w=per_job([s.idle_power_w for s in specs]),
+            power_limit_w=per_job([s.power_limit.default_w for s in specs]),
+        )
+
+    def max_power_w(self) -> float:
+        """Every job at its top clocks (under the default power limits)."""
+        top = self.plant().step(np.asarray([s.max_graphics_mhz for s in self.specs])[self.gpu_type])
+        return float(np.sum(self.gpus * top.power_w))
+
+
+def synthetic_fleet(
+    n_jobs: int,
+    rng: np.random.Generator,
+    mix: Sequence[tuple[str, float]] = DEFAULT_MIX,
+    slack: tuple[float, float] = (1.2, 3.0),
+    hours: tuple[float, float] = (2.0, 24.0),
+) -> Fleet:
+    """N jobs on a heterogeneous fleet, 1–8 GPUs each, with deadlines.
+
+    Each job needs between ``hours`` of work at top clocks and gets a deadline of that time
+    times a slack factor drawn from ``slack`` (the paper's evaluation: U[1.2, 3]).
+    """
+    if n_jobs < 1:
+        raise InputError(f"a fleet needs at least one job, got {n_jobs}")
+    specs = tuple(catalog_spec(name) for name, _ in mix)
+    share = np.array([s for _, s in mix], dtype=np.float64)
+    gpu_type = rng.choice(len(specs), size=n_jobs, p=share / share.sum()).astype(np.int64)
+    gpus = rng.choice([1, 2, 4, 8], size=n_jobs, p=[0.4, 0.2, 0.2, 0.2]).astype(np.int64)
+    columns = {f: np.empty(n_jobs) for f in WorkloadArrays.__dataclass_fields__}
+    for t, spec in enumerate(specs):
+        rows = np.flatnonzero(gpu_type == t)
+        drawn = draw_workloads(rows.size, spec, rng)
+        for f, column in columns.items():
+            column[rows] = getattr(drawn, f)
+    workloads = WorkloadArrays(**columns)
+    fleet = Fleet(specs, gpu_type, gpus, workloads, np.zeros(n_jobs), np.zeros(n_jobs))
+    top = np.asarray([s.max_graphics_mhz for s in specs])[gpu_type]
+    t_top = fleet.plant().step(top).iteration_time_s
+    work_s = 3600.0 * rng.uniform(*hours, size=n_jobs)
+    fleet.remaining_iterations = work_s / t_top
+    fleet.deadline_s = work_s * rng.uniform(*slack, size=n_jobs)
+    return fleet
+
+
+@dataclass(frozen=True)
+class IntervalRecord:
+    """One control interval as it happened."""
+
+    t_s: float
+    budget_w: float
+    power_w: float  # true power of the jobs' GPUs over the interval
+    predicted_w: float
+    price: float
+    status: StepStatus
+    step_s: float  # controller: learn + solve + discretise
+    dual_evaluations: int
+    jobs: int
+    finished: int  # jobs that finished during this interval
+    late: int  # running jobs already past their deadline
+
+    @property
+    def error_pct(self) -> float:
+        return 100.0 * (self.power_w - self.budget_w) / self.budget_w
+
+
+class ClosedLoop:
+    """Controller, estimator and plant, stepped one interval at a time."""
+
+    def __init__(
+        self,
+        fleet: Fleet,
+        rng: np.random.Generator,
+        settings: ControllerSettings | None = None,
+        estimator_settings: EstimatorSettings | None = None,
+        min_clock_fraction: float = 0.5,
+        noise: NoiseModel | None = None,
+    ) -> None:
+        self.fleet = fleet
+        self.rng = rng
+        self.noise = noise
+        self.grid = ClockGrid.from_tables(
+            [(s.name, s.clocks) for s in fleet.specs], min_fraction=min_clock_fraction
+        )
+        self.controller = EconomicMPC(self.grid, settings)
+        self.estimator = JobEstimator(estimator_settings)
+        self.estimator.add_jobs(fleet.statics())
+        self._plant = fleet.plant()
+        self._measured: Measurements | None = None
+        self.t_s = 0.0
+        self.last_decision: Decision | None = None
+
+    @property
+    def interval_s(self) -> float:
+        return self.controller.settings.interval_s
+
+    def step(self, budget_w: float | FloatArray) -> IntervalRecord:
+        """Decide, run the plant for one interval at the decided clocks, measure."""
+        fleet = self.fleet
+        jobs = JobState(fleet.gpu_type, fleet.remaining_iterations, fleet.deadline_s)
+        t0 = time.perf_counter()
+        d = self.controller.step(self.estimator, jobs, self.t_s, budget_w, measured=self._measured)
+        step_s = time.perf_counter() - t0
+        self.last_decision = d
+
+        truth = self._plant.step(d.graphics_mhz, d.memory_mhz)
+        seen = self._plant.observe(truth, self.rng, self.noise)
+        power_w = float(np.sum(fleet.gpus * truth.power_w))
+        self._measured = Measurements(
+            graphics_mhz=truth.applied_mhz,
+            memory_mhz=d.memory_mhz.astype(np.float64),
+            power_w=seen.power_w,
+            iteration_s=seen.iteration_time_s,
+            planned_power_w=d.planned_power_w,
+            power_capped=truth.power_capped,
+        )
+        fleet.remaining_iterations = fleet.remaining_iterations - self.interval_s / (
+            truth.iteration_time_s
+        )
+        self.t_s += self.interval_s
+        record = IntervalRecord(
+            t_s=self.t_s,
+            budget_w=d.budget_w,
+            power_w=power_w,
+            predicted_w=d.predicted_power_w,
+            price=d.price,
+            status=d.status,
+            step_s=step_s,
+            dual_evaluations=d.dual_evaluations,
+            jobs=len(fleet),
+            finished=int(np.sum(fleet.remaining_iterations <= 0)),
+            late=int(np.sum(fleet.deadline_s < self.t_s)),
+        )
+        self._drop_finished()
+        return record
+
+    def _drop_finished(self) -> None:
+        running = self.fleet.remaining_iterations > 0
+        if running.all():
+            return
+        f = self.fleet
+        self.fleet = Fleet(
+            f.specs,
+            f.gpu_type[running],
+            f.gpus[running],
+            WorkloadArrays(*(getattr(f.workloads, k)[running] for k in _WORKLOAD_FIELDS)),
+            f.remaining_iterations[running],
+            f.deadline_s[running],
+        )
+        self.estimator.keep(running)
+        self._plant = self.fleet.plant()
+        if self._measured is not None:
+            m = self._measured
+            self._measured = Measurements(
+                m.graphics_mhz[running],
+                m.memory_mhz[running],
+                m.power_w[running],
+                m.iteration_s[running],
+                None if m.planned_power_w is None else m.planned_power_w[running],
+                None if m.power_capped is None else m.power_capped[running],
+            )
+
+
+_WORKLOAD_FIELDS = tuple(WorkloadArrays.__dataclass_fields__)
