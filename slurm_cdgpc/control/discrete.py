@@ -52,13 +52,14 @@ class ClockGrid:
         per_type: list[list[np.ndarray]] = []
         mems: list[list[int]] = []
         for _, table in tables:
-            mem_levels = sorted(table.memory_mhz)
-            top = max(table.graphics_for(m)[0] for m in mem_levels)
-            rows = []
-            for m in mem_levels:
+            top = max(table.graphics_for(m)[0] for m in table.memory_mhz)
+            rows, mem_levels = [], []
+            for m in sorted(table.memory_mhz):
                 g = np.array(sorted(table.graphics_for(m)), dtype=np.int64)
                 keep = g[g >= min_fraction * top]
-                rows.append(keep if keep.size else g[-1:])
+                if keep.size:  # a memory clock with no efficient graphics clock is an idle state
+                    rows.append(keep)
+                    mem_levels.append(m)
             per_type.append(rows)
             mems.append(mem_levels)
         T = len(tables)
@@ -92,11 +93,18 @@ class ClockGrid:
         )
 
     def bottom_mhz(self, types: IntArray) -> tuple[FloatArray, FloatArray]:
-        """Lowest graphics clock the controller may use, and the lowest memory clock."""
-        return (
-            self.graphics_mhz[types, 0, 0].astype(np.float64),
-            self.memory_mhz[types, 0].astype(np.float64),
-        )
+        """Lowest graphics clock the controller may use, and the lowest memory clock.
+
+        The graphics floor is the highest of the per-memory-clock lowest levels, so that any
+        continuous clock at or above it floors to a level at or below it whatever the memory
+        clock (the budget argument of the floor step needs that).
+        """
+        lowest = np.where(
+            np.arange(self.graphics_mhz.shape[1]) < self.memory_count[:, None],
+            self.graphics_mhz[:, :, 0],
+            0,
+        ).max(axis=1)
+        return lowest[types].astype(np.float64), self.memory_mhz[types, 0].astype(np.float64)
 
 
 @dataclass(frozen=True)

@@ -12,9 +12,13 @@ from slurm_cdgpc.gpu.device import ClockTable
 from tests.unit.problems import build_problem
 
 HBM = ClockTable(memory_mhz=(1593,), graphics_mhz={1593: tuple(range(1410, 209, -15))})
-GDDR = ClockTable(
-    memory_mhz=(7251, 5001),
-    graphics_mhz={7251: tuple(range(1740, 209, -15)), 5001: tuple(range(1500, 209, -15))},
+GDDR = ClockTable(  # A40-like: two working memory clocks and an idle one (405 MHz)
+    memory_mhz=(7251, 5001, 405),
+    graphics_mhz={
+        7251: tuple(range(1740, 209, -15)),
+        5001: tuple(range(1500, 209, -15)),
+        405: tuple(range(645, 209, -15)),
+    },
 )
 
 
@@ -55,6 +59,7 @@ def test_budget_is_never_exceeded_and_clocks_are_supported(
     for i in range(n):
         table = GDDR if types[i] else HBM
         table.check(int(plan.graphics_mhz[i]), int(plan.memory_mhz[i]))
+        assert plan.graphics_mhz[i] >= 0.4 * (1740 if types[i] else 1410)
 
 
 def test_greedy_fill_closes_the_gap_left_by_flooring() -> None:
@@ -81,6 +86,18 @@ def test_floor_never_exceeds_the_continuous_clock() -> None:
     x, x_m = problem.best_response(result.price)
     plan = discretise(problem, grid, types, x[0], x_m[0], max_rounds=0)
     assert np.all(plan.x <= x[0] + 1e-12)
+
+
+def test_idle_memory_clocks_are_not_offered_and_the_floor_holds_at_the_bottom() -> None:
+    # the A40's 405 MHz memory clock only allows graphics clocks below the efficient range: a
+    # graphics floor taken from it (645 MHz) would sit below the 7251 MHz list's lowest level, and
+    # a clock between the two would floor *up*, over the budget
+    grid = _grid()
+    gddr = np.array([1], dtype=np.int64)
+    assert 405 not in grid.memory_mhz[1]
+    lowest = grid.bottom_mhz(gddr)[0][0]
+    assert lowest == min(c for c in GDDR.graphics_for(7251) if c >= 0.4 * 1740)
+    assert lowest >= min(c for c in GDDR.graphics_for(5001) if c >= 0.4 * 1740)
 
 
 def test_min_fraction_drops_inefficient_low_clocks() -> None:
