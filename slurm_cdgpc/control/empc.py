@@ -21,7 +21,7 @@ from remaining work and slack propagated along the previous plan.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 from numpy.typing import NDArray
@@ -53,6 +53,8 @@ class ControllerSettings:
     greedy_rounds: int = 8
     #: measured intervals before a job's plan counts towards the offset estimate
     settle_intervals: int = 3
+    #: κ of the exploration margin (`EconomicMPC.exploration_margin_w`); 0 turns it off
+    uncertainty_sigmas: float = 1.0
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -138,11 +140,16 @@ class EconomicMPC:
         s = self.settings
         t0 = time.perf_counter()
         learn = None
+        x_a = xm_a = None
         if measured is not None:
             x_a, xm_a = estimator.normalise(measured.graphics_mhz, measured.memory_mhz)
             if measured.planned_power_w is not None:
                 drawn = estimator.statics.gpus * measured.power_w
                 both = np.isfinite(drawn) & np.isfinite(measured.planned_power_w)
+                if measured.power_capped is not None:
+                    # a job held down by the firmware drew less than planned for a reason that
+                    # leaves with the next budget change; the clock clamp, not δ, handles it
+                    both &= ~measured.power_capped
                 planned_w = float(np.sum(measured.planned_power_w[both]))
                 if planned_w > 0:
                     miss = float(np.sum(drawn[both])) / planned_w - 1.0
@@ -163,6 +170,13 @@ class EconomicMPC:
         if np.all(np.isfinite(result.price) & (result.price > 0)):
             self._last_price = result.price
         x, x_m = problem.best_response(result.price[:1])
+        binding = result.status[0] is StepStatus.BINDING
+        if s.uncertainty_sigmas > 0 and x_a is not None and xm_a is not None and binding:
+            margin_w = self.exploration_margin_w(estimator, x[0], x_m[0], x_a, xm_a)
+            if margin_w > 0:
+                problem = replace(problem, budget_w=np.maximum(problem.budget_w - margin_w, 0.0))
+                result = solve_price(problem, s.mode, s.tol, warm_price=result.price)
+                x, x_m = problem.best_response(result.price[:1])
         if result.status[0] is StepStatus.INFEASIBLE:
             # nothing fits: unknown jobs too go to their lowest clock (still counted at the limit)
             x, x_m = problem.x_lo[None, :], problem.xm_lo[None, :]
@@ -172,6 +186,36 @@ class EconomicMPC:
         settled = estimator.power.count >= s.settle_intervals
         planned = np.where(settled, plan.job_power_w, np.nan)
         return self._decide(planned, problem, result, plan, learn, t0, float(np.ravel(budget_w)[0]))
+
+    def exploration_margin_w(
+        self,
+        estimator: JobEstimator,
+        x: FloatArray,
+        x_m: FloatArray,
+        x_prev: FloatArray,
+        xm_prev: FloatArray,
+    ) -> float:
+        """Budget held back when the plan moves jobs to clocks their models know less well.
+
+        RLS gives each prediction a standard error σ̂_n √(φᵀPφ). Moving a job from the clocks it
+        ran at to new ones grows that error by Δ_n = σ̂_n (√(φ_newᵀPφ_new) − √(φ_oldᵀPφ_old))₊;
+        after a budget drop every job moves the same way and their errors add up, so the margin
+        is κ Σ_n g_n Δ_n. It is zero in steady state (the plan stays where the data are).
+        """
+        known = estimator.power.count > 0
+        if not known.any():
+            return 0.0
+        cov = estimator.power.cov
+
+        def spread(xc: FloatArray, xm: FloatArray) -> FloatArray:
+            phi = estimator.power_regressors(np.nan_to_num(xc, nan=1.0), np.nan_to_num(xm, nan=1.0))
+            quad: FloatArray = np.einsum("ni,nij,nj->n", phi, cov, phi)
+            return np.sqrt(np.maximum(quad, 0.0))
+
+        sigma = np.sqrt(estimator.power.err_var)
+        grow = np.maximum(spread(x, x_m) - spread(x_prev, xm_prev), 0.0)
+        extra = np.where(known & np.isfinite(x_prev), estimator.statics.gpus * sigma * grow, 0.0)
+        return self.settings.uncertainty_sigmas * float(np.sum(extra))
 
     def problem(
         self,
