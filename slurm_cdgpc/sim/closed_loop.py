@@ -128,6 +128,8 @@ class IntervalRecord:
     budget_w: float
     power_w: float  # true power of the jobs' GPUs over the interval
     predicted_w: float
+    #: planned power against the budget the solver was given (negative = under)
+    plan_error_pct: float
     price: float
     status: StepStatus
     step_s: float  # controller: learn + solve + discretise
@@ -200,6 +202,7 @@ class ClosedLoop:
             budget_w=d.budget_w,
             power_w=power_w,
             predicted_w=d.predicted_power_w,
+            plan_error_pct=d.budget_error_pct,
             price=d.price,
             status=d.status,
             step_s=step_s,
@@ -210,6 +213,13 @@ class ClosedLoop:
         )
         self._drop_finished()
         return record
+
+    def predicted_finish_s(self) -> FloatArray:
+        """When each running job would finish at the speed it ran in the last interval (its
+        measured iteration time, as an operator would extrapolate it; not the plant's truth)."""
+        if self._measured is None:
+            return np.full(len(self.fleet), np.nan)
+        return self.t_s + self.fleet.remaining_iterations * self._measured.iteration_s
 
     def _drop_finished(self) -> None:
         running = self.fleet.remaining_iterations > 0

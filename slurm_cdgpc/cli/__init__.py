@@ -1,0 +1,1 @@
+"""``cdgpc-admin``: the command line for admins, researchers and scripts."""

@@ -1,0 +1,59 @@
+"""``cdgpc-admin bench``: benchmarks that print one JSON object."""
+
+from __future__ import annotations
+
+import click
+
+from slurm_cdgpc.cli.output import echo_json
+from slurm_cdgpc.control.dual import MODES
+from slurm_cdgpc.model.families import FAMILIES
+
+
+@click.group()
+def bench() -> None:
+    """Benchmarks (JSON on stdout; no pass/fail, numbers to compare)."""
+
+
+@bench.command("controller")
+@click.option("--jobs", type=click.IntRange(min=1), required=True, help="Running jobs.")
+@click.option("--horizon", type=click.IntRange(min=1), default=1, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--steps", type=click.IntRange(min=1), default=20, show_default=True)
+@click.option(
+    "--budget-fraction",
+    type=click.FloatRange(0.0, 1.0, min_open=True),
+    default=0.6,
+    show_default=True,
+    help="Budget as a fraction of the fleet's power at top clocks.",
+)
+@click.option("--mode", type=click.Choice(MODES), default="newton", show_default=True)
+@click.option("--family", type=click.Choice(sorted(FAMILIES)), default="bent", show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="Accepted for symmetry: output is JSON.")
+def controller_cmd(
+    jobs: int,
+    horizon: int,
+    seed: int,
+    steps: int,
+    budget_fraction: float,
+    mode: str,
+    family: str,
+    as_json: bool,
+) -> None:
+    """Time one full control step (RLS update, dual solve, discretisation) for N jobs.
+
+    Also checks that the dual modes agree on the price and compares the continuous solution
+    with a cvxpy solve of the same problem on up to 2,000 jobs.
+    """
+    from slurm_cdgpc.bench.controller import bench_controller  # noqa: PLC0415 (cvxpy is slow)
+
+    echo_json(
+        bench_controller(
+            jobs,
+            horizon=horizon,
+            seed=seed,
+            steps=steps,
+            budget_fraction=budget_fraction,
+            mode=mode,
+            family=family,
+        )
+    )
