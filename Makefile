@@ -1,0 +1,31 @@
+# `make test` and `make demo` are the two commands a fresh clone needs (see README.md).
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: test demo lint unit clean
+
+# (Re)install when the package metadata changes; the editable install picks up code edits.
+$(STAMP): setup.cfg pyproject.toml
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e '.[test]'
+	@touch $(STAMP)
+
+lint: $(STAMP)
+	$(BIN)/ruff check slurm_cdgpc tests
+	$(BIN)/ruff format --check slurm_cdgpc tests
+	$(BIN)/mypy
+
+test: lint
+	$(BIN)/pytest
+
+unit: $(STAMP)
+	$(BIN)/pytest tests/unit
+
+demo: $(STAMP)
+	$(BIN)/cdgpc-admin demo
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache *.egg-info
