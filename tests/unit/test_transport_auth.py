@@ -505,9 +505,17 @@ def test_missing_symlinked_and_special_key_files_are_refused(tmp_path: Path) -> 
         HmacKey.load(fifo, owner_uid=uid)
 
 
-@pytest.mark.skipif(os.getuid() == 0, reason="root can read any file")
-def test_unreadable_key_file_is_refused(tmp_path: Path) -> None:
+def test_unreadable_key_file_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     path = write_key(tmp_path / "key", SECRET, 0o000)
+    if os.getuid() == 0:  # root reads any file: make the kernel's answer the unprivileged one
+        real_open = os.open
+
+        def denied(target: object, *args: object, **kwargs: object) -> int:
+            if Path(str(target)) == path:
+                raise PermissionError(13, "Permission denied")
+            return real_open(target, *args, **kwargs)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(os, "open", denied)
     with pytest.raises(KeyFileError, match="not readable"):
         HmacKey.load(path, owner_uid=os.getuid())
 
