@@ -186,32 +186,25 @@ def _got(value: object) -> str:
     return f"got {value!r}"
 
 
-def _duration(value: object) -> float:
-    what = "must be a duration like 30s"
+def _quantity(value: object, what: str, parse_text: Callable[[str], float]) -> float:
+    """A positive finite number, or text in units that ``parse_text`` reads."""
     if isinstance(value, int | float) and not isinstance(value, bool):
         if value > 0 and math.isfinite(value):
             return float(value)
-        raise _BadValueError(f"{what}, {_got(value)}")
-    if isinstance(value, str):
+    elif isinstance(value, str):
         try:
-            return parse_duration_s(value)
+            return parse_text(value)
         except InputError:
             pass
     raise _BadValueError(f"{what}, {_got(value)}")
+
+
+def _duration(value: object) -> float:
+    return _quantity(value, "must be a duration like 30s", parse_duration_s)
 
 
 def _power(value: object) -> float:
-    what = "must be a power like 450kW"
-    if isinstance(value, int | float) and not isinstance(value, bool):
-        if value > 0 and math.isfinite(value):
-            return float(value)
-        raise _BadValueError(f"{what}, {_got(value)}")
-    if isinstance(value, str):
-        try:
-            return parse_power_w(value)
-        except InputError:
-            pass
-    raise _BadValueError(f"{what}, {_got(value)}")
+    return _quantity(value, "must be a power like 450kW", parse_power_w)
 
 
 def _optional(parse: Parser) -> Parser:
