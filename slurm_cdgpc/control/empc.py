@@ -10,7 +10,9 @@ One step:
 4. budget: B_eff(k+h) = (B(k+h) − P_uncontrolled − ε B(k+h)) / (1 + δ), per step; a job not
    measured yet is not a decision variable: it runs at its top clock and is counted at its power
    limit (the firmware enforces it), so an unknown job can never push the cluster over;
-5. price: dual decomposition (`dual.py`), one price per horizon step;
+5. price: dual decomposition (`dual.py`), one price per horizon step; when the resulting plan
+   moves jobs to clocks their models know less well, an exploration margin (κ times the growth
+   of the models' standard error) is held back and the price solved again;
 6. clocks: floor to supported levels and greedy fill (`discrete.py`) for the step applied now.
 
 With a constant budget the horizon steps decouple and H = 1 is exact (paper §5.3); H > 1 earns
@@ -174,7 +176,11 @@ class EconomicMPC:
         if s.uncertainty_sigmas > 0 and x_a is not None and xm_a is not None and binding:
             margin_w = self.exploration_margin_w(estimator, x[0], x_m[0], x_a, xm_a)
             if margin_w > 0:
-                problem = replace(problem, budget_w=np.maximum(problem.budget_w - margin_w, 0.0))
+                # never more than the room above every job's lowest clock: a margin must not
+                # turn a binding step into an infeasible one
+                room_w = -problem.gradient(np.full(problem.horizon, np.inf))
+                held_w = np.minimum(margin_w, np.maximum(room_w, 0.0))
+                problem = replace(problem, budget_w=problem.budget_w - held_w)
                 result = solve_price(problem, s.mode, s.tol, warm_price=result.price)
                 x, x_m = problem.best_response(result.price[:1])
         if result.status[0] is StepStatus.INFEASIBLE:

@@ -154,3 +154,34 @@ def test_bad_budget_is_refused(budget: float) -> None:
     mpc, est, jobs = _setup(2)
     with pytest.raises(InputError, match="positive number of watts"):
         mpc.step(est, jobs, now_s=0.0, budget_w=budget)
+
+
+def test_exploration_margin_is_zero_in_place_and_grows_with_the_move() -> None:
+    mpc, est, _ = _setup(4)
+    rng = np.random.default_rng(0)
+    one = np.ones(4)
+    for _ in range(10):  # the jobs have only ever run near their top clock
+        x = rng.uniform(0.95, 1.0, 4)
+        est.observe(x, one, 100 + 250 * x * (1 + 0.01 * rng.standard_normal(4)), 0.5 / x)
+    here = np.full(4, 0.97)
+    assert mpc.exploration_margin_w(est, here, one, here, one) == 0.0
+    near = mpc.exploration_margin_w(est, np.full(4, 0.9), one, here, one)
+    far = mpc.exploration_margin_w(est, np.full(4, 0.6), one, here, one)
+    assert 0.0 < near < far
+
+
+def test_exploration_margin_never_makes_a_binding_step_infeasible() -> None:
+    settings = ControllerSettings(uncertainty_sigmas=1e6)  # an absurd margin
+    mpc, est, jobs = _setup(6, settings)
+    budget = 6 * 4 * 250.0
+    d = mpc.step(est, jobs, now_s=0.0, budget_w=budget)
+    measured = Measurements(
+        graphics_mhz=d.graphics_mhz.astype(float),
+        memory_mhz=d.memory_mhz.astype(float),
+        power_w=d.job_power_w / 4,
+        iteration_s=np.full(6, 0.5),
+        planned_power_w=d.planned_power_w,
+    )
+    d = mpc.step(est, jobs, now_s=60.0, budget_w=budget, measured=measured)
+    assert d.status is StepStatus.BINDING
+    assert d.predicted_power_w <= budget
