@@ -179,7 +179,7 @@ class EconomicMPC:
                 # never more than the room above every job's lowest clock: a margin must not
                 # turn a binding step into an infeasible one
                 room_w = -problem.gradient(np.full(problem.horizon, np.inf))
-                held_w = np.minimum(margin_w, np.maximum(room_w, 0.0))
+                held_w = np.minimum(margin_w, np.maximum(room_w, 0.0) * (1.0 - 1e-6))
                 problem = replace(problem, budget_w=problem.budget_w - held_w)
                 result = solve_price(problem, s.mode, s.tol, warm_price=result.price)
                 x, x_m = problem.best_response(result.price[:1])

@@ -173,15 +173,19 @@ def test_exploration_margin_is_zero_in_place_and_grows_with_the_move() -> None:
 def test_exploration_margin_never_makes_a_binding_step_infeasible() -> None:
     settings = ControllerSettings(uncertainty_sigmas=1e6)  # an absurd margin
     mpc, est, jobs = _setup(6, settings)
+    rng = np.random.default_rng(1)
+    one = np.ones(6)
+    for _ in range(10):  # noisy measurements near the top clock: σ̂ > 0, P tight there only
+        x = rng.uniform(0.95, 1.0, 6)
+        est.observe(x, one, 100 + 250 * x * (1 + 0.01 * rng.standard_normal(6)), 0.5 / x)
     budget = 6 * 4 * 250.0
-    d = mpc.step(est, jobs, now_s=0.0, budget_w=budget)
     measured = Measurements(
-        graphics_mhz=d.graphics_mhz.astype(float),
-        memory_mhz=d.memory_mhz.astype(float),
-        power_w=d.job_power_w / 4,
-        iteration_s=np.full(6, 0.5),
-        planned_power_w=d.planned_power_w,
+        graphics_mhz=np.full(6, 1380.0),
+        memory_mhz=np.full(6, 1593.0),
+        power_w=np.full(6, 345.0),
+        iteration_s=np.full(6, 0.51),
     )
-    d = mpc.step(est, jobs, now_s=60.0, budget_w=budget, measured=measured)
+    assert mpc.exploration_margin_w(est, np.full(6, 0.7), one, np.full(6, 0.98), one) > budget
+    d = mpc.step(est, jobs, now_s=0.0, budget_w=budget, measured=measured)
     assert d.status is StepStatus.BINDING
     assert d.predicted_power_w <= budget
