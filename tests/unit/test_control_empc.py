@@ -178,7 +178,7 @@ def test_exploration_margin_never_makes_a_binding_step_infeasible() -> None:
     for _ in range(10):  # noisy measurements near the top clock: σ̂ > 0, P tight there only
         x = rng.uniform(0.95, 1.0, 6)
         est.observe(x, one, 100 + 250 * x * (1 + 0.01 * rng.standard_normal(6)), 0.5 / x)
-    budget = 6 * 4 * 250.0
+    budget = 7800.0  # between the jobs' power at their lowest (≈ 7.4 kW) and top (≈ 8.3 kW)
     measured = Measurements(
         graphics_mhz=np.full(6, 1380.0),
         memory_mhz=np.full(6, 1593.0),
