@@ -1,0 +1,1 @@
+"""The head node: running jobs, the control interval, the budget (``cdgpcd``)."""

@@ -1,0 +1,214 @@
+"""The head's table of running jobs, kept row-aligned with the controller's arrays.
+
+The controller works on arrays, one row per job; the cluster speaks in job ids and (node, GPU
+index) pairs. `RunningJobs` is the one place that translates: it adds and removes estimator rows
+as jobs start and end, turns per-GPU readings from the node agents into per-job measurements
+(mean power per GPU, the slowest applied clock, iteration time from reported progress) and turns
+a decision back into per-node setpoints.
+
+A synchronous job runs at the pace of its slowest GPU, so a job gets one clock for all its GPUs,
+on every node it spans.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from slurm_cdgpc.control.discrete import ClockGrid
+from slurm_cdgpc.control.empc import Decision, JobState, Measurements
+from slurm_cdgpc.errors import InputError
+from slurm_cdgpc.gpu.catalog import GpuSpec
+from slurm_cdgpc.gpu.device import ThrottleReason
+from slurm_cdgpc.model.estimator import JobEstimator, JobStatics
+from slurm_cdgpc.model.families import FloatArray
+
+
+@dataclass(frozen=True, order=True)
+class GpuRef:
+    node: str
+    index: int
+
+
+@dataclass(frozen=True)
+class JobInfo:
+    """A running job as registered: where it runs and what it must achieve."""
+
+    job_id: str
+    gpus: tuple[GpuRef, ...]
+    gpu_type: str  # catalog name of its GPUs
+    deadline_s: float | None = None
+    iterations_total: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.gpus:
+            raise InputError(f"job {self.job_id}: no GPUs")
+        if len(set(self.gpus)) != len(self.gpus):
+            raise InputError(f"job {self.job_id}: a GPU is listed twice")
+
+
+@dataclass(frozen=True)
+class GpuSample:
+    """One GPU's reading as a node agent reported it."""
+
+    ref: GpuRef
+    power_w: float
+    sm_clock_mhz: float
+    memory_clock_mhz: float
+    throttle: int = 0
+
+
+@dataclass(frozen=True)
+class Progress:
+    step: int
+    time_s: float
+
+
+@dataclass(frozen=True)
+class NodeSetpoint:
+    gpu: int
+    job_id: str
+    graphics_mhz: int
+    memory_mhz: int | None
+
+
+@dataclass
+class RunningJobs:
+    """Running jobs in the controller's row order, with their estimator rows."""
+
+    grid: ClockGrid
+    estimator: JobEstimator
+    specs: Mapping[str, GpuSpec]
+    _jobs: list[JobInfo] = field(default_factory=list)
+    _row: dict[str, int] = field(default_factory=dict)
+    _progress: dict[str, tuple[Progress, Progress | None]] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self._jobs)
+
+    def __contains__(self, job_id: object) -> bool:
+        return job_id in self._row
+
+    @property
+    def jobs(self) -> Sequence[JobInfo]:
+        return tuple(self._jobs)
+
+    def add(self, jobs: Iterable[JobInfo]) -> None:
+        """Start tracking jobs (new estimator rows, priors from their GPU type)."""
+        new = [j for j in jobs if j.job_id not in self._row]
+        if not new:
+            return
+        taken = {g for j in self._jobs for g in j.gpus}
+        for job in new:
+            if job.gpu_type not in self.specs:
+                raise InputError(f"job {job.job_id}: unknown GPU type {job.gpu_type!r}")
+            self.grid.type_index(job.gpu_type)
+            clash = taken.intersection(job.gpus)
+            if clash:
+                where = ", ".join(f"{g.node}:{g.index}" for g in sorted(clash))
+                raise InputError(f"job {job.job_id}: GPU {where} already belongs to a running job")
+            taken.update(job.gpus)
+        specs = [self.specs[j.gpu_type] for j in new]
+        self.estimator.add_jobs(
+            JobStatics(
+                gpus=np.array([len(j.gpus) for j in new], dtype=np.int64),
+                graphics_max_mhz=np.array([s.max_graphics_mhz for s in specs], dtype=float),
+                memory_max_mhz=np.array([s.max_memory_mhz for s in specs], dtype=float),
+                knee_mhz=np.array([s.knee_mhz for s in specs]),
+                mem_mask=np.array([1.0 if s.memory_lockable else 0.0 for s in specs]),
+                idle_power_w=np.array([s.idle_power_w for s in specs]),
+                power_limit_w=np.array([s.power_limit.default_w for s in specs]),
+            )
+        )
+        for job in new:
+            self._row[job.job_id] = len(self._jobs)
+            self._jobs.append(job)
+
+    def remove(self, job_ids: Iterable[str]) -> list[JobInfo]:
+        """Stop tracking jobs (their estimator rows go); returns the ones that were running."""
+        gone = {j for j in job_ids if j in self._row}
+        if not gone:
+            return []
+        keep = np.array([j.job_id not in gone for j in self._jobs])
+        self.estimator.keep(keep)
+        removed = [j for j in self._jobs if j.job_id in gone]
+        self._jobs = [j for j in self._jobs if j.job_id not in gone]
+        self._row = {j.job_id: i for i, j in enumerate(self._jobs)}
+        for job_id in gone:
+            self._progress.pop(job_id, None)
+        return removed
+
+    def record_progress(self, job_id: str, step: int, time_s: float) -> None:
+        """A job reported reaching ``step`` at ``time_s``; older or repeated reports are ignored."""
+        if job_id not in self._row:
+            return
+        latest = self._progress.get(job_id)
+        if latest is not None and (step <= latest[0].step or time_s <= latest[0].time_s):
+            return
+        self._progress[job_id] = (Progress(step, time_s), None if latest is None else latest[0])
+
+    def job_state(self) -> JobState:
+        types = np.array([self.grid.type_index(j.gpu_type) for j in self._jobs], dtype=np.int64)
+        remaining = np.full(len(self), np.nan)
+        for i, job in enumerate(self._jobs):
+            latest = self._progress.get(job.job_id)
+            if job.iterations_total is not None:
+                done = latest[0].step if latest else 0
+                remaining[i] = max(job.iterations_total - done, 0)
+        deadline = np.array(
+            [math.nan if j.deadline_s is None else j.deadline_s for j in self._jobs]
+        )
+        return JobState(types, remaining, deadline)
+
+    def measurements(
+        self, samples: Iterable[GpuSample], planned_power_w: FloatArray | None = None
+    ) -> Measurements:
+        """Per-job measurements of the last interval from per-GPU samples.
+
+        Power is the mean over the job's GPUs that reported (NaN if none did); the applied clock
+        is the slowest GPU's (it paces the job); iteration time comes from the last two progress
+        reports (NaN without them); power-capped if any GPU reported SW_POWER_CAP.
+        """
+        by_ref = {s.ref: s for s in samples}
+        n = len(self)
+        power = np.full(n, np.nan)
+        clock = np.full(n, np.nan)
+        memory = np.full(n, np.nan)
+        iteration = np.full(n, np.nan)
+        capped = np.zeros(n, dtype=bool)
+        for i, job in enumerate(self._jobs):
+            seen = [by_ref[g] for g in job.gpus if g in by_ref]
+            good = [s for s in seen if math.isfinite(s.power_w) and s.power_w >= 0]
+            if good:
+                power[i] = sum(s.power_w for s in good) / len(good)
+                clock[i] = min(s.sm_clock_mhz for s in good)
+                memory[i] = min(s.memory_clock_mhz for s in good)
+                capped[i] = any(s.throttle & ThrottleReason.SW_POWER_CAP for s in good)
+            latest, before = self._progress.get(job.job_id, (None, None))
+            if latest is not None and before is not None:
+                iteration[i] = (latest.time_s - before.time_s) / (latest.step - before.step)
+        return Measurements(
+            graphics_mhz=clock,
+            memory_mhz=memory,
+            power_w=power,
+            iteration_s=iteration,
+            planned_power_w=planned_power_w,
+            power_capped=capped,
+        )
+
+    def setpoints(self, decision: Decision) -> dict[str, list[NodeSetpoint]]:
+        """The decision as per-node setpoints: every GPU of a job gets the job's clocks."""
+        if decision.graphics_mhz.shape[0] != len(self):
+            raise InputError("the decision does not match the running jobs")
+        out: dict[str, list[NodeSetpoint]] = {}
+        for i, job in enumerate(self._jobs):
+            spec = self.specs[job.gpu_type]
+            memory = int(decision.memory_mhz[i]) if spec.memory_lockable else None
+            for ref in job.gpus:
+                out.setdefault(ref.node, []).append(
+                    NodeSetpoint(ref.index, job.job_id, int(decision.graphics_mhz[i]), memory)
+                )
+        return out

@@ -1,0 +1,95 @@
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from slurm_cdgpc.control.discrete import ClockGrid
+from slurm_cdgpc.control.empc import EconomicMPC
+from slurm_cdgpc.coordinator.jobs import GpuRef, GpuSample, JobInfo, RunningJobs
+from slurm_cdgpc.errors import InputError
+from slurm_cdgpc.gpu.catalog import CATALOG
+from slurm_cdgpc.gpu.device import ThrottleReason
+from slurm_cdgpc.model.estimator import JobEstimator
+
+TYPES = ("A100-SXM4-80GB", "A40")
+
+
+def _table() -> RunningJobs:
+    grid = ClockGrid.from_tables([(t, CATALOG[t].clocks) for t in TYPES])
+    return RunningJobs(grid, JobEstimator(), CATALOG)
+
+
+def _job(
+    job_id: str,
+    *gpus: tuple[str, int],
+    gpu_type: str = "A100-SXM4-80GB",
+    deadline_s: float | None = None,
+    iterations_total: int | None = None,
+) -> JobInfo:
+    refs = tuple(GpuRef(node, index) for node, index in gpus)
+    return JobInfo(job_id, refs, gpu_type, deadline_s, iterations_total)
+
+
+def test_rows_follow_jobs_in_and_out() -> None:
+    table = _table()
+    table.add([_job("1", ("n1", 0)), _job("2", ("n1", 1), ("n2", 0)), _job("3", ("n2", 1))])
+    assert len(table) == 3 and len(table.estimator) == 3
+    table.estimator.power.theta[:, -1] = [10.0, 20.0, 30.0]  # mark the rows
+    removed = table.remove(["2", "unknown"])
+    assert [j.job_id for j in removed] == ["2"]
+    assert [j.job_id for j in table.jobs] == ["1", "3"]
+    np.testing.assert_array_equal(table.estimator.power.theta[:, -1], [10.0, 30.0])
+    np.testing.assert_array_equal(table.estimator.statics.gpus, [1, 1])
+
+
+def test_registering_twice_changes_nothing_and_a_gpu_cannot_be_shared() -> None:
+    table = _table()
+    table.add([_job("1", ("n1", 0), ("n1", 1))])
+    table.add([_job("1", ("n1", 0), ("n1", 1))])
+    assert len(table) == 1
+    with pytest.raises(InputError, match=r"GPU n1:1 already belongs to a running job"):
+        table.add([_job("2", ("n1", 1))])
+    with pytest.raises(InputError, match="unknown GPU type"):
+        table.add([_job("3", ("n3", 0), gpu_type="B300")])
+    assert len(table) == 1 and len(table.estimator) == 1
+
+
+def test_measurements_average_power_and_take_the_slowest_clock() -> None:
+    table = _table()
+    table.add([_job("7", ("n1", 0), ("n2", 3)), _job("8", ("n2", 4))])
+    samples = [
+        GpuSample(GpuRef("n1", 0), 300.0, 1410, 1593),
+        GpuSample(GpuRef("n2", 3), 280.0, 1350, 1593, int(ThrottleReason.SW_POWER_CAP)),
+        GpuSample(GpuRef("n2", 4), float("nan"), 1410, 1593),  # garbage is not trusted
+        GpuSample(GpuRef("n9", 0), 999.0, 1410, 1593),  # not a job's GPU
+    ]
+    m = table.measurements(samples)
+    assert m.power_w[0] == pytest.approx(290.0)
+    assert m.graphics_mhz[0] == 1350
+    assert m.power_capped is not None and m.power_capped.tolist() == [True, False]
+    assert np.isnan(m.power_w[1]) and np.isnan(m.graphics_mhz[1])
+
+
+def test_iteration_time_and_remaining_work_come_from_progress() -> None:
+    table = _table()
+    table.add([_job("5", ("n1", 0), deadline_s=5000.0, iterations_total=1000)])
+    table.record_progress("5", 100, 10.0)
+    assert np.isnan(table.measurements([]).iteration_s[0])  # one report: no rate yet
+    table.record_progress("5", 300, 70.0)
+    table.record_progress("5", 250, 80.0)  # stale: a late duplicate of an older report
+    assert table.measurements([]).iteration_s[0] == pytest.approx(60.0 / 200)
+    state = table.job_state()
+    assert state.remaining_iterations[0] == 700 and state.deadline_s[0] == 5000.0
+
+
+def test_a_decision_becomes_per_node_setpoints_with_one_clock_per_job() -> None:
+    table = _table()
+    table.add([_job("1", ("n1", 0), ("n2", 0)), _job("2", ("n2", 1), gpu_type="A40")])
+    mpc = EconomicMPC(table.grid)
+    decision = mpc.step(table.estimator, table.job_state(), now_s=0.0, budget_w=1e6)
+    per_node = table.setpoints(decision)
+    assert sorted(per_node) == ["n1", "n2"]
+    n2 = {s.gpu: s for s in per_node["n2"]}
+    assert per_node["n1"][0].graphics_mhz == n2[0].graphics_mhz == 1410
+    assert n2[0].memory_mhz is None  # HBM: no memory lock
+    assert n2[1].job_id == "2" and n2[1].memory_mhz == 7251 and n2[1].graphics_mhz == 1740
