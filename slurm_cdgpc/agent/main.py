@@ -1,0 +1,195 @@
+"""``cdgpc-noded [--config PATH] [--node-name NAME]``: the node agent.
+
+Start-up, in this order: load the config; open the GPUs (``node.backend``: ``nvml`` or
+``simulated``); build the `NodeAgent`, which resets every GPU first if a crash left a state file;
+build the request verifier (``auth.method``); start the progress socket (a failure there is logged,
+not fatal: clock safety matters more than progress reports); start the HTTP listener; then tick
+the lease watchdog every `TICK_PERIOD_S` on the main thread.
+
+SIGTERM, SIGINT and SIGHUP stop it: the listener and the progress socket close, every GPU is
+reset to default clocks, the state file is removed, exit status 0 (1 if a GPU could not be reset;
+systemd's ExecStopPost then resets the clocks with nvidia-smi). Logs go to stderr, one line per
+event (journald adds the time stamps). ``CDGPC_DEBUG=1`` logs at debug level and shows
+tracebacks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+import zlib
+from collections.abc import Sequence
+from contextlib import ExitStack
+from pathlib import Path
+from types import FrameType
+from typing import Final
+
+from slurm_cdgpc.agent.node import NodeAgent
+from slurm_cdgpc.agent.progress import ProgressServer
+from slurm_cdgpc.agent.protocol import check_node_name
+from slurm_cdgpc.agent.server import AgentHttpServer
+from slurm_cdgpc.config import Config, load_config
+from slurm_cdgpc.errors import CdgpcError, FatalError, InputError
+from slurm_cdgpc.gpu.device import GpuSet
+from slurm_cdgpc.transport.auth import (
+    AccessPolicy,
+    HmacKey,
+    HmacVerifier,
+    MungeVerifier,
+    ReplayCache,
+    Verifier,
+)
+
+logger = logging.getLogger(__name__)
+
+TICK_PERIOD_S: Final = 0.5
+DEBUG_ENV: Final = "CDGPC_DEBUG"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="cdgpc-noded", description="Node agent of slurm-cdgpc: applies GPU clock caps."
+    )
+    parser.add_argument(
+        "--config",
+        type=Path,
+        help="configuration file (default: CDGPC_CONFIG or /etc/cdgpc/cdgpc.toml)",
+    )
+    parser.add_argument("--node-name", help="this node's name in replies (default: host name)")
+    args = parser.parse_args(argv)
+    debug = os.environ.get(DEBUG_ENV) == "1"
+    logging.basicConfig(
+        stream=sys.stderr,
+        level=logging.DEBUG if debug else logging.INFO,
+        format="%(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        return run(load_config(args.config), node_name=args.node_name)
+    except CdgpcError as e:
+        if debug:
+            logger.exception("cdgpc-noded failed")
+        print(f"Error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2 if isinstance(e, InputError) else 1
+
+
+def open_gpus(config: Config, node_name: str) -> GpuSet:
+    """The node's GPUs, from the configured backend."""
+    node = config.node
+    if node.backend == "simulated":
+        from slurm_cdgpc.gpu.simulated import simulated_gpus  # noqa: PLC0415 - numpy only here
+
+        seed = zlib.crc32(node_name.encode())  # distinct UUIDs per simulated node
+        return simulated_gpus(node.simulated_gpu_type, node.simulated_gpu_count, seed=seed)
+    from slurm_cdgpc.gpu.nvml import open_nvml_gpus  # noqa: PLC0415 - pynvml only here
+
+    return open_nvml_gpus()
+
+
+def make_verifier(config: Config) -> Verifier:
+    """The credential checker for ``auth.method`` (the HMAC key must be root-only)."""
+    auth = config.auth
+    cache = ReplayCache(max_skew_s=auth.max_clock_skew_s)
+    if auth.method == "hmac":
+        return HmacVerifier(HmacKey.load(auth.hmac_key_file, owner_uid=0), replay_cache=cache)
+    return MungeVerifier(socket=auth.munge_socket, replay_cache=cache)
+
+
+def make_policy(config: Config) -> AccessPolicy:
+    """Root and the Slurm user may exchange; an unknown Slurm user leaves root only."""
+    try:
+        return AccessPolicy.from_names(slurm_user=config.auth.slurm_user)
+    except InputError as e:
+        logger.warning("%s; only root may send setpoints", e)
+        return AccessPolicy()
+
+
+def run(config: Config, *, node_name: str | None = None) -> int:
+    name = check_node_name(node_name or socket.gethostname().split(".")[0])
+    stop = threading.Event()
+
+    def on_signal(signum: int, _frame: FrameType | None) -> None:
+        logger.info("%s received: stopping", signal.Signals(signum).name)
+        stop.set()
+
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, on_signal)
+
+    gpus = open_gpus(config, name)
+    with ExitStack() as cleanup:
+        close = getattr(gpus, "close", None)
+        if callable(close):
+            cleanup.callback(close)
+        agent = NodeAgent(
+            gpus,
+            config.lease.safe_cap,
+            config.node.state_file,
+            time.time,
+            node_name=name,
+            lease_duration_s=config.lease.duration_s,
+            max_lease_s=2 * config.lease.duration_s,
+            on_lapse=config.lease.on_lapse,
+        )
+        failed = _serve(config, agent, stop)
+        return 1 if failed else 0
+    return 1  # not reached (ExitStack does not swallow exceptions)
+
+
+def _serve(config: Config, agent: NodeAgent, stop: threading.Event) -> bool:
+    """Run until ``stop``; always restore defaults at the end. True if a GPU reset failed."""
+    progress: ProgressServer | None = None
+    server: AgentHttpServer | None = None
+    thread: threading.Thread | None = None
+    try:
+        verifier = make_verifier(config)
+        policy = make_policy(config)
+        progress = ProgressServer(config.node.progress_socket, agent.record_progress)
+        try:
+            progress.start()
+        except FatalError as e:
+            logger.error("%s; progress reports are disabled", e)
+            progress = None
+        address = (config.node.listen_address, config.node.listen_port)
+        try:
+            server = AgentHttpServer(address, agent, verifier, policy)
+        except OSError as e:
+            raise FatalError(
+                f"cannot listen on {address[0]}:{address[1]}: {e.strerror or e}"
+            ) from e
+        thread = threading.Thread(target=server.serve_forever, name="http", daemon=True)
+        thread.start()
+        logger.info(
+            "cdgpc-noded on %s: %d GPU(s), listening on %s:%d (%s auth), lease %gs, safe cap %s",
+            agent.node_name,
+            len(agent.gpus),
+            config.node.listen_address,
+            server.port,
+            config.auth.method,
+            config.lease.duration_s,
+            config.lease.safe_cap,
+        )
+        while not stop.wait(TICK_PERIOD_S):
+            try:
+                agent.tick()
+            except Exception:
+                logger.exception("watchdog tick failed")
+    finally:
+        if server is not None:
+            server.shutdown()
+            server.server_close()
+        if thread is not None:
+            thread.join(timeout=5.0)
+        if progress is not None:
+            progress.close()
+        failed = agent.restore_defaults()
+        logger.info("cdgpc-noded stopped%s", f" ({len(failed)} GPU(s) not reset)" if failed else "")
+    return bool(failed)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

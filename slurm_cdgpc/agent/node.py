@@ -1,0 +1,530 @@
+"""`NodeAgent`: the core of ``cdgpc-noded``. Applies setpoints, watches the lease, keeps state.
+
+No sockets and no threads here: `server` and `progress` call in from their threads (every public
+method takes one lock), `main` calls `tick` periodically. Time comes from ``clock`` (epoch
+seconds; tests pass a `ManualClock`).
+
+Safety rules (DESIGN.md, "Node agent and safety"; research/nvml.md §6):
+
+- **Per-GPU, all or nothing.** A setpoint is checked against that GPU's supported clocks before
+  anything changes; an unsupported clock or a failed write is refused for that GPU only (and
+  reported in ``refused``), the other GPUs are still applied. A write that fails half-way is
+  rolled back to the GPU's previous lock, best effort.
+- **Lease.** Every exchange carries an expiry (clamped to at most ``max_lease_s`` ahead). When it
+  lapses, `tick` acts on ``on_lapse``: ``cap`` moves *every* GPU to the safe cap (idle GPUs too:
+  a job that starts while the head is away is unknown here, and a capped range costs an idle GPU
+  nothing), never raising a GPU that is already below it; ``reset`` restores defaults; ``keep``
+  leaves the clocks. It logs once per lapse. Before the first exchange, the start-up time plus
+  ``lease_duration_s`` counts as the expiry, so a node whose head never answers is capped too.
+  The next valid exchange takes control back: its setpoints apply, and GPUs the lapse capped that
+  hold no job return to defaults.
+- **Safe cap.** A clock fraction ``f`` maps to the highest supported graphics clock ≤ f · max.
+  A per-GPU power ``P_safe`` is mapped, without a power model, to the clock fraction
+  ``P_safe / max power limit``. Power grows faster than linearly with clock above the knee, so
+  this is conservative there, but idle power makes it optimistic for very low caps; operators
+  who need a guarantee should size a clock fraction from measured tables.
+- **State file.** Before any lock changes, the file is rewritten (temp file, fsync, rename, fsync
+  of the directory) listing every lock that may exist after the change; after the change it lists
+  what is locked, and it is removed when nothing is. A setpoint whose intent cannot be recorded is
+  refused. On construction, a state file left by a crash means locks may remain: every GPU is
+  reset FIRST, then the file is removed (kept if a reset failed, so the next start retries).
+- **Measurements are never silently trusted.** A GPU whose read fails is reported with ``error``
+  and null measurements. A power reading that is NaN, infinite, ≤ 0 W or above twice the GPU's
+  maximum power limit (e.g. 0xFFFFFFFF mW) is reported as ``power_w: null`` with an ``error``;
+  the other fields of that reading are kept. Likewise a non-finite or negative energy counter.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import os
+import socket
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final
+
+from slurm_cdgpc.agent.protocol import (
+    ExchangeRequest,
+    ExchangeResponse,
+    GpuReport,
+    LockReport,
+    ProgressLine,
+    ProgressReport,
+    Refusal,
+    check_node_name,
+)
+from slurm_cdgpc.config import LEASE_ACTIONS, SafeCap
+from slurm_cdgpc.errors import CdgpcError, InputError
+from slurm_cdgpc.gpu.device import GpuDevice, GpuReading, GpuSet, LockedClocks
+
+logger = logging.getLogger(__name__)
+
+STATE_VERSION: Final = 1
+#: at most this many jobs' progress is kept (the least recently updated is dropped first)
+MAX_PROGRESS_JOBS: Final = 1024
+#: a power reading above this multiple of the GPU's maximum power limit is garbage
+PLAUSIBLE_POWER_FACTOR: Final = 2.0
+_MAX_REASON_CHARS: Final = 300
+
+
+@dataclass(frozen=True)
+class TickResult:
+    """What `NodeAgent.tick` found: whether the lease has lapsed and which GPUs it changed."""
+
+    lapsed: bool
+    changed: tuple[int, ...] = ()
+
+
+def _one_line(text: object) -> str:
+    line = " ".join(str(text).split())
+    line = "".join(c if c.isprintable() and c.isascii() else "?" for c in line)
+    return (line or "error")[:_MAX_REASON_CHARS]
+
+
+def safe_clock_mhz(device: GpuDevice, safe_cap: SafeCap) -> int:
+    """The graphics clock a lapsed lease falls back to on ``device`` (see the module docstring)."""
+    allowed = device.supported_clocks().graphics_for(None)  # descending
+    if safe_cap.power_w is not None:
+        # no power model here: P_safe / P_max as a clock fraction (conservative above the knee)
+        fraction = min(1.0, safe_cap.power_w / device.power_limit_range().max_w)
+    else:
+        fraction = 1.0 if safe_cap.clock_fraction is None else safe_cap.clock_fraction
+    target_mhz = fraction * allowed[0]  # f_safe = max{f ∈ supported : f ≤ fraction · f_max}
+    for clock_mhz in allowed:
+        if clock_mhz <= target_mhz + 1e-9:
+            return clock_mhz
+    return allowed[-1]
+
+
+class NodeAgent:
+    """The GPUs of one node under the head's control, with a lease watchdog and a state file."""
+
+    def __init__(
+        self,
+        gpus: GpuSet,
+        safe_cap: SafeCap,
+        state_file: Path,
+        clock: Callable[[], float] = time.time,
+        *,
+        node_name: str | None = None,
+        lease_duration_s: float = 90.0,
+        max_lease_s: float | None = None,
+        on_lapse: str = "cap",
+    ) -> None:
+        if on_lapse not in LEASE_ACTIONS:
+            raise InputError(
+                f"on_lapse must be one of {', '.join(LEASE_ACTIONS)}, got {on_lapse!r}"
+            )
+        if not lease_duration_s > 0:
+            raise InputError(f"lease duration must be positive, got {lease_duration_s}")
+        self.gpus = gpus
+        self.safe_cap = safe_cap
+        self.state_file = Path(state_file)
+        self.node_name = check_node_name(node_name or socket.gethostname().split(".")[0])
+        self.on_lapse = on_lapse
+        self.max_lease_s = 2 * lease_duration_s if max_lease_s is None else max_lease_s
+        self._clock = clock
+        self._lock = threading.RLock()
+        self._jobs: dict[int, str] = {}  # GPU index -> the job the head assigned it
+        self._lapse_capped: set[int] = set()  # GPUs the lapse moved to the safe cap
+        self._progress: dict[str, ProgressReport] = {}
+        self._lapsed = False
+        self.recovered_stale_state = self._recover()
+        self._lease_expires_s = self._clock() + lease_duration_s
+
+    # -- start-up -------------------------------------------------------------------------------
+
+    def _recover(self) -> bool:
+        """Reset every GPU if a crashed agent left a state file, then remove it."""
+        try:
+            text = self.state_file.read_text(encoding="utf-8", errors="replace")
+        except FileNotFoundError:
+            return False
+        except OSError as e:
+            text = f"<unreadable: {e.strerror or e}>"
+        logger.warning(
+            "stale state file %s found (a previous agent did not stop cleanly): "
+            "resetting every GPU to default clocks first; it recorded: %s",
+            self.state_file,
+            _one_line(text)[:200],
+        )
+        failed = self.gpus.reset_all()
+        for dev, error in failed:
+            logger.error("GPU %s: reset after a crash failed: %s", dev.index, error)
+        if failed:
+            logger.error("keeping %s so that the next start retries the reset", self.state_file)
+        else:
+            self._remove_state_file()
+            logger.info("default clocks restored on %d GPU(s) after a crash", len(self.gpus))
+        return True
+
+    # -- the exchange ---------------------------------------------------------------------------
+
+    def exchange(self, request: ExchangeRequest) -> ExchangeResponse:
+        """Apply the head's setpoints and releases, renew the lease, return the node's state."""
+        with self._lock:
+            now_s = self._clock()
+            refused: list[Refusal] = []
+            for gpu in request.release:
+                self._release(gpu, refused)
+            wanted: dict[int, LockedClocks] = {}
+            devices: dict[int, GpuDevice] = {}
+            for sp in request.setpoints:
+                device = self._device(sp.gpu)
+                if device is None:
+                    refused.append(Refusal(sp.gpu, f"no GPU with index {sp.gpu} on this node"))
+                    continue
+                try:
+                    table = device.supported_clocks()
+                    table.check(sp.graphics_mhz, sp.memory_mhz)
+                    lowest = table.graphics_for(sp.memory_mhz)[-1]
+                except CdgpcError as e:
+                    refused.append(Refusal(sp.gpu, _one_line(e)))
+                    continue
+                devices[sp.gpu] = device
+                wanted[sp.gpu] = LockedClocks(lowest, sp.graphics_mhz, sp.memory_mhz)
+            if wanted and not self._write_state(intended=wanted):
+                for gpu in wanted:
+                    refused.append(Refusal(gpu, "cannot record the lock in the state file"))
+                wanted = {}
+            for sp in request.setpoints:
+                if sp.gpu not in wanted:
+                    continue
+                if self._apply(devices[sp.gpu], sp.graphics_mhz, sp.memory_mhz, refused):
+                    self._jobs[sp.gpu] = sp.job_id
+                    self._lapse_capped.discard(sp.gpu)
+            self._renew(request, now_s)
+            self._sync_state()
+            for r in refused:
+                logger.warning("GPU %s: setpoint refused: %s", r.gpu, r.reason)
+            return ExchangeResponse(
+                node=self.node_name,
+                time_s=now_s,
+                gpus=tuple(self._report(dev) for dev in self.gpus),
+                progress=tuple(self._progress.values()),
+                refused=tuple(refused),
+            )
+
+    def _renew(self, request: ExchangeRequest, now_s: float) -> None:
+        expires_s = min(request.lease_expires_s, now_s + self.max_lease_s)
+        if request.lease_expires_s <= now_s:
+            logger.warning(
+                "interval %d: lease already expired on arrival (%.1f s ago); check NTP",
+                request.interval,
+                now_s - request.lease_expires_s,
+            )
+        self._lease_expires_s = expires_s
+        if self._lapsed and expires_s > now_s:
+            self._lapsed = False
+            logger.info(
+                "lease renewed at interval %d: the head controls the clocks again", request.interval
+            )
+            for gpu in sorted(self._lapse_capped):
+                if gpu not in self._jobs:  # capped only because of the lapse: back to defaults
+                    dev = self._device(gpu)
+                    if dev is not None and self._reset(dev):
+                        self._lapse_capped.discard(gpu)
+
+    def _release(self, gpu: int, refused: list[Refusal]) -> None:
+        device = self._device(gpu)
+        if device is None:
+            refused.append(Refusal(gpu, f"no GPU with index {gpu} on this node"))
+            return
+        if self._reset(device):
+            job = self._jobs.pop(gpu, None)
+            self._lapse_capped.discard(gpu)
+            if job is not None and job not in self._jobs.values():
+                self._progress.pop(job, None)
+            logger.info("GPU %d: released (job %s ended), default clocks", gpu, job or "-")
+        else:
+            refused.append(Refusal(gpu, "reset to default clocks failed"))
+
+    def _apply(
+        self, device: GpuDevice, graphics_mhz: int, memory_mhz: int | None, refused: list[Refusal]
+    ) -> bool:
+        previous = device.locked
+        try:
+            device.set_locked_clocks(graphics_mhz, memory_mhz)
+            return True
+        except CdgpcError as e:
+            refused.append(Refusal(device.index, _one_line(e)))
+        if device.locked != previous:  # half-applied: put the previous lock back
+            try:
+                if previous is None:
+                    device.reset_locked_clocks()
+                else:
+                    device.set_locked_clocks(previous.graphics_max_mhz, previous.memory_mhz)
+            except CdgpcError as e:
+                logger.error("GPU %d: rollback after a failed lock failed: %s", device.index, e)
+        return False
+
+    def _reset(self, device: GpuDevice) -> bool:
+        try:
+            device.reset_locked_clocks()
+            return True
+        except CdgpcError as e:
+            logger.error("GPU %d: reset to default clocks failed: %s", device.index, e)
+            return False
+
+    def _device(self, index: int) -> GpuDevice | None:
+        for dev in self.gpus:
+            if dev.index == index:
+                return dev
+        return None
+
+    # -- measurements ---------------------------------------------------------------------------
+
+    def _report(self, device: GpuDevice) -> GpuReport:
+        locked = device.locked
+        lock = (
+            None
+            if locked is None
+            else LockReport(locked.graphics_min_mhz, locked.graphics_max_mhz, locked.memory_mhz)
+        )
+        job = self._jobs.get(device.index)
+        try:
+            reading = device.read()
+        except CdgpcError as e:
+            return GpuReport(
+                index=device.index,
+                uuid=device.uuid,
+                name=device.name,
+                power_w=None,
+                energy_j=None,
+                sm_clock_mhz=None,
+                memory_clock_mhz=None,
+                enforced_limit_w=None,
+                throttle=None,
+                locked=lock,
+                job_id=job,
+                error=_one_line(f"read failed: {e}"),
+            )
+        power_w, energy_j, error = self._plausible(device, reading)
+        return GpuReport(
+            index=device.index,
+            uuid=device.uuid,
+            name=device.name,
+            power_w=power_w,
+            energy_j=energy_j,
+            sm_clock_mhz=reading.sm_clock_mhz,
+            memory_clock_mhz=reading.memory_clock_mhz,
+            enforced_limit_w=reading.enforced_limit_w
+            if math.isfinite(reading.enforced_limit_w) and reading.enforced_limit_w >= 0
+            else None,
+            throttle=int(reading.throttle),
+            locked=lock,
+            job_id=job,
+            error=error,
+        )
+
+    def _plausible(
+        self, device: GpuDevice, reading: GpuReading
+    ) -> tuple[float | None, float | None, str | None]:
+        errors: list[str] = []
+        try:
+            ceiling_w = PLAUSIBLE_POWER_FACTOR * device.power_limit_range().max_w
+        except CdgpcError:
+            ceiling_w = 1e5
+        power_w: float | None = reading.power_w
+        if not (math.isfinite(reading.power_w) and 0 < reading.power_w <= ceiling_w):
+            errors.append(f"implausible power reading {reading.power_w!r} W")
+            power_w = None
+        energy_j: float | None = reading.energy_j
+        if not (math.isfinite(reading.energy_j) and reading.energy_j >= 0):
+            errors.append(f"implausible energy counter {reading.energy_j!r} J")
+            energy_j = None
+        return power_w, energy_j, "; ".join(errors) or None
+
+    # -- the lease watchdog ---------------------------------------------------------------------
+
+    def tick(self) -> TickResult:
+        """Check the lease; on a lapse apply ``on_lapse`` (retrying GPUs that failed)."""
+        with self._lock:
+            now_s = self._clock()
+            if now_s < self._lease_expires_s:
+                return TickResult(lapsed=False)
+            if not self._lapsed:
+                self._lapsed = True
+                logger.warning(
+                    "lease lapsed %.1f s ago (no valid exchange from the head): %s",
+                    now_s - self._lease_expires_s,
+                    {
+                        "cap": f"moving every GPU to the safe cap ({self.safe_cap})",
+                        "reset": "restoring default clocks",
+                        "keep": "keeping the last clocks",
+                    }[self.on_lapse],
+                )
+            if self.on_lapse == "keep":
+                return TickResult(lapsed=True)
+            if self.on_lapse == "reset":
+                changed = [d.index for d in self.gpus if d.locked is not None and self._reset(d)]
+                self._sync_state()
+                return TickResult(lapsed=True, changed=tuple(changed))
+            return TickResult(lapsed=True, changed=self._apply_safe_cap())
+
+    def _apply_safe_cap(self) -> tuple[int, ...]:
+        wanted: dict[int, LockedClocks] = {}
+        for dev in self.gpus:
+            try:
+                safe_mhz = safe_clock_mhz(dev, self.safe_cap)
+                lowest = dev.supported_clocks().graphics_for(None)[-1]
+            except CdgpcError as e:
+                logger.error("GPU %d: cannot compute the safe cap: %s", dev.index, e)
+                continue
+            current = dev.locked
+            if current is not None and current.graphics_max_mhz <= safe_mhz:
+                continue  # already at or below the safe cap: never raise a clock on a lapse
+            wanted[dev.index] = LockedClocks(lowest, safe_mhz, None)
+        if not wanted:
+            return ()
+        if not self._write_state(intended=wanted):
+            logger.error("cannot record the safe cap in the state file; applying it anyway")
+        changed: list[int] = []
+        for index, lock in wanted.items():
+            dev = self.gpus[index]
+            try:
+                dev.set_locked_clocks(lock.graphics_max_mhz, None)
+            except CdgpcError as e:
+                logger.error("GPU %d: safe cap %d MHz failed: %s", index, lock.graphics_max_mhz, e)
+                continue
+            self._lapse_capped.add(index)
+            changed.append(index)
+            logger.info("GPU %d: safe cap %d MHz applied", index, lock.graphics_max_mhz)
+        self._sync_state()
+        return tuple(changed)
+
+    @property
+    def lapsed(self) -> bool:
+        with self._lock:
+            return self._lapsed
+
+    @property
+    def lease_expires_s(self) -> float:
+        with self._lock:
+            return self._lease_expires_s
+
+    # -- shutdown -------------------------------------------------------------------------------
+
+    def restore_defaults(self) -> list[tuple[int, CdgpcError]]:
+        """Reset every GPU (trying all even if some fail); remove the state file if all worked."""
+        with self._lock:
+            failed = self.gpus.reset_all()
+            for dev, error in failed:
+                logger.error("GPU %d: restoring default clocks failed: %s", dev.index, error)
+            self._jobs.clear()
+            self._lapse_capped.clear()
+            if failed:
+                self._sync_state()
+            else:
+                self._remove_state_file()
+                logger.info("default clocks restored on %d GPU(s)", len(self.gpus))
+            return [(dev.index, error) for dev, error in failed]
+
+    # -- progress -------------------------------------------------------------------------------
+
+    def record_progress(self, job_id: str, step: int, total: int | None, uid: int) -> None:
+        """Keep the latest progress of ``job_id`` (reported until its GPUs are released).
+
+        A job's progress can only be updated by the uid that first reported it (or root); the head
+        checks that uid against the job's owner.
+        """
+        line = ProgressLine(job_id, step, total)  # validates
+        with self._lock:
+            previous = self._progress.pop(line.job_id, None)
+            if previous is not None and uid not in (0, previous.uid):
+                self._progress[line.job_id] = previous
+                raise InputError(
+                    f"job {line.job_id}: progress is reported by uid {previous.uid}, not {uid}"
+                )
+            self._progress[line.job_id] = ProgressReport(
+                line.job_id, line.step, line.total, self._clock(), uid
+            )
+            while len(self._progress) > MAX_PROGRESS_JOBS:
+                del self._progress[next(iter(self._progress))]
+
+    # -- the state file -------------------------------------------------------------------------
+
+    def _state(self, extra: dict[int, LockedClocks] | None = None) -> list[dict[str, Any]]:
+        locks: list[dict[str, Any]] = []
+        for dev in self.gpus:
+            entries = [dev.locked, (extra or {}).get(dev.index)]
+            for lock in entries:
+                if lock is not None:
+                    locks.append(
+                        {
+                            "index": dev.index,
+                            "uuid": dev.uuid,
+                            "graphics_min_mhz": lock.graphics_min_mhz,
+                            "graphics_max_mhz": lock.graphics_max_mhz,
+                            "memory_mhz": lock.memory_mhz,
+                            "job_id": self._jobs.get(dev.index),
+                        }
+                    )
+        return locks
+
+    def _write_state(self, intended: dict[int, LockedClocks] | None = None) -> bool:
+        """Atomically write the state file listing current (and intended) locks."""
+        document = {
+            "version": STATE_VERSION,
+            "node": self.node_name,
+            "pid": os.getpid(),
+            "written_s": self._clock(),
+            "locks": self._state(intended),
+        }
+        directory = self.state_file.parent
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=".node-state.", dir=directory)
+            try:
+                with os.fdopen(fd, "w", encoding="utf-8") as f:
+                    json.dump(document, f, indent=1)
+                    f.write("\n")
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.replace(tmp, self.state_file)
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+                raise
+            _fsync_directory(directory)
+        except OSError as e:
+            logger.error("cannot write the state file %s: %s", self.state_file, e.strerror or e)
+            return False
+        return True
+
+    def _sync_state(self) -> None:
+        """The state file lists exactly what is locked now; it is absent when nothing is."""
+        if any(dev.locked is not None for dev in self.gpus):
+            self._write_state()
+        else:
+            self._remove_state_file()
+
+    def _remove_state_file(self) -> None:
+        try:
+            self.state_file.unlink()
+        except FileNotFoundError:
+            return
+        except OSError as e:
+            logger.error("cannot remove the state file %s: %s", self.state_file, e.strerror or e)
+            return
+        _fsync_directory(self.state_file.parent)
+
+
+def _fsync_directory(directory: Path) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

@@ -1,0 +1,260 @@
+"""Training progress: jobs tell the node agent how far they are, over a local Unix socket.
+
+Client side (inside a training job; standard library only, so it starts in milliseconds and never
+drags numpy or the GPU backends into the job)::
+
+    $ cdgpc-progress 500 10000          # step 500 of 10000, job from $SLURM_JOB_ID
+
+    from slurm_cdgpc.agent.progress import report_progress
+    report_progress(500, total=10_000)
+
+Training must never fail because the agent is down: a missing socket, a refused or slow
+connection, or an answer the agent refused is a warning on stderr, exit status 0 (the helper
+returns False). Only a usage error (no or bad ``SLURM_JOB_ID``, bad STEP/TOTAL) is an error:
+``Error: <one line>`` and exit status 2 (the helper raises `ProtocolError`).
+
+Server side (in ``cdgpc-noded``): `ProgressServer` listens on the configured socket (mode 0666 so
+that every job can write), takes one JSON line per connection (`ProgressLine`, at most
+`MAX_PROGRESS_LINE_BYTES`), reads the sender's uid from the kernel (``SO_PEERCRED``; a sender
+cannot lie about it) and hands the report to a callback (`NodeAgent.record_progress`). It answers
+``ok`` or ``error: <reason>``. Connections are served on their own threads with a timeout, at
+most ``max_connections`` at once.
+
+The socket path: ``$CDGPC_NODE_PROGRESS_SOCKET``, else ``/run/cdgpc/progress.sock`` (the
+``node.progress_socket`` default; the client does not read the config file).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import socket
+import stat
+import struct
+import sys
+import threading
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Final
+
+from slurm_cdgpc.agent.protocol import MAX_PROGRESS_LINE_BYTES, ProgressLine, ProtocolError
+from slurm_cdgpc.errors import CdgpcError, FatalError
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_SOCKET: Final = Path("/run/cdgpc/progress.sock")
+SOCKET_ENV: Final = "CDGPC_NODE_PROGRESS_SOCKET"
+JOB_ID_ENV: Final = "SLURM_JOB_ID"
+CLIENT_TIMEOUT_S: Final = 1.0
+_PEERCRED: Final = struct.Struct("3i")  # struct ucred: pid, uid, gid
+
+#: record(job_id, step, total, uid); raises `CdgpcError` to refuse
+Recorder = Callable[[str, int, int | None, int], None]
+
+
+# -- client ------------------------------------------------------------------------------------
+
+
+def socket_path(env: dict[str, str] | None = None) -> Path:
+    env = dict(os.environ) if env is None else env
+    return Path(env.get(SOCKET_ENV) or DEFAULT_SOCKET)
+
+
+def report_progress(
+    step: int,
+    total: int | None = None,
+    *,
+    job_id: str | None = None,
+    path: str | os.PathLike[str] | None = None,
+    timeout_s: float = CLIENT_TIMEOUT_S,
+) -> bool:
+    """Report ``step`` (of ``total``) for ``job_id`` (default ``$SLURM_JOB_ID``).
+
+    Returns True when the agent recorded it; False, with a warning, when the agent could not be
+    reached or refused it. Raises `ProtocolError` for a missing/bad job id or bad numbers.
+    """
+    job = os.environ.get(JOB_ID_ENV) if job_id is None else job_id
+    if not job:
+        raise ProtocolError(f"{JOB_ID_ENV} is not set (run this inside a Slurm job)")
+    line = ProgressLine(job, step, total)  # validates: ProtocolError
+    where = Path(path) if path is not None else socket_path()
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.settimeout(timeout_s)
+            sock.connect(os.fspath(where))
+            sock.sendall(line.to_json() + b"\n")
+            sock.shutdown(socket.SHUT_WR)
+            answer = _read_line(sock, 1024).decode("ascii", "replace").strip()
+    except FileNotFoundError:
+        logger.warning("cdgpc-progress: no node agent socket at %s; progress not reported", where)
+        return False
+    except OSError as e:
+        logger.warning("cdgpc-progress: cannot reach the node agent at %s: %s", where, e)
+        return False
+    if answer != "ok":
+        logger.warning("cdgpc-progress: the node agent refused the report: %s", answer[:200])
+        return False
+    return True
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``cdgpc-progress STEP [TOTAL]``: report progress of ``$SLURM_JOB_ID`` to the node agent."""
+    parser = argparse.ArgumentParser(
+        prog="cdgpc-progress",
+        description="Report training progress of this Slurm job to the node agent. Never fails "
+        "the job: if the agent is down, warns and exits 0.",
+    )
+    parser.add_argument("step", type=_count, help="steps (iterations) done so far, >= 0")
+    parser.add_argument("total", type=_count, nargs="?", help="total steps of the job, if known")
+    args = parser.parse_args(argv)
+    if not logging.getLogger().handlers:
+        logging.basicConfig(stream=sys.stderr, format="%(message)s", level=logging.WARNING)
+    try:
+        report_progress(args.step, args.total)
+    except ProtocolError as e:
+        print(f"Error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _count(text: str) -> int:
+    if not text.isdigit() or len(text) > 16:
+        raise argparse.ArgumentTypeError(f"must be a non-negative integer, got {text!r}")
+    return int(text)
+
+
+def _read_line(sock: socket.socket, limit: int) -> bytes:
+    """Bytes up to the first newline (or EOF), at most ``limit + 1`` of them."""
+    data = bytearray()
+    while len(data) <= limit and b"\n" not in data:
+        chunk = sock.recv(limit + 1 - len(data))
+        if not chunk:
+            break
+        data.extend(chunk)
+    return bytes(data)
+
+
+# -- server ------------------------------------------------------------------------------------
+
+
+class ProgressServer:
+    """Accepts progress lines on a Unix socket and passes them to ``record`` (see the docstring)."""
+
+    def __init__(
+        self,
+        path: Path,
+        record: Recorder,
+        *,
+        timeout_s: float = 2.0,
+        max_connections: int = 16,
+    ) -> None:
+        self.path = Path(path)
+        self._record = record
+        self.timeout_s = timeout_s
+        self._slots = threading.BoundedSemaphore(max_connections)
+        self._stop = threading.Event()
+        self._sock: socket.socket | None = None
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        """Bind the socket (replacing a stale one), make it world-writable, start accepting."""
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                mode = self.path.lstat().st_mode
+            except FileNotFoundError:
+                pass
+            else:
+                if not stat.S_ISSOCK(mode):
+                    raise FatalError(
+                        f"{self.path} exists and is not a socket; refusing to remove it"
+                    )
+                self.path.unlink()
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                sock.bind(os.fspath(self.path))
+                os.chmod(self.path, 0o666)  # every job may report; SO_PEERCRED says who
+                sock.listen(64)
+                sock.settimeout(0.2)
+            except BaseException:
+                sock.close()
+                raise
+        except OSError as e:
+            raise FatalError(f"cannot listen for progress on {self.path}: {e.strerror or e}") from e
+        self._sock = sock
+        self._thread = threading.Thread(target=self._serve, name="progress", daemon=True)
+        self._thread.start()
+        logger.info("progress socket listening on %s", self.path)
+
+    def close(self) -> None:
+        """Stop accepting and remove the socket file."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=2.0)
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+            with contextlib.suppress(OSError):
+                self.path.unlink()
+
+    def _serve(self) -> None:
+        sock = self._sock
+        assert sock is not None
+        while not self._stop.is_set():
+            try:
+                conn, _ = sock.accept()
+            except TimeoutError:
+                continue
+            except OSError as e:
+                if self._stop.is_set():
+                    return
+                logger.error("progress socket: accept failed: %s", e)
+                self._stop.wait(0.2)
+                continue
+            if not self._slots.acquire(blocking=False):
+                logger.warning("progress socket: too many connections; dropping one")
+                conn.close()
+                continue
+            threading.Thread(target=self._handle, args=(conn,), daemon=True).start()
+
+    def _handle(self, conn: socket.socket) -> None:
+        try:
+            with conn:
+                conn.settimeout(self.timeout_s)
+                answer = self._answer(conn)
+                with contextlib.suppress(OSError):
+                    conn.sendall(answer.encode("ascii", "replace") + b"\n")
+        except Exception:
+            logger.exception("progress socket: internal error")
+        finally:
+            self._slots.release()
+
+    def _answer(self, conn: socket.socket) -> str:
+        try:
+            raw = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
+            pid, uid, _gid = _PEERCRED.unpack(raw)
+        except OSError as e:
+            return f"error: cannot identify the sender: {e.strerror or e}"
+        try:
+            data = _read_line(conn, MAX_PROGRESS_LINE_BYTES)
+        except OSError as e:
+            logger.info("progress socket: pid %d uid %d: %s", pid, uid, e)
+            return "error: no complete line received in time"
+        if len(data) > MAX_PROGRESS_LINE_BYTES:
+            return f"error: line longer than {MAX_PROGRESS_LINE_BYTES} bytes"
+        try:
+            line = ProgressLine.from_json(data.split(b"\n", 1)[0])
+            self._record(line.job_id, line.step, line.total, uid)
+        except CdgpcError as e:
+            logger.warning("progress from pid %d uid %d refused: %s", pid, uid, e)
+            return f"error: {e}"
+        logger.debug(
+            "progress: job %s step %d/%s (uid %d)", line.job_id, line.step, line.total, uid
+        )
+        return "ok"
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,522 @@
+"""The messages between the head and a node agent, and the progress line jobs send to the agent.
+
+Every message is one JSON object, version 1, at most `MAX_MESSAGE_BYTES`. Parsing is strict:
+wrong types (``true`` is not an integer, ``"3"`` is not a number), out-of-range values, NaN or
+Infinity, duplicate keys and unknown keys are all refused with a one-line `ProtocolError` naming
+the field, e.g. ``setpoints[2].graphics_mhz: must be an integer in 1..100000, got -5``. A peer
+that speaks a newer version is refused, never half-understood.
+
+Exchange request (head → agent, ``POST /v1/exchange``)::
+
+    {"version": 1, "interval": 42, "lease_expires_s": 1767225690.0,
+     "setpoints": [{"gpu": 0, "job_id": "123", "graphics_mhz": 1200, "memory_mhz": null}],
+     "release": [3]}
+
+``release`` lists GPUs whose job ended: the agent resets them to default clocks. A GPU may not be
+both set and released in one request.
+
+Exchange response (agent → head): per-GPU readings (measurement fields are null when the GPU could
+not be read, or when one value was implausible, and ``error`` says why), the latest progress each
+job reported, and the setpoints the agent ``refused`` (with the reason). See `ExchangeResponse`.
+
+This module imports only the standard library and `slurm_cdgpc.errors`: the progress client uses
+it inside training jobs.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Final
+
+from slurm_cdgpc.errors import InputError
+
+VERSION: Final = 1
+MAX_MESSAGE_BYTES: Final = 1024 * 1024
+MAX_PROGRESS_LINE_BYTES: Final = 1024
+MAX_GPUS: Final = 1024  # entries in setpoints/release/gpus/refused
+MAX_PROGRESS_ENTRIES: Final = 4096
+MAX_CLOCK_MHZ: Final = 100_000
+MAX_GPU_INDEX: Final = MAX_GPUS - 1
+MAX_COUNT: Final = 2**53  # steps, intervals: exact in a JSON double
+MAX_TEXT_CHARS: Final = 512
+MAX_UID: Final = 0xFFFFFFFE
+MAX_THROTTLE: Final = 2**64 - 1
+
+#: A Slurm job id: ``123``, or an array task ``123_4``.
+JOB_ID_RE: Final = re.compile(r"[1-9][0-9]{0,9}(?:_[0-9]{1,10})?")
+_NODE_RE: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,254}")
+
+
+class ProtocolError(InputError):
+    """A message that is not valid JSON of the expected schema (one line, names the field)."""
+
+
+class MessageTooLargeError(ProtocolError):
+    """A message larger than the cap (HTTP 413)."""
+
+
+# -- checks: each returns the typed value or raises ProtocolError naming the field ------------
+
+
+def _got(value: object) -> str:
+    text = repr(value)
+    return f"got {text if len(text) <= 60 else text[:57] + '...'}"
+
+
+def _fields(
+    value: object, where: str, required: tuple[str, ...], optional: tuple[str, ...] = ()
+) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise ProtocolError(f"{where}: must be a JSON object, {_got(value)}")
+    unknown = sorted(k for k in value if k not in required and k not in optional)
+    if unknown:
+        raise ProtocolError(f"{where}: unknown field {_got(unknown[0])[4:]}")
+    missing = [k for k in required if k not in value]
+    if missing:
+        raise ProtocolError(f"{where}: missing field {missing[0]!r}")
+    return value
+
+
+def _int(value: object, where: str, lo: int, hi: int) -> int:
+    if isinstance(value, int) and not isinstance(value, bool) and lo <= value <= hi:
+        return value
+    raise ProtocolError(f"{where}: must be an integer in {lo}..{hi}, {_got(value)}")
+
+
+def _opt_int(value: object, where: str, lo: int, hi: int) -> int | None:
+    return None if value is None else _int(value, where, lo, hi)
+
+
+def _float(value: object, where: str, lo: float, hi: float) -> float:
+    if (
+        isinstance(value, int | float)
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and lo <= value <= hi
+    ):
+        return float(value)
+    raise ProtocolError(f"{where}: must be a number in {lo:g}..{hi:g}, {_got(value)}")
+
+
+def _opt_float(value: object, where: str, lo: float, hi: float) -> float | None:
+    return None if value is None else _float(value, where, lo, hi)
+
+
+def _text(value: object, where: str) -> str:
+    if (
+        isinstance(value, str)
+        and 0 < len(value) <= MAX_TEXT_CHARS
+        and value.isprintable()
+        and value.isascii()
+    ):
+        return value
+    raise ProtocolError(
+        f"{where}: must be 1..{MAX_TEXT_CHARS} printable ASCII characters, {_got(value)}"
+    )
+
+
+def _opt_text(value: object, where: str) -> str | None:
+    return None if value is None else _text(value, where)
+
+
+def job_id(value: object, where: str = "job_id") -> str:
+    """A Slurm job id (``123`` or ``123_4``), else `ProtocolError`."""
+    if isinstance(value, str) and JOB_ID_RE.fullmatch(value):
+        return value
+    raise ProtocolError(f"{where}: must be a Slurm job id like 123 or 123_4, {_got(value)}")
+
+
+def _opt_job_id(value: object, where: str) -> str | None:
+    return None if value is None else job_id(value, where)
+
+
+def _list(value: object, where: str, limit: int) -> list[Any]:
+    if not isinstance(value, list):
+        raise ProtocolError(f"{where}: must be a JSON array, {_got(value)}")
+    if len(value) > limit:
+        raise ProtocolError(f"{where}: at most {limit} entries, got {len(value)}")
+    return value
+
+
+def _version(data: Mapping[str, Any]) -> int:
+    version = data["version"]
+    if isinstance(version, int) and not isinstance(version, bool) and version == VERSION:
+        return version
+    raise ProtocolError(f"version: this agent speaks version {VERSION}, {_got(version)}")
+
+
+def _reject_constant(name: str) -> object:
+    raise ProtocolError(f"not valid JSON: {name} is not a number")
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    result: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in result:
+            raise ProtocolError(f"duplicate field {_got(key)[4:]}")
+        result[key] = value
+    return result
+
+
+def load_json(data: bytes | str, limit_bytes: int = MAX_MESSAGE_BYTES) -> object:
+    """Decode one JSON document of at most ``limit_bytes`` UTF-8 bytes, strictly."""
+    raw = data.encode("utf-8", "surrogatepass") if isinstance(data, str) else data
+    if not isinstance(raw, bytes | bytearray):
+        raise ProtocolError(f"message must be bytes or text, {_got(type(data).__name__)}")
+    if len(raw) > limit_bytes:
+        raise MessageTooLargeError(f"message is {len(raw)} bytes; the limit is {limit_bytes}")
+    try:
+        text = bytes(raw).decode("utf-8")
+    except UnicodeDecodeError:
+        raise ProtocolError("message is not UTF-8") from None
+    try:
+        return json.loads(text, parse_constant=_reject_constant, object_pairs_hook=_no_duplicates)
+    except ProtocolError:
+        raise
+    except RecursionError:
+        raise ProtocolError("not valid JSON: nested too deeply") from None
+    except ValueError as e:
+        first = (str(e).splitlines() or ["malformed"])[0][:200]
+        raise ProtocolError(f"not valid JSON: {first}") from None
+
+
+def dump_json(data: object) -> bytes:
+    """Compact, ASCII-only JSON (NaN and Infinity are refused: they are not JSON)."""
+    return json.dumps(data, separators=(",", ":"), allow_nan=False).encode("ascii")
+
+
+# -- the exchange request ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Setpoint:
+    """Cap GPU ``gpu`` (this node's index) at ``graphics_mhz`` for job ``job_id``."""
+
+    gpu: int
+    job_id: str
+    graphics_mhz: int
+    memory_mhz: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "gpu": self.gpu,
+            "job_id": self.job_id,
+            "graphics_mhz": self.graphics_mhz,
+            "memory_mhz": self.memory_mhz,
+        }
+
+    @classmethod
+    def from_dict(cls, value: object, where: str) -> Setpoint:
+        d = _fields(value, where, ("gpu", "job_id", "graphics_mhz"), ("memory_mhz",))
+        return cls(
+            gpu=_int(d["gpu"], f"{where}.gpu", 0, MAX_GPU_INDEX),
+            job_id=job_id(d["job_id"], f"{where}.job_id"),
+            graphics_mhz=_int(d["graphics_mhz"], f"{where}.graphics_mhz", 1, MAX_CLOCK_MHZ),
+            memory_mhz=_opt_int(d.get("memory_mhz"), f"{where}.memory_mhz", 1, MAX_CLOCK_MHZ),
+        )
+
+
+@dataclass(frozen=True)
+class ExchangeRequest:
+    """What the head sends every interval: setpoints, released GPUs and the lease expiry."""
+
+    interval: int
+    lease_expires_s: float  # epoch seconds
+    setpoints: tuple[Setpoint, ...] = ()
+    release: tuple[int, ...] = ()
+    version: int = VERSION
+
+    def to_json(self) -> bytes:
+        return dump_json(
+            {
+                "version": self.version,
+                "interval": self.interval,
+                "lease_expires_s": self.lease_expires_s,
+                "setpoints": [s.to_dict() for s in self.setpoints],
+                "release": list(self.release),
+            }
+        )
+
+    @classmethod
+    def from_json(cls, data: bytes | str) -> ExchangeRequest:
+        d = _fields(
+            load_json(data),
+            "request",
+            ("version", "interval", "lease_expires_s", "setpoints", "release"),
+        )
+        version = _version(d)
+        setpoints = tuple(
+            Setpoint.from_dict(item, f"setpoints[{i}]")
+            for i, item in enumerate(_list(d["setpoints"], "setpoints", MAX_GPUS))
+        )
+        release = tuple(
+            _int(item, f"release[{i}]", 0, MAX_GPU_INDEX)
+            for i, item in enumerate(_list(d["release"], "release", MAX_GPUS))
+        )
+        seen: set[int] = set()
+        for i, s in enumerate(setpoints):
+            if s.gpu in seen:
+                raise ProtocolError(f"setpoints[{i}].gpu: GPU {s.gpu} is listed twice")
+            seen.add(s.gpu)
+        if len(set(release)) != len(release):
+            raise ProtocolError("release: a GPU is listed twice")
+        both = sorted(seen & set(release))
+        if both:
+            raise ProtocolError(f"release: GPU {both[0]} is also given a setpoint")
+        return cls(
+            version=version,
+            interval=_int(d["interval"], "interval", 0, MAX_COUNT),
+            lease_expires_s=_float(d["lease_expires_s"], "lease_expires_s", 0.0, 1e11),
+            setpoints=setpoints,
+            release=release,
+        )
+
+
+# -- the exchange response ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LockReport:
+    """The clock lock the agent set on a GPU (NVML cannot read one back)."""
+
+    graphics_min_mhz: int
+    graphics_max_mhz: int
+    memory_mhz: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "graphics_min_mhz": self.graphics_min_mhz,
+            "graphics_max_mhz": self.graphics_max_mhz,
+            "memory_mhz": self.memory_mhz,
+        }
+
+    @classmethod
+    def from_dict(cls, value: object, where: str) -> LockReport:
+        d = _fields(value, where, ("graphics_min_mhz", "graphics_max_mhz", "memory_mhz"))
+        return cls(
+            graphics_min_mhz=_int(
+                d["graphics_min_mhz"], f"{where}.graphics_min_mhz", 0, MAX_CLOCK_MHZ
+            ),
+            graphics_max_mhz=_int(
+                d["graphics_max_mhz"], f"{where}.graphics_max_mhz", 0, MAX_CLOCK_MHZ
+            ),
+            memory_mhz=_opt_int(d["memory_mhz"], f"{where}.memory_mhz", 0, MAX_CLOCK_MHZ),
+        )
+
+
+_MAX_POWER_W: Final = 1e7
+_MAX_ENERGY_J: Final = 1e18
+
+
+@dataclass(frozen=True)
+class GpuReport:
+    """One GPU's state. Measurements are None where they could not be trusted (see ``error``)."""
+
+    index: int
+    uuid: str
+    name: str
+    power_w: float | None
+    energy_j: float | None
+    sm_clock_mhz: int | None
+    memory_clock_mhz: int | None
+    enforced_limit_w: float | None
+    throttle: int | None  # NVML clocks-event-reason bitmask
+    locked: LockReport | None
+    job_id: str | None
+    error: str | None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "index": self.index,
+            "uuid": self.uuid,
+            "name": self.name,
+            "power_w": self.power_w,
+            "energy_j": self.energy_j,
+            "sm_clock_mhz": self.sm_clock_mhz,
+            "memory_clock_mhz": self.memory_clock_mhz,
+            "enforced_limit_w": self.enforced_limit_w,
+            "throttle": self.throttle,
+            "locked": None if self.locked is None else self.locked.to_dict(),
+            "job_id": self.job_id,
+            "error": self.error,
+        }
+
+    @classmethod
+    def from_dict(cls, value: object, where: str) -> GpuReport:
+        keys = (
+            "index",
+            "uuid",
+            "name",
+            "power_w",
+            "energy_j",
+            "sm_clock_mhz",
+            "memory_clock_mhz",
+            "enforced_limit_w",
+            "throttle",
+            "locked",
+            "job_id",
+            "error",
+        )
+        d = _fields(value, where, keys)
+        return cls(
+            index=_int(d["index"], f"{where}.index", 0, MAX_GPU_INDEX),
+            uuid=_text(d["uuid"], f"{where}.uuid"),
+            name=_text(d["name"], f"{where}.name"),
+            power_w=_opt_float(d["power_w"], f"{where}.power_w", 0.0, _MAX_POWER_W),
+            energy_j=_opt_float(d["energy_j"], f"{where}.energy_j", 0.0, _MAX_ENERGY_J),
+            sm_clock_mhz=_opt_int(d["sm_clock_mhz"], f"{where}.sm_clock_mhz", 0, MAX_CLOCK_MHZ),
+            memory_clock_mhz=_opt_int(
+                d["memory_clock_mhz"], f"{where}.memory_clock_mhz", 0, MAX_CLOCK_MHZ
+            ),
+            enforced_limit_w=_opt_float(
+                d["enforced_limit_w"], f"{where}.enforced_limit_w", 0.0, _MAX_POWER_W
+            ),
+            throttle=_opt_int(d["throttle"], f"{where}.throttle", 0, MAX_THROTTLE),
+            locked=None
+            if d["locked"] is None
+            else LockReport.from_dict(d["locked"], f"{where}.locked"),
+            job_id=_opt_job_id(d["job_id"], f"{where}.job_id"),
+            error=_opt_text(d["error"], f"{where}.error"),
+        )
+
+
+@dataclass(frozen=True)
+class ProgressReport:
+    """The latest progress a job reported on this node (``uid``: the sender, from the kernel)."""
+
+    job_id: str
+    step: int
+    total: int | None
+    time_s: float
+    uid: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "job_id": self.job_id,
+            "step": self.step,
+            "total": self.total,
+            "time_s": self.time_s,
+            "uid": self.uid,
+        }
+
+    @classmethod
+    def from_dict(cls, value: object, where: str) -> ProgressReport:
+        d = _fields(value, where, ("job_id", "step", "total", "time_s", "uid"))
+        return cls(
+            job_id=job_id(d["job_id"], f"{where}.job_id"),
+            step=_int(d["step"], f"{where}.step", 0, MAX_COUNT),
+            total=_opt_int(d["total"], f"{where}.total", 1, MAX_COUNT),
+            time_s=_float(d["time_s"], f"{where}.time_s", 0.0, 1e11),
+            uid=_int(d["uid"], f"{where}.uid", 0, MAX_UID),
+        )
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """A setpoint the agent did not apply, and why (one line)."""
+
+    gpu: int
+    reason: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"gpu": self.gpu, "reason": self.reason}
+
+    @classmethod
+    def from_dict(cls, value: object, where: str) -> Refusal:
+        d = _fields(value, where, ("gpu", "reason"))
+        return cls(
+            gpu=_int(d["gpu"], f"{where}.gpu", 0, MAX_GPU_INDEX),
+            reason=_text(d["reason"], f"{where}.reason"),
+        )
+
+
+def _parse_list(
+    value: object, where: str, limit: int, parse: Callable[[object, str], Any]
+) -> tuple[Any, ...]:
+    return tuple(parse(item, f"{where}[{i}]") for i, item in enumerate(_list(value, where, limit)))
+
+
+@dataclass(frozen=True)
+class ExchangeResponse:
+    """What the agent answers: readings of every GPU, job progress, refused setpoints."""
+
+    node: str
+    time_s: float  # epoch seconds on the agent
+    gpus: tuple[GpuReport, ...] = ()
+    progress: tuple[ProgressReport, ...] = ()
+    refused: tuple[Refusal, ...] = ()
+    version: int = VERSION
+
+    def to_json(self) -> bytes:
+        return dump_json(
+            {
+                "version": self.version,
+                "node": self.node,
+                "time_s": self.time_s,
+                "gpus": [g.to_dict() for g in self.gpus],
+                "progress": [p.to_dict() for p in self.progress],
+                "refused": [r.to_dict() for r in self.refused],
+            }
+        )
+
+    @classmethod
+    def from_json(cls, data: bytes | str) -> ExchangeResponse:
+        d = _fields(
+            load_json(data),
+            "response",
+            ("version", "node", "time_s", "gpus", "progress", "refused"),
+        )
+        version = _version(d)
+        node = d["node"]
+        if not (isinstance(node, str) and _NODE_RE.fullmatch(node)):
+            raise ProtocolError(f"node: must be a host name, {_got(node)}")
+        return cls(
+            version=version,
+            node=node,
+            time_s=_float(d["time_s"], "time_s", 0.0, 1e11),
+            gpus=_parse_list(d["gpus"], "gpus", MAX_GPUS, GpuReport.from_dict),
+            progress=_parse_list(
+                d["progress"], "progress", MAX_PROGRESS_ENTRIES, ProgressReport.from_dict
+            ),
+            refused=_parse_list(d["refused"], "refused", MAX_GPUS, Refusal.from_dict),
+        )
+
+
+def check_node_name(name: str) -> str:
+    """A host name usable as ``node`` in a response, else `ProtocolError`."""
+    if isinstance(name, str) and _NODE_RE.fullmatch(name):
+        return name
+    raise ProtocolError(f"node name must be a host name, {_got(name)}")
+
+
+# -- the progress line (job → agent, over the Unix socket) -------------------------------------
+
+
+@dataclass(frozen=True)
+class ProgressLine:
+    """``{"job_id": "123", "step": 500, "total": 10000}``: one line per connection."""
+
+    job_id: str
+    step: int
+    total: int | None = None
+
+    def __post_init__(self) -> None:
+        job_id(self.job_id)
+        _int(self.step, "step", 0, MAX_COUNT)
+        _opt_int(self.total, "total", 1, MAX_COUNT)
+        if self.total is not None and self.step > self.total:
+            raise ProtocolError(f"step: must not exceed total ({self.total}), got {self.step}")
+
+    def to_json(self) -> bytes:
+        return dump_json({"job_id": self.job_id, "step": self.step, "total": self.total})
+
+    @classmethod
+    def from_json(cls, data: bytes | str) -> ProgressLine:
+        d = _fields(
+            load_json(data, MAX_PROGRESS_LINE_BYTES), "progress", ("job_id", "step"), ("total",)
+        )
+        return cls(job_id=d["job_id"], step=d["step"], total=d.get("total"))

@@ -1,0 +1,237 @@
+"""The agent's HTTP listener (standard library only): the head's one way in.
+
+Routes:
+
+- ``POST /v1/exchange``: body = `ExchangeRequest` JSON, ``Authorization: <credential>`` binding
+  the method, the path and the body (`slurm_cdgpc.transport.auth`). Only principals allowed
+  `Operation.NODE` (root, the Slurm user; any HMAC key holder) may exchange. Answers the
+  `ExchangeResponse` JSON.
+- ``GET /v1/health``: unauthenticated, answers ``{"ok": true}`` and nothing else.
+
+Every refusal is a one-line JSON error ``{"error": "..."}`` and changes nothing: 400 bad JSON or
+schema, 401 missing/bad/replayed credential, 403 not allowed, 404 unknown path, 405 wrong method,
+411 no Content-Length, 413 body over the cap, 503 authentication backend down, 500 a bug (logged
+with its traceback). The body is authenticated before it is parsed. Each connection has a socket
+timeout, and at most `max_connections` are served at once (more are closed at once).
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any, Final
+
+from slurm_cdgpc.agent.node import NodeAgent
+from slurm_cdgpc.agent.protocol import (
+    MAX_MESSAGE_BYTES,
+    ExchangeRequest,
+    MessageTooLargeError,
+    ProtocolError,
+    dump_json,
+)
+from slurm_cdgpc.transport.auth import (
+    AccessPolicy,
+    AuthError,
+    AuthUnavailableError,
+    ForbiddenError,
+    Operation,
+    Verifier,
+)
+
+logger = logging.getLogger(__name__)
+
+EXCHANGE_PATH: Final = "/v1/exchange"
+HEALTH_PATH: Final = "/v1/health"
+_ROUTES: Final = {EXCHANGE_PATH: "POST", HEALTH_PATH: "GET"}
+
+
+class AgentHttpServer(ThreadingHTTPServer):
+    """A threading HTTP server bound to one `NodeAgent`, `Verifier` and `AccessPolicy`."""
+
+    daemon_threads = True
+    allow_reuse_address = True
+
+    def __init__(
+        self,
+        address: tuple[str, int],
+        agent: NodeAgent,
+        verifier: Verifier,
+        policy: AccessPolicy,
+        *,
+        request_timeout_s: float = 10.0,
+        max_body_bytes: int = MAX_MESSAGE_BYTES,
+        max_connections: int = 32,
+    ) -> None:
+        self.agent = agent
+        self.verifier = verifier
+        self.policy = policy
+        self.request_timeout_s = request_timeout_s
+        self.max_body_bytes = max_body_bytes
+        self._slots = threading.BoundedSemaphore(max_connections)
+        if ":" in address[0]:
+            self.address_family = socket.AF_INET6
+        super().__init__(address, _Handler)
+
+    @property
+    def port(self) -> int:
+        return int(self.server_address[1])
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            logger.warning("too many connections; closing one from %s", client_address[0])
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server: AgentHttpServer
+    server_version = "cdgpc-noded"
+    sys_version = ""
+    protocol_version = "HTTP/1.1"
+
+    def setup(self) -> None:
+        super().setup()
+        self.connection.settimeout(self.server.request_timeout_s)  # per-request socket timeout
+
+    def log_message(self, format: str, *args: Any) -> None:
+        logger.debug("%s %s", self.client_address[0], format % args)
+
+    # -- routing --------------------------------------------------------------------------------
+
+    def do_GET(self) -> None:
+        self._route("GET")
+
+    def do_POST(self) -> None:
+        self._route("POST")
+
+    def do_PUT(self) -> None:
+        self._route("PUT")
+
+    def do_DELETE(self) -> None:
+        self._route("DELETE")
+
+    def do_HEAD(self) -> None:
+        self._route("HEAD")
+
+    def _route(self, method: str) -> None:
+        try:
+            allowed = _ROUTES.get(self.path)
+            if allowed is None:
+                self._error(HTTPStatus.NOT_FOUND, f"no such path (use {EXCHANGE_PATH})")
+            elif method != allowed:
+                self._error(HTTPStatus.METHOD_NOT_ALLOWED, f"use {allowed}", allow=allowed)
+            elif method == "GET":
+                self._send(HTTPStatus.OK, {"ok": True})
+            else:
+                self._exchange()
+        except (TimeoutError, ConnectionError) as e:
+            logger.info("%s: connection dropped: %s", self.client_address[0], e)
+            self.close_connection = True
+        except Exception:
+            logger.exception("internal error handling %s %s", method, self.path)
+            self._error(HTTPStatus.INTERNAL_SERVER_ERROR, "internal error (see the agent's log)")
+
+    # -- the exchange ---------------------------------------------------------------------------
+
+    def _exchange(self) -> None:
+        body = self._body()
+        if body is None:
+            return
+        peer = self.client_address[0]
+        credentials = self.headers.get_all("Authorization") or []
+        if len(credentials) != 1:
+            self._error(HTTPStatus.UNAUTHORIZED, "exactly one Authorization header is needed")
+            return
+        try:
+            principal = self.server.verifier.verify(credentials[0], "POST", self.path, body)
+            self.server.policy.require(principal, Operation.NODE)
+        except ForbiddenError as e:
+            logger.warning("%s: exchange forbidden: %s", peer, e)
+            self._error(HTTPStatus.FORBIDDEN, str(e))
+            return
+        except AuthError as e:
+            logger.warning("%s: exchange refused: %s", peer, e)
+            self._error(HTTPStatus.UNAUTHORIZED, str(e))
+            return
+        except AuthUnavailableError as e:
+            logger.error("%s: cannot authenticate: %s", peer, e)
+            self._error(HTTPStatus.SERVICE_UNAVAILABLE, str(e))
+            return
+        try:
+            request = ExchangeRequest.from_json(body)
+        except ProtocolError as e:
+            logger.warning("%s (%s): bad exchange request: %s", peer, principal, e)
+            self._error(HTTPStatus.BAD_REQUEST, str(e))
+            return
+        response = self.server.agent.exchange(request)
+        logger.debug(
+            "%s (%s): interval %d: %d setpoint(s), %d release(s), %d refused",
+            peer,
+            principal,
+            request.interval,
+            len(request.setpoints),
+            len(request.release),
+            len(response.refused),
+        )
+        self._send_bytes(HTTPStatus.OK, response.to_json())
+
+    def _body(self) -> bytes | None:
+        """The request body, or None after answering 400/411/413."""
+        length_text = self.headers.get("Content-Length")
+        if self.headers.get("Transfer-Encoding"):
+            self._error(HTTPStatus.LENGTH_REQUIRED, "chunked bodies are not accepted")
+            return None
+        if length_text is None:
+            self._error(HTTPStatus.LENGTH_REQUIRED, "Content-Length is required")
+            return None
+        if not length_text.strip().isdigit() or len(length_text) > 12:
+            self._error(HTTPStatus.BAD_REQUEST, "Content-Length must be a number of bytes")
+            return None
+        length = int(length_text)
+        if length > self.server.max_body_bytes:
+            error = MessageTooLargeError(
+                f"body is {length} bytes; the limit is {self.server.max_body_bytes}"
+            )
+            self._error(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, str(error))
+            return None
+        body = self.rfile.read(length)
+        if len(body) != length:
+            self._error(HTTPStatus.BAD_REQUEST, "body shorter than Content-Length")
+            return None
+        return body
+
+    # -- answers --------------------------------------------------------------------------------
+
+    def _error(self, status: HTTPStatus, message: str, *, allow: str | None = None) -> None:
+        self.close_connection = True
+        self._send(status, {"error": " ".join(message.split())[:500]}, allow=allow)
+
+    def _send(self, status: HTTPStatus, data: object, *, allow: str | None = None) -> None:
+        self._send_bytes(status, dump_json(data), allow=allow)
+
+    def _send_bytes(self, status: HTTPStatus, body: bytes, *, allow: str | None = None) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.send_header("Cache-Control", "no-store")
+        if allow is not None:
+            self.send_header("Allow", allow)
+        if self.close_connection:
+            self.send_header("Connection", "close")
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(body)

@@ -1,0 +1,252 @@
+"""The head ↔ agent messages: round trips, strict refusals, fuzzing."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from slurm_cdgpc.agent.protocol import (
+    MAX_MESSAGE_BYTES,
+    ExchangeRequest,
+    ExchangeResponse,
+    GpuReport,
+    LockReport,
+    MessageTooLargeError,
+    ProgressLine,
+    ProgressReport,
+    ProtocolError,
+    Refusal,
+    Setpoint,
+)
+from slurm_cdgpc.errors import InputError
+
+REQUEST = ExchangeRequest(
+    interval=42,
+    lease_expires_s=1_767_225_690.5,
+    setpoints=(Setpoint(0, "123", 1200), Setpoint(3, "124_7", 900, 7251)),
+    release=(1, 2),
+)
+RESPONSE = ExchangeResponse(
+    node="gpu01",
+    time_s=1_767_225_600.25,
+    gpus=(
+        GpuReport(
+            index=0,
+            uuid="GPU-0000",
+            name="A100-SXM4-80GB",
+            power_w=312.5,
+            energy_j=1.5e6,
+            sm_clock_mhz=1200,
+            memory_clock_mhz=1593,
+            enforced_limit_w=400.0,
+            throttle=0x4,
+            locked=LockReport(210, 1200, None),
+            job_id="123",
+            error=None,
+        ),
+        GpuReport(
+            index=1,
+            uuid="GPU-0001",
+            name="A100-SXM4-80GB",
+            power_w=None,
+            energy_j=None,
+            sm_clock_mhz=None,
+            memory_clock_mhz=None,
+            enforced_limit_w=None,
+            throttle=None,
+            locked=None,
+            job_id=None,
+            error="read failed: GPU fell off the bus",
+        ),
+    ),
+    progress=(ProgressReport("123", 500, 10_000, 1_767_225_599.0, 1000),),
+    refused=(Refusal(3, "graphics clock 901 MHz is not supported"),),
+)
+
+
+def test_request_round_trip() -> None:
+    assert ExchangeRequest.from_json(REQUEST.to_json()) == REQUEST
+    assert ExchangeRequest.from_json(REQUEST.to_json().decode()) == REQUEST
+
+
+def test_response_round_trip() -> None:
+    assert ExchangeResponse.from_json(RESPONSE.to_json()) == RESPONSE
+
+
+def test_progress_line_round_trip() -> None:
+    line = ProgressLine("55_3", 7, 100)
+    assert ProgressLine.from_json(line.to_json()) == line
+    assert ProgressLine.from_json(b'{"job_id": "9", "step": 0}') == ProgressLine("9", 0, None)
+
+
+def _request(**changes: Any) -> dict[str, Any]:
+    data = json.loads(REQUEST.to_json())
+    for key, value in changes.items():
+        if value is _DROP:
+            del data[key]
+        else:
+            data[key] = value
+    return data
+
+
+def _setpoint(**changes: Any) -> dict[str, Any]:
+    sp: dict[str, Any] = {"gpu": 0, "job_id": "1", "graphics_mhz": 1200, "memory_mhz": None}
+    sp.update(changes)
+    return _request(setpoints=[sp], release=[])
+
+
+_DROP = object()
+
+BAD_REQUESTS: list[tuple[str, object, str]] = [
+    ("not JSON", b"{", "not valid JSON"),
+    ("not UTF-8", b'{"version": 1, "x": "\xff"}', "not UTF-8"),
+    ("an array", b"[]", "request: must be a JSON object"),
+    ("NaN", b'{"version": 1, "lease_expires_s": NaN}', "NaN is not a number"),
+    ("duplicate key", b'{"version": 1, "version": 1}', "duplicate field"),
+    ("deep nesting", b"[" * 100_000 + b"]" * 100_000, "nested too deeply"),
+    ("unknown field", _request(extra=1), "request: unknown field 'extra'"),
+    ("missing field", _request(release=_DROP), "request: missing field 'release'"),
+    ("version 2", _request(version=2), "version: this agent speaks version 1"),
+    ("version true", _request(version=True), "version"),
+    ("negative interval", _request(interval=-1), "interval: must be an integer"),
+    ("float interval", _request(interval=1.5), "interval: must be an integer"),
+    ("string lease", _request(lease_expires_s="soon"), "lease_expires_s: must be a number"),
+    ("setpoints object", _request(setpoints={}), "setpoints: must be a JSON array"),
+    ("release strings", _request(release=["1"]), "release[0]: must be an integer"),
+    ("release twice", _request(release=[1, 1], setpoints=[]), "release: a GPU is listed twice"),
+    ("bool gpu", _setpoint(gpu=True), "setpoints[0].gpu"),
+    ("negative gpu", _setpoint(gpu=-1), "setpoints[0].gpu"),
+    ("huge clock", _setpoint(graphics_mhz=10**9), "setpoints[0].graphics_mhz"),
+    ("zero clock", _setpoint(graphics_mhz=0), "setpoints[0].graphics_mhz"),
+    ("string clock", _setpoint(graphics_mhz="1200"), "setpoints[0].graphics_mhz"),
+    ("float memory", _setpoint(memory_mhz=1593.0), "setpoints[0].memory_mhz"),
+    ("job id letters", _setpoint(job_id="abc"), "setpoints[0].job_id: must be a Slurm job id"),
+    ("job id injection", _setpoint(job_id="1; rm -rf /"), "setpoints[0].job_id"),
+    ("job id number", _setpoint(job_id=123), "setpoints[0].job_id"),
+    ("setpoint extra", _setpoint(power_w=3), "setpoints[0]: unknown field 'power_w'"),
+    (
+        "set and released",
+        _request(setpoints=[{"gpu": 1, "job_id": "1", "graphics_mhz": 900}], release=[1]),
+        "release: GPU 1 is also given a setpoint",
+    ),
+    (
+        "gpu twice",
+        _request(
+            setpoints=[
+                {"gpu": 1, "job_id": "1", "graphics_mhz": 900},
+                {"gpu": 1, "job_id": "2", "graphics_mhz": 900},
+            ],
+            release=[],
+        ),
+        "setpoints[1].gpu: GPU 1 is listed twice",
+    ),
+    ("too many setpoints", _request(setpoints=[{}] * 2000), "setpoints: at most 1024 entries"),
+    ("huge integer", b'{"version": 1, "interval": ' + b"9" * 5000 + b"}", "not valid JSON"),
+]
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [(d, m) for _, d, m in BAD_REQUESTS],
+    ids=[name for name, _, _ in BAD_REQUESTS],
+)
+def test_bad_requests_are_refused_with_one_line(data: object, message: str) -> None:
+    raw = data if isinstance(data, bytes) else json.dumps(data).encode()
+    with pytest.raises(ProtocolError) as info:
+        ExchangeRequest.from_json(raw)
+    text = str(info.value)
+    assert message in text
+    assert "\n" not in text and len(text) < 300
+    assert isinstance(info.value, InputError)
+
+
+def test_oversized_message_is_refused_before_parsing() -> None:
+    data = b" " * (MAX_MESSAGE_BYTES + 1)
+    with pytest.raises(MessageTooLargeError, match="limit is 1048576"):
+        ExchangeRequest.from_json(data)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("power_w", 1e30),
+        ("power_w", -1.0),
+        ("throttle", -1),
+        ("job_id", "x"),
+        ("error", "two\nlines"),
+        ("uuid", ""),
+        ("locked", {"graphics_min_mhz": 1}),
+    ],
+)
+def test_bad_responses_are_refused(field: str, value: object) -> None:
+    data = json.loads(RESPONSE.to_json())
+    data["gpus"][0][field] = value
+    with pytest.raises(ProtocolError, match=f"gpus\\[0\\]\\.{field}"):
+        ExchangeResponse.from_json(json.dumps(data))
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        b'{"job_id": "1", "step": 5, "total": 4}',
+        b'{"job_id": "1", "step": -1}',
+        b'{"job_id": "1", "step": 1, "uid": 0}',
+        b'{"job_id": "", "step": 1}',
+        b'{"job_id": "1", "step": 1, "total": 0}',
+        b'{"job_id": "1", "step": "' + b"1" * 2000 + b'"}',
+    ],
+)
+def test_bad_progress_lines_are_refused(line: bytes) -> None:
+    with pytest.raises(ProtocolError):
+        ProgressLine.from_json(line)
+
+
+_json = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20),
+    lambda children: (
+        st.lists(children, max_size=4)
+        | st.dictionaries(
+            st.sampled_from(
+                ["version", "interval", "lease_expires_s", "setpoints", "release", "gpu", "x"]
+            )
+            | st.text(max_size=5),
+            children,
+            max_size=6,
+        )
+    ),
+    max_leaves=30,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=200) | _json.map(lambda v: json.dumps(v).encode()))
+def test_fuzzed_requests_raise_only_input_errors(data: bytes) -> None:
+    for parse in (ExchangeRequest.from_json, ExchangeResponse.from_json, ProgressLine.from_json):
+        try:
+            parse(data)
+        except InputError as e:
+            assert "\n" not in str(e)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.builds(
+            Setpoint,
+            gpu=st.integers(0, 1023),
+            job_id=st.from_regex(r"\A[1-9][0-9]{0,5}(_[0-9]{1,3})?\Z"),
+            graphics_mhz=st.integers(1, 100_000),
+            memory_mhz=st.none() | st.integers(1, 100_000),
+        ),
+        max_size=8,
+        unique_by=lambda s: s.gpu,
+    ),
+    st.floats(0, 1e10, allow_nan=False),
+)
+def test_valid_requests_round_trip(setpoints: list[Setpoint], lease_s: float) -> None:
+    req = ExchangeRequest(interval=3, lease_expires_s=lease_s, setpoints=tuple(setpoints))
+    assert ExchangeRequest.from_json(req.to_json()) == req
