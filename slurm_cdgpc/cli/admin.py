@@ -1,0 +1,221 @@
+"""Admin commands of ``cdgpc-admin``: budget set|show, status, jobs, nodes, db upgrade.
+
+All but ``db upgrade`` talk to cdgpcd at ``head.url`` over HTTP, signed per ``auth.method``
+(MUNGE: who you are is your uid; HMAC: the root-only key, so run them as root). ``db upgrade``
+opens the store directly. Every read command takes ``--json`` (one JSON object on stdout).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import time
+from pathlib import Path
+from typing import Any
+
+import click
+
+from slurm_cdgpc.cli.output import echo_json, format_table
+from slurm_cdgpc.config import Config, load_config
+from slurm_cdgpc.errors import InputError
+from slurm_cdgpc.transport.http import HeadClient
+from slurm_cdgpc.units import format_power, parse_duration_s, parse_power_w
+
+_config_option = click.option(
+    "--config",
+    "config_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="configuration file (default: CDGPC_CONFIG or /etc/cdgpc/cdgpc.toml)",
+)
+_json_option = click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+
+
+def _config(path: Path | None) -> Config:
+    return load_config(path)
+
+
+def _client(config: Config) -> HeadClient:
+    from slurm_cdgpc.coordinator.main import make_signer  # noqa: PLC0415 - only when needed
+
+    return HeadClient(config.head.url, make_signer(config))
+
+
+def parse_time_s(text: str, now_s: float | None = None) -> float:
+    """``+2h`` (from now), epoch seconds, or an ISO 8601 time (local time if no zone)."""
+    now = time.time() if now_s is None else now_s
+    text = text.strip()
+    if text.startswith("+"):
+        return now + parse_duration_s(text[1:])
+    try:
+        return float(text)
+    except ValueError:
+        pass
+    try:
+        when = dt.datetime.fromisoformat(text)
+    except ValueError:
+        raise InputError(
+            f"cannot read time {text!r}: use +2h, epoch seconds or 2026-07-01T08:00"
+        ) from None
+    if when.tzinfo is None:
+        when = when.astimezone()
+    return when.timestamp()
+
+
+def _when(epoch_s: float | None) -> str:
+    if epoch_s is None:
+        return "-"
+    return dt.datetime.fromtimestamp(epoch_s).astimezone().isoformat(timespec="seconds")
+
+
+def _power(watts: float | None) -> str:
+    return "-" if watts is None else format_power(watts)
+
+
+@click.group()
+def budget() -> None:
+    """Show or change the cluster's GPU power budget."""
+
+
+@budget.command("set")
+@click.argument("power")
+@click.option("--at", "at", default=None, help="when it takes effect: +2h, epoch s, ISO time")
+@click.option("--reason", default="", help="recorded in the audit trail")
+@_config_option
+@_json_option
+def budget_set(
+    power: str, at: str | None, reason: str, config_path: Path | None, as_json: bool
+) -> None:
+    """Set the budget to POWER (450kW, 1.2MW, 300W), now or --at a time."""
+    budget_w = parse_power_w(power)
+    payload: dict[str, Any] = {"budget_w": budget_w, "reason": reason}
+    if at is not None:
+        payload["effective_at_s"] = parse_time_s(at)
+    change = _client(_config(config_path)).post("/v1/budget", payload)
+    if as_json:
+        echo_json(change)
+        return
+    click.echo(
+        f"budget {format_power(change['budget_w'])} from {_when(change['effective_at_s'])}"
+        f" (set by {change['set_by']})"
+    )
+
+
+@budget.command("show")
+@_config_option
+@_json_option
+def budget_show(config_path: Path | None, as_json: bool) -> None:
+    """The budget in force, scheduled changes and recent history."""
+    data = _client(_config(config_path)).get("/v1/budget")
+    if as_json:
+        echo_json(data)
+        return
+    current = data["current"]
+    click.echo("budget: " + ("uncapped" if current is None else format_power(current["budget_w"])))
+    rows = [
+        [_when(b["effective_at_s"]), format_power(b["budget_w"]), b["set_by"], b["reason"] or "-"]
+        for b in data["history"]
+    ]
+    if rows:
+        click.echo(format_table(["effective", "budget", "set by", "reason"], rows))
+
+
+@click.command()
+@_config_option
+@_json_option
+def status(config_path: Path | None, as_json: bool) -> None:
+    """Budget, power, price and the last control interval."""
+    data = _client(_config(config_path)).get("/v1/status")
+    if as_json:
+        echo_json(data)
+        return
+    last = data["last_interval"] or {}
+    click.echo(f"budget:       {_power(data['budget_w'])}")
+    click.echo(f"measured:     {_power(last.get('measured_power_w'))}")
+    click.echo(f"predicted:    {_power(last.get('predicted_power_w'))}")
+    click.echo(f"uncontrolled: {_power(last.get('uncontrolled_w'))}")
+    click.echo(f"price:        {last.get('price', '-')}")
+    click.echo(f"status:       {last.get('status', '-')}{' (shadow)' if data['shadow'] else ''}")
+    click.echo(
+        f"interval:     {last.get('interval', '-')} at {_when(last.get('time_s'))}, "
+        f"{last.get('jobs_controlled', 0)} job(s) controlled, "
+        f"{last.get('nodes_reachable', 0)} node(s) reachable, "
+        f"{last.get('nodes_unreachable', 0)} unreachable"
+    )
+
+
+@click.command()
+@_config_option
+@_json_option
+def jobs(config_path: Path | None, as_json: bool) -> None:
+    """Active jobs with their clocks, power and deadlines."""
+    data = _client(_config(config_path)).get("/v1/jobs")
+    if as_json:
+        echo_json(data)
+        return
+    rows = [
+        [
+            j["job_id"],
+            j["user"],
+            j["state"],
+            len(j["gpus"]),
+            j["graphics_mhz"] or "-",
+            _power(j["predicted_power_w"]),
+            _power(j["measured_power_w"]),
+            _when(j["deadline_s"]),
+        ]
+        for j in data["jobs"]
+    ]
+    headers = ["job", "user", "state", "GPUs", "MHz", "predicted", "measured", "deadline"]
+    click.echo(format_table(headers, rows) if rows else "no active jobs")
+
+
+@click.command()
+@_config_option
+@_json_option
+def nodes(config_path: Path | None, as_json: bool) -> None:
+    """Known nodes, their agents and whether the head reaches them."""
+    data = _client(_config(config_path)).get("/v1/nodes")
+    if as_json:
+        echo_json(data)
+        return
+    rows = [
+        [
+            n["name"],
+            "yes" if n["reachable"] else "no",
+            n["gpu_count"],
+            n["gpu_type"] or "-",
+            _power(n["worst_case_power_w"]),
+            _when(n["last_seen_s"]),
+            n["url"],
+        ]
+        for n in data["nodes"]
+    ]
+    headers = ["node", "reachable", "GPUs", "type", "worst case", "last seen", "agent"]
+    click.echo(format_table(headers, rows) if rows else "no nodes known yet")
+
+
+@click.group()
+def db() -> None:
+    """The head's database."""
+
+
+@db.command("upgrade")
+@_config_option
+def db_upgrade(config_path: Path | None) -> None:
+    """Create the schema or apply pending migrations (store.url)."""
+    from slurm_cdgpc.store import current_version, make_engine, upgrade  # noqa: PLC0415
+
+    engine = make_engine(_config(config_path).store.url)
+    try:
+        applied = upgrade(engine)
+        version = current_version(engine)
+    finally:
+        engine.dispose()
+    if applied:
+        click.echo(f"applied migration(s) {', '.join(map(str, applied))}; schema at {version}")
+    else:
+        click.echo(f"schema up to date at version {version}")
+
+
+#: what ``cdgpc-admin`` registers from this module
+COMMANDS = (budget, status, jobs, nodes, db)

@@ -1,0 +1,526 @@
+"""cdgpcd's HTTP API: job registration (Prolog/Epilog), the budget (admins), status (everyone).
+
+Every request but ``GET /v1/health`` and ``GET /metrics`` carries one ``Authorization`` header
+binding its method, full path (query included) and body (`slurm_cdgpc.transport.auth`). Answers
+are JSON; errors are ``{"error": "<one line>"}`` with 400 (malformed), 401 (no, forged, expired
+or replayed credential), 403 (authenticated, not allowed), 404, 405, 409, 411, 413 (body over
+`MAX_BODY_BYTES`), 503 (MUNGE or the database unavailable). A refused request changes nothing.
+
+=========================  ==========  ======================================================
+``POST /v1/jobs``          node        register ``{job_id, user, node, gpus, gpu_type?,
+                                       deadline_s?, iterations_total?}``; idempotent, a
+                                       multi-node job registers once per node
+``DELETE /v1/jobs/{id}``   node        deregister; its GPUs are released at the next exchange
+``POST /v1/nodes``         node        announce ``{node, url, gpu_type?}`` (agent URL)
+``POST /v1/budget``        admin       ``{budget_w, effective_at_s?, reason?}``
+``GET /v1/budget``         read        the budget in force, scheduled changes, recent history
+``GET /v1/status``         read        the last interval
+``GET /v1/jobs``           read        active jobs with their clocks and power
+``GET /v1/nodes``          read        nodes, reachability, worst-case power
+``GET /v1/decisions``      read        ``?limit=N`` (default 20, at most 1000) latest decisions
+``GET /metrics``           none        Prometheus text format
+``GET /v1/health``         none        ``{"ok": true}``
+=========================  ==========  ======================================================
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+import socket
+import threading
+from collections.abc import Callable
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any, Final
+from urllib.parse import parse_qs, urlsplit
+
+from slurm_cdgpc.agent.protocol import (
+    ProtocolError,
+    check_node_name,
+    dump_json,
+    job_id,
+    load_json,
+)
+from slurm_cdgpc.coordinator.daemon import Coordinator
+from slurm_cdgpc.coordinator.metrics import render_metrics
+from slurm_cdgpc.errors import InputError
+from slurm_cdgpc.store import ACTIVE_STATES, BudgetChange, DecisionRecord, Job, Node, StoreError
+from slurm_cdgpc.transport.auth import (
+    AccessPolicy,
+    AuthError,
+    AuthUnavailableError,
+    ForbiddenError,
+    Operation,
+    Principal,
+    Verifier,
+)
+
+logger = logging.getLogger(__name__)
+
+MAX_BODY_BYTES: Final = 64 * 1024
+MAX_GPUS_PER_NODE: Final = 1024
+DEFAULT_DECISIONS: Final = 20
+MAX_DECISIONS: Final = 1000
+_JOB_PATH: Final = re.compile(r"/v1/jobs/(?P<job_id>[^/?]+)")
+_URL: Final = re.compile(r"https?://[A-Za-z0-9.\-\[\]:]+(/[\x21-\x7e]*)?")
+_ACCOUNT: Final = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,62}\$?")
+
+
+class _HttpError(Exception):
+    def __init__(self, status: HTTPStatus, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class HeadHttpServer(ThreadingHTTPServer):
+    """A threading HTTP server bound to one `Coordinator`, `Verifier` and `AccessPolicy`."""
+
+    daemon_threads = True
+    allow_reuse_address = True
+
+    def __init__(
+        self,
+        address: tuple[str, int],
+        coordinator: Coordinator,
+        verifier: Verifier,
+        policy: AccessPolicy,
+        *,
+        request_timeout_s: float = 10.0,
+        max_body_bytes: int = MAX_BODY_BYTES,
+        max_connections: int = 64,
+    ) -> None:
+        self.coordinator = coordinator
+        self.verifier = verifier
+        self.policy = policy
+        self.request_timeout_s = request_timeout_s
+        self.max_body_bytes = max_body_bytes
+        self._slots = threading.BoundedSemaphore(max_connections)
+        if ":" in address[0]:
+            self.address_family = socket.AF_INET6
+        super().__init__(address, _Handler)
+
+    @property
+    def port(self) -> int:
+        return int(self.server_address[1])
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            logger.warning("too many connections; closing one from %s", client_address[0])
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+
+# -- body checks: each returns the typed value or raises _HttpError(400) naming the field ------
+
+
+def _bad(message: str) -> _HttpError:
+    return _HttpError(HTTPStatus.BAD_REQUEST, message)
+
+
+def _object(body: bytes, required: tuple[str, ...], optional: tuple[str, ...]) -> dict[str, Any]:
+    try:
+        data = load_json(body, MAX_BODY_BYTES)
+    except ProtocolError as e:
+        raise _bad(str(e)) from None
+    if not isinstance(data, dict):
+        raise _bad("body: must be a JSON object")
+    unknown = sorted(k for k in data if k not in required + optional)
+    if unknown:
+        raise _bad(f"body: unknown field {unknown[0]!r}")
+    missing = [k for k in required if k not in data]
+    if missing:
+        raise _bad(f"body: missing field {missing[0]!r}")
+    return data
+
+
+def _number(value: object, name: str, *, positive: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise _bad(f"{name}: must be a finite number, got {value!r:.60}")
+    if positive and not value > 0:
+        raise _bad(f"{name}: must be positive, got {value!r}")
+    return float(value)
+
+
+def _optional_number(value: object, name: str) -> float | None:
+    return None if value is None else _number(value, name)
+
+
+def _count(value: object, name: str) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 2**53:
+        raise _bad(f"{name}: must be an integer ≥ 0, got {value!r:.60}")
+    return value
+
+
+def _text(
+    value: object, name: str, pattern: re.Pattern[str] | None = None, limit: int = 1000
+) -> str:
+    if (
+        not isinstance(value, str)
+        or len(value) > limit
+        or not value.isprintable()
+        or (pattern is not None and pattern.fullmatch(value) is None)
+    ):
+        raise _bad(f"{name}: not a valid value: {value!r:.60}")
+    return value
+
+
+def _gpu_list(value: object) -> list[int]:
+    if not isinstance(value, list) or not value or len(value) > MAX_GPUS_PER_NODE:
+        raise _bad(f"gpus: must be a non-empty list of GPU indices, got {value!r:.60}")
+    out = []
+    for i, item in enumerate(value):
+        if isinstance(item, bool) or not isinstance(item, int) or not 0 <= item < MAX_GPUS_PER_NODE:
+            raise _bad(f"gpus[{i}]: must be a GPU index 0..{MAX_GPUS_PER_NODE - 1}")
+        out.append(item)
+    if len(set(out)) != len(out):
+        raise _bad("gpus: a GPU is listed twice")
+    return sorted(out)
+
+
+def _checked(check: Callable[[object, str], str], value: object, name: str) -> str:
+    try:
+        return check(value, name)
+    except ProtocolError as e:
+        raise _bad(str(e)) from None
+
+
+def _node_name(value: object, name: str) -> str:
+    if not isinstance(value, str):
+        raise ProtocolError(f"{name}: must be a host name, got {value!r:.60}")
+    return check_node_name(value)
+
+
+# -- JSON views --------------------------------------------------------------------------------
+
+
+def budget_dict(change: BudgetChange) -> dict[str, object]:
+    return {
+        "budget_w": change.budget_w,
+        "effective_at_s": change.effective_at_s,
+        "set_by": change.set_by,
+        "reason": change.reason,
+        "created_at_s": change.created_at_s,
+    }
+
+
+def node_dict(node: Node) -> dict[str, object]:
+    return {
+        "name": node.name,
+        "url": node.url,
+        "reachable": node.reachable,
+        "last_seen_s": node.last_seen_s,
+        "gpu_count": node.gpu_count,
+        "gpu_type": node.gpu_type or None,
+        "worst_case_power_w": node.worst_case_power_w,
+    }
+
+
+def decision_dict(d: DecisionRecord) -> dict[str, object]:
+    return {
+        "id": d.id,
+        "time_s": d.time_s,
+        "interval": d.interval_index,
+        "status": d.status,
+        "mode": d.mode,
+        "shadow": d.shadow,
+        "price": d.price if math.isfinite(d.price) else None,
+        "budget_w": d.budget_w if math.isfinite(d.budget_w) else None,
+        "effective_budget_w": d.effective_budget_w,
+        "predicted_power_w": d.predicted_power_w,
+        "measured_power_w": d.measured_power_w,
+        "solve_s": d.solve_s,
+        "setpoints": [
+            {
+                "job_id": s.job_id,
+                "graphics_mhz": s.graphics_mhz,
+                "memory_mhz": s.memory_mhz,
+                "predicted_power_w": s.predicted_power_w,
+            }
+            for s in d.setpoints
+        ],
+    }
+
+
+def job_dict(job: Job, coordinator: Coordinator) -> dict[str, object]:
+    report = coordinator.last_report
+    view = (
+        None if report is None else next((v for v in report.jobs if v.job_id == job.job_id), None)
+    )
+    return {
+        "job_id": job.job_id,
+        "user": job.user,
+        "state": job.state,
+        "deadline_s": job.deadline_s,
+        "iterations_total": job.iterations_total,
+        "iterations_done": job.iterations_done,
+        "registered_at_s": job.registered_at_s,
+        "gpus": [{"node": g.node, "index": g.gpu_index} for g in job.gpus],
+        "controlled": view is not None and view.controlled,
+        "graphics_mhz": None if view is None else view.graphics_mhz,
+        "memory_mhz": None if view is None else view.memory_mhz,
+        "predicted_power_w": None if view is None else view.predicted_power_w,
+        "measured_power_w": None if view is None else view.measured_power_w,
+    }
+
+
+def status_dict(coordinator: Coordinator) -> dict[str, object]:
+    budget = coordinator.store.current_budget()
+    report = coordinator.last_report
+    return {
+        "budget_w": budget.budget_w if budget else coordinator.settings.initial_budget_w,
+        "budget": None if budget is None else budget_dict(budget),
+        "shadow": coordinator.settings.shadow,
+        "interval_s": coordinator.settings.interval_s,
+        "last_interval": None if report is None else report.to_dict(),
+    }
+
+
+def _who(principal: Principal) -> str:
+    """The store's ``set_by`` for a principal: the user name, else ``uid<N>``."""
+    if principal.user is not None and _ACCOUNT.fullmatch(principal.user):
+        return principal.user
+    return f"uid{principal.uid}"
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server: HeadHttpServer
+    server_version = "cdgpcd"
+    sys_version = ""
+    protocol_version = "HTTP/1.1"
+
+    def setup(self) -> None:
+        super().setup()
+        self.connection.settimeout(self.server.request_timeout_s)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        logger.debug("%s %s", self.client_address[0], format % args)
+
+    def do_GET(self) -> None:
+        self._route("GET")
+
+    def do_POST(self) -> None:
+        self._route("POST")
+
+    def do_PUT(self) -> None:
+        self._route("PUT")
+
+    def do_DELETE(self) -> None:
+        self._route("DELETE")
+
+    def do_HEAD(self) -> None:
+        self._route("HEAD")
+
+    # -- routing --------------------------------------------------------------------------------
+
+    def _route(self, method: str) -> None:
+        try:
+            self._dispatch(method)
+        except _MethodError as e:
+            self._error(e.status, str(e), allow=e.allowed)
+        except _HttpError as e:
+            self._error(e.status, str(e))
+        except (TimeoutError, ConnectionError) as e:
+            logger.info("%s: connection dropped: %s", self.client_address[0], e)
+            self.close_connection = True
+        except (StoreError, AuthUnavailableError) as e:
+            logger.error("%s %s: %s", method, self.path, e)
+            self._error(HTTPStatus.SERVICE_UNAVAILABLE, str(e))
+        except InputError as e:
+            self._error(HTTPStatus.BAD_REQUEST, str(e))
+        except Exception:
+            logger.exception("internal error handling %s %s", method, self.path)
+            self._error(HTTPStatus.INTERNAL_SERVER_ERROR, "internal error (see cdgpcd's log)")
+
+    def _dispatch(self, method: str) -> None:
+        parts = urlsplit(self.path)
+        path, query = parts.path, parse_qs(parts.query, max_num_fields=10)
+        c = self.server.coordinator
+        if path == "/v1/health":
+            self._allow(method, "GET")
+            self._send(HTTPStatus.OK, {"ok": True})
+            return
+        if path == "/metrics":
+            self._allow(method, "GET")
+            text = render_metrics(c, c.store.jobs(ACTIVE_STATES), c.store.nodes())
+            self._send_bytes(HTTPStatus.OK, text.encode(), "text/plain; version=0.0.4")
+            return
+        match = _JOB_PATH.fullmatch(path)
+        if match is not None:
+            self._allow(method, "DELETE")
+            job = _checked(job_id, match["job_id"], "job id")
+            principal = self._authenticate(method, b"", Operation.NODE)
+            finished = c.deregister_job(job)
+            if finished is None:
+                raise _HttpError(HTTPStatus.NOT_FOUND, f"job {job} is not registered")
+            logger.info("job %s: deregistered by %s", job, principal)
+            self._send(HTTPStatus.OK, {"job_id": job, "state": finished.state})
+            return
+        routes = {
+            "/v1/jobs": ("GET", "POST"),
+            "/v1/nodes": ("GET", "POST"),
+            "/v1/budget": ("GET", "POST"),
+            "/v1/status": ("GET",),
+            "/v1/decisions": ("GET",),
+        }
+        if path not in routes:
+            raise _HttpError(HTTPStatus.NOT_FOUND, f"no such path: {path[:100]}")
+        self._allow(method, *routes[path])
+        if method == "GET":
+            self._authenticate(method, b"", Operation.READ)
+            self._send(HTTPStatus.OK, self._read(path, query))
+            return
+        body = self._body()
+        if path == "/v1/budget":
+            principal = self._authenticate(method, body, Operation.ADMIN)
+            self._send(HTTPStatus.OK, self._set_budget(body, principal))
+        elif path == "/v1/jobs":
+            principal = self._authenticate(method, body, Operation.NODE)
+            self._send(HTTPStatus.OK, self._register(body, principal))
+        else:
+            self._authenticate(method, body, Operation.NODE)
+            d = _object(body, ("node", "url"), ("gpu_type",))
+            name = _checked(_node_name, d["node"], "node")
+            url = _text(d["url"], "url", _URL, 512)
+            gpu_type = None if d.get("gpu_type") is None else _text(d["gpu_type"], "gpu_type")
+            self._send(HTTPStatus.OK, node_dict(c.register_node(name, url, gpu_type)))
+
+    def _allow(self, method: str, *allowed: str) -> None:
+        if method not in allowed:
+            raise _MethodError(", ".join(allowed))
+
+    def _read(self, path: str, query: dict[str, list[str]]) -> dict[str, object]:
+        c = self.server.coordinator
+        if path == "/v1/status":
+            return status_dict(c)
+        if path == "/v1/jobs":
+            return {"jobs": [job_dict(j, c) for j in c.store.jobs(ACTIVE_STATES)]}
+        if path == "/v1/nodes":
+            return {"nodes": [node_dict(n) for n in c.store.nodes()]}
+        if path == "/v1/budget":
+            now_s = c.now_s()
+            current = c.store.current_budget(now_s)
+            history = c.store.budget_history()
+            return {
+                "current": None if current is None else budget_dict(current),
+                "scheduled": [budget_dict(b) for b in history if b.effective_at_s > now_s],
+                "history": [budget_dict(b) for b in history[-20:]],
+            }
+        limit_text = query.get("limit", [str(DEFAULT_DECISIONS)])[-1]
+        if not limit_text.isdigit() or not 1 <= int(limit_text) <= MAX_DECISIONS:
+            raise _bad(f"limit: must be an integer in 1..{MAX_DECISIONS}, got {limit_text!r:.20}")
+        return {"decisions": [decision_dict(d) for d in c.store.decisions(limit=int(limit_text))]}
+
+    def _set_budget(self, body: bytes, principal: Principal) -> dict[str, object]:
+        d = _object(body, ("budget_w",), ("effective_at_s", "reason"))
+        budget_w = _number(d["budget_w"], "budget_w", positive=True)
+        effective_at_s = _optional_number(d.get("effective_at_s"), "effective_at_s")
+        reason = "" if d.get("reason") is None else _text(d["reason"], "reason", limit=1000)
+        change = self.server.coordinator.set_budget(
+            budget_w, _who(principal), effective_at_s=effective_at_s, reason=reason
+        )
+        logger.info("budget change by %s: %.0f W", principal, budget_w)
+        return budget_dict(change)
+
+    def _register(self, body: bytes, principal: Principal) -> dict[str, object]:
+        d = _object(
+            body,
+            ("job_id", "user", "node", "gpus"),
+            ("gpu_type", "deadline_s", "iterations_total"),
+        )
+        job = _checked(job_id, d["job_id"], "job_id")
+        user = _text(d["user"], "user", _ACCOUNT, 64)
+        node = _checked(_node_name, d["node"], "node")
+        gpus = _gpu_list(d["gpus"])
+        gpu_type = None if d.get("gpu_type") is None else _text(d["gpu_type"], "gpu_type", limit=64)
+        registered = self.server.coordinator.register_job(
+            job,
+            user,
+            node,
+            gpus,
+            gpu_type=gpu_type,
+            deadline_s=_optional_number(d.get("deadline_s"), "deadline_s"),
+            iterations_total=_count(d.get("iterations_total"), "iterations_total"),
+        )
+        logger.info("job %s: registration from %s", job, principal)
+        return job_dict(registered, self.server.coordinator)
+
+    # -- authentication and the body -----------------------------------------------------------
+
+    def _authenticate(self, method: str, body: bytes, operation: Operation) -> Principal:
+        credentials = self.headers.get_all("Authorization") or []
+        if len(credentials) != 1:
+            raise _HttpError(HTTPStatus.UNAUTHORIZED, "exactly one Authorization header is needed")
+        try:
+            principal = self.server.verifier.verify(credentials[0], method, self.path, body)
+            self.server.policy.require(principal, operation)
+        except ForbiddenError as e:
+            logger.warning("%s: %s %s forbidden: %s", self.client_address[0], method, self.path, e)
+            raise _HttpError(HTTPStatus.FORBIDDEN, str(e)) from None
+        except AuthError as e:
+            logger.warning("%s: %s %s refused: %s", self.client_address[0], method, self.path, e)
+            raise _HttpError(HTTPStatus.UNAUTHORIZED, str(e)) from None
+        return principal
+
+    def _body(self) -> bytes:
+        if self.headers.get("Transfer-Encoding"):
+            raise _HttpError(HTTPStatus.LENGTH_REQUIRED, "chunked bodies are not accepted")
+        length_text = self.headers.get("Content-Length")
+        if length_text is None:
+            raise _HttpError(HTTPStatus.LENGTH_REQUIRED, "Content-Length is required")
+        if not length_text.strip().isdigit() or len(length_text) > 12:
+            raise _bad("Content-Length must be a number of bytes")
+        length = int(length_text)
+        if length > self.server.max_body_bytes:
+            raise _HttpError(
+                HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
+                f"body is {length} bytes; the limit is {self.server.max_body_bytes}",
+            )
+        body = self.rfile.read(length)
+        if len(body) != length:
+            raise _bad("body shorter than Content-Length")
+        return body
+
+    # -- answers --------------------------------------------------------------------------------
+
+    def _error(self, status: HTTPStatus, message: str, *, allow: str | None = None) -> None:
+        self.close_connection = True
+        self._send(status, {"error": " ".join(message.split())[:500]}, allow=allow)
+
+    def _send(self, status: HTTPStatus, data: object, *, allow: str | None = None) -> None:
+        self._send_bytes(status, dump_json(data), "application/json", allow=allow)
+
+    def _send_bytes(
+        self, status: HTTPStatus, body: bytes, content_type: str, *, allow: str | None = None
+    ) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        self.send_header("Cache-Control", "no-store")
+        if allow is not None:
+            self.send_header("Allow", allow)
+        if self.close_connection:
+            self.send_header("Connection", "close")
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(body)
+
+
+class _MethodError(_HttpError):
+    def __init__(self, allowed: str) -> None:
+        super().__init__(HTTPStatus.METHOD_NOT_ALLOWED, f"use {allowed}")
+        self.allowed = allowed

@@ -1,0 +1,803 @@
+"""`Coordinator`: the head's control loop, one fixed-period interval at a time (no sockets here).
+
+Every interval k (DESIGN.md, "Components and data flow"):
+
+1. **Reconcile** the controller's job table with the store: jobs registered since the last
+   interval join (their stored models, if any, are restored: a restart or a node that comes back
+   resumes where it was); finished jobs leave and their GPUs are queued for release; jobs on a
+   node that did not answer the last exchange leave the optimisation (their models stay in the
+   store) until it answers again.
+2. **Measure**: per-job measurements from the last exchange's GPU reports. A report counts for
+   a job only if its power is not null, it comes from an exchange after the one that carried
+   the job's first setpoint (a power reading averages over the recent past), and (outside
+   shadow mode) the agent says the GPU holds that job's setpoint; so readings from before a
+   job's first setpoint, or of a refused setpoint, never teach its model.
+3. **Solve**: `EconomicMPC.step` with the budget in force now (the store's, else the
+   configuration's ``budget.initial``; none: uncapped) minus the uncontrolled power:
+   GPUs of unreachable nodes at their worst case (every GPU at its maximum power limit, never
+   zero), GPUs of jobs that are registered but not (yet) controlled at their enforced power
+   limit, idle GPUs at their reported power (at their limit when unreadable).
+4. **Exchange** with every known node at once: setpoints, releases of GPUs whose job ended, and
+   a lease until now + ``lease.duration``. Shadow mode sends the same exchanges with no setpoints
+   and no releases: the agents keep their default clocks and the lease stays renewed (so they
+   do not fall to the safe cap while the head runs), but nothing is ever capped by the head.
+5. **Persist**, in one store transaction: the decision with its setpoints (the previous
+   decision's measured power filled in), every job's model, the measurements, node
+   reachability, job progress; measurements older than ``retention.measurements`` are pruned
+   every `PRUNE_EVERY` intervals.
+
+Nodes: an agent URL per node lives in the store. A node becomes known when it is announced
+(`register_node`, ``POST /v1/nodes``) or when a job is first registered on it (then its URL is
+``http://<node>:<node.listen_port>``). Its GPU type comes from its reports (NVML product names,
+mapped through the catalog); a registration may name it (``gpu_type``) for a node that has not
+answered yet. A job on a node whose GPU type is still unknown is accepted and waits, counted
+at the limit, until the node reports: the Prolog never has to retry.
+
+Thread safety: the API threads only write the store (`register_job`, `deregister_job`,
+`set_budget`, `register_node`) and read the last `IntervalReport`, which is replaced whole at the
+end of each interval; everything else belongs to the loop's thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Final, Protocol
+
+import numpy as np
+
+from slurm_cdgpc.agent.protocol import ExchangeRequest, ExchangeResponse, GpuReport
+from slurm_cdgpc.agent.protocol import Setpoint as AgentSetpoint
+from slurm_cdgpc.config import Config
+from slurm_cdgpc.control.discrete import ClockGrid
+from slurm_cdgpc.control.empc import ControllerSettings, Decision, EconomicMPC, Measurements
+from slurm_cdgpc.coordinator.jobs import GpuRef, GpuSample, JobInfo, RunningJobs
+from slurm_cdgpc.errors import CdgpcError, InputError
+from slurm_cdgpc.gpu.catalog import CATALOG, GpuSpec, catalog_spec
+from slurm_cdgpc.model.estimator import EstimatorSettings, JobEstimator
+from slurm_cdgpc.model.rls import RlsSettings
+from slurm_cdgpc.store import (
+    ACTIVE_STATES,
+    BudgetChange,
+    Job,
+    Measurement,
+    ModelSnapshot,
+    Node,
+    Store,
+)
+from slurm_cdgpc.store import Setpoint as StoredSetpoint
+from slurm_cdgpc.transport.http import NodeFailure, NodeTarget
+
+logger = logging.getLogger(__name__)
+
+#: the budget handed to the controller when none is set (it never binds)
+UNCAPPED_W: Final = 1e12
+#: measurements are pruned every this many intervals
+PRUNE_EVERY: Final = 100
+#: what the head records as the setter of ``budget.initial``
+CONFIG_USER: Final = "cdgpcd"
+
+
+class NodeTransport(Protocol):
+    """Exchanges with node agents (`slurm_cdgpc.transport.http.NodeExchanger`, or a fake)."""
+
+    def exchange(
+        self, targets: Mapping[str, NodeTarget]
+    ) -> dict[str, ExchangeResponse | NodeFailure]: ...
+
+
+@dataclass(frozen=True)
+class CoordinatorSettings:
+    interval_s: float = 30.0
+    lease_s: float = 90.0
+    shadow: bool = False
+    retention_s: float = 30 * 86400.0
+    initial_budget_w: float | None = None
+    #: agents of nodes first seen in a registration listen here
+    agent_port: int = 8464
+    min_clock_fraction: float = 0.3
+    controller: ControllerSettings = field(default_factory=ControllerSettings)
+    estimator: EstimatorSettings = field(default_factory=EstimatorSettings)
+
+    @classmethod
+    def from_config(cls, config: Config) -> CoordinatorSettings:
+        c = config.control
+        return cls(
+            interval_s=c.interval_s,
+            lease_s=config.lease.duration_s,
+            shadow=c.shadow,
+            retention_s=config.retention.measurements_s,
+            initial_budget_w=config.budget.initial_w,
+            agent_port=config.node.listen_port,
+            min_clock_fraction=c.min_clock_fraction,
+            controller=ControllerSettings(
+                mode=c.dual_mode,
+                horizon=c.horizon,
+                interval_s=c.interval_s,
+                guard_band=c.guard_band,
+                offset_gain=c.offset_gain,
+                default_pressure=c.default_pressure,
+            ),
+            estimator=EstimatorSettings(
+                family=c.model_family,
+                power=RlsSettings(forgetting=c.power_forgetting),
+                time=RlsSettings(forgetting=c.time_forgetting),
+            ),
+        )
+
+
+@dataclass(frozen=True)
+class JobView:
+    """What the head does with one job now (for ``GET /v1/jobs``)."""
+
+    job_id: str
+    controlled: bool
+    graphics_mhz: int | None = None
+    memory_mhz: int | None = None
+    predicted_power_w: float | None = None
+    measured_power_w: float | None = None  # all its GPUs, last exchange
+
+
+@dataclass(frozen=True)
+class IntervalReport:
+    """One interval as the API, the metrics and the tests see it."""
+
+    interval: int
+    time_s: float
+    budget_w: float | None
+    effective_budget_w: float | None
+    uncontrolled_w: float
+    predicted_power_w: float | None  # the controlled jobs, at the decided clocks
+    measured_power_w: float  # every GPU that reported a power, last exchange
+    price: float | None
+    status: str  # the controller's step status, or "idle" without jobs
+    solve_s: float
+    shadow: bool
+    nodes_reachable: int
+    nodes_unreachable: int
+    setpoints_sent: int
+    jobs: tuple[JobView, ...] = ()
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "interval": self.interval,
+            "time_s": self.time_s,
+            "budget_w": self.budget_w,
+            "effective_budget_w": self.effective_budget_w,
+            "uncontrolled_w": self.uncontrolled_w,
+            "predicted_power_w": self.predicted_power_w,
+            "measured_power_w": self.measured_power_w,
+            "price": _finite_or_none(self.price),
+            "status": self.status,
+            "solve_s": self.solve_s,
+            "shadow": self.shadow,
+            "nodes_reachable": self.nodes_reachable,
+            "nodes_unreachable": self.nodes_unreachable,
+            "setpoints_sent": self.setpoints_sent,
+            "jobs_controlled": sum(1 for j in self.jobs if j.controlled),
+        }
+
+
+def _finite_or_none(x: float | None) -> float | None:
+    return x if x is not None and math.isfinite(x) else None
+
+
+@dataclass
+class _NodeState:
+    """What the loop knows about one node (the store holds the durable part)."""
+
+    url: str
+    gpu_type: str | None  # catalog name; None until reported or named in a registration
+    worst_case_w: float
+    reachable: bool | None = None  # None: not exchanged with yet
+    reports: tuple[GpuReport, ...] = ()
+
+
+class Coordinator:
+    """The head's control loop over a `Store` and a `NodeTransport`."""
+
+    def __init__(
+        self,
+        store: Store,
+        transport: NodeTransport,
+        settings: CoordinatorSettings | None = None,
+        clock: Callable[[], float] = time.time,
+        specs: Mapping[str, GpuSpec] = CATALOG,
+    ) -> None:
+        self.store = store
+        self.transport = transport
+        self.settings = settings or CoordinatorSettings()
+        self._clock = clock
+        self.specs = specs
+        self.grid = ClockGrid.from_tables(
+            [(name, spec.clocks) for name, spec in specs.items()],
+            min_fraction=self.settings.min_clock_fraction,
+        )
+        self.controller = EconomicMPC(self.grid, self.settings.controller)
+        self.running = RunningJobs(self.grid, JobEstimator(self.settings.estimator), specs)
+        self.interval = 0
+        self.last_report: IntervalReport | None = None
+        self._nodes: dict[str, _NodeState] = {}
+        self._known: dict[str, Job] = {}  # active jobs at the last reconcile
+        self._added_at: dict[str, int] = {}  # job -> interval it joined the controller
+        self._started: set[str] = set()  # jobs marked running in the store
+        self._progress_done: dict[str, int] = {}
+        self._releases: dict[str, set[int]] = {}
+        self._sampled_at = -1  # interval of the exchange that produced the node reports
+        self._planned_w: dict[str, float] = {}  # last decision's planned power per job
+        self._last_decision: tuple[int, tuple[GpuRef, ...]] | None = None
+        self._waiting_logged: set[str] = set()
+        self._write_lock = threading.Lock()  # API writes that read-then-write the store
+
+    # -- start-up ----------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Resume from the store: interval count, nodes, jobs (models restore when they join)."""
+        latest = self.store.decisions(limit=1)
+        self.interval = latest[-1].interval_index + 1 if latest else 0
+        if self.store.current_budget() is None and not self.store.budget_history():
+            initial = self.settings.initial_budget_w
+            if initial is not None:
+                self.store.set_budget(
+                    initial, CONFIG_USER, reason="budget.initial from the configuration"
+                )
+        self._load_nodes(self.store.nodes())
+        active = self.store.jobs(ACTIVE_STATES)
+        logger.info(
+            "cdgpcd resumes at interval %d: %d node(s), %d active job(s)%s",
+            self.interval,
+            len(self._nodes),
+            len(active),
+            "".join(f", job {j.job_id}" for j in active[:20]),
+        )
+
+    def _load_nodes(self, nodes: Iterable[Node]) -> None:
+        for node in nodes:
+            state = self._nodes.get(node.name)
+            gpu_type = node.gpu_type or None
+            if state is None:
+                self._nodes[node.name] = _NodeState(node.url, gpu_type, node.worst_case_power_w)
+            else:
+                state.url = node.url
+                state.gpu_type = state.gpu_type or gpu_type
+
+    # -- what the API calls (any thread; store writes only) ------------------------------------
+
+    def now_s(self) -> float:
+        return self._clock()
+
+    def agent_url(self, node: str) -> str:
+        return f"http://{node}:{self.settings.agent_port}"
+
+    def register_node(self, name: str, url: str, gpu_type: str | None = None) -> Node:
+        """Announce a node's agent URL (and optionally its GPU type until it reports)."""
+        spec = None if gpu_type is None else catalog_spec(gpu_type)
+        with self._write_lock:
+            known = {n.name: n for n in self.store.nodes()}.get(name)
+            node = self.store.upsert_node(
+                name,
+                url,
+                gpu_count=known.gpu_count if known else 0,
+                gpu_type=(known.gpu_type if known and known.gpu_type else "")
+                or (spec.name if spec else ""),
+                worst_case_power_w=known.worst_case_power_w if known else 0.0,
+                reachable=known.reachable if known else False,
+                last_seen_s=known.last_seen_s if known else None,
+            )
+        logger.info("node %s: agent at %s", name, url)
+        return node
+
+    def register_job(
+        self,
+        job_id: str,
+        user: str,
+        node: str,
+        gpus: Sequence[int],
+        *,
+        gpu_type: str | None = None,
+        deadline_s: float | None = None,
+        iterations_total: int | None = None,
+    ) -> Job:
+        """Record a job's GPUs on one node (idempotent; a multi-node job calls once per node)."""
+        if not gpus:
+            raise InputError(f"job {job_id}: no GPUs on node {node}")
+        spec = None if gpu_type is None else catalog_spec(gpu_type)
+        with self._write_lock:
+            known = {n.name: n for n in self.store.nodes()}.get(node)
+            if known is None:
+                limit_w = spec.power_limit.max_w if spec else 0.0
+                self.store.upsert_node(
+                    node,
+                    self.agent_url(node),
+                    gpu_count=0,
+                    gpu_type=spec.name if spec else "",
+                    worst_case_power_w=limit_w * (max(gpus) + 1),
+                    reachable=False,
+                )
+            elif spec is not None and not known.gpu_type:
+                self.register_node(node, known.url, spec.name)
+            elif spec is not None and known.gpu_type != spec.name:
+                logger.warning(
+                    "job %s: registration names %s GPUs, node %s reports %s: using %s",
+                    job_id,
+                    spec.name,
+                    node,
+                    known.gpu_type,
+                    known.gpu_type,
+                )
+            job = self.store.register_job(
+                job_id,
+                user,
+                {node: gpus},
+                deadline_s=deadline_s,
+                iterations_total=iterations_total,
+            )
+        logger.info(
+            "job %s: registered by %s on %s GPU(s) %s (deadline %s, %s iterations)",
+            job_id,
+            user,
+            node,
+            ",".join(map(str, gpus)),
+            deadline_s,
+            iterations_total,
+        )
+        return job
+
+    def deregister_job(self, job_id: str) -> Job | None:
+        """The job ended: its GPUs are released at the next exchange. None if unknown."""
+        job = self.store.finish_job(job_id)
+        if job is not None:
+            logger.info("job %s: deregistered; GPUs released at the next exchange", job_id)
+        return job
+
+    def set_budget(
+        self,
+        budget_w: float,
+        user: str,
+        *,
+        effective_at_s: float | None = None,
+        reason: str = "",
+    ) -> BudgetChange:
+        change = self.store.set_budget(budget_w, user, effective_at_s=effective_at_s, reason=reason)
+        logger.info(
+            "budget %.0f W set by %s, effective at %.0f (%s)",
+            budget_w,
+            user,
+            change.effective_at_s,
+            reason or "no reason given",
+        )
+        return change
+
+    # -- the loop ----------------------------------------------------------------------------
+
+    def run(self, stop: threading.Event) -> None:
+        """Run intervals at a fixed period until ``stop`` is set (an overrun skips ahead)."""
+        period_s = self.settings.interval_s
+        next_s = time.monotonic()
+        while not stop.is_set():
+            try:
+                self.run_interval()
+            except CdgpcError as e:
+                logger.error("interval %d failed: %s", self.interval, e)
+                self.interval += 1
+            except Exception:
+                logger.exception("interval %d failed", self.interval)
+                self.interval += 1
+            next_s += period_s
+            now_s = time.monotonic()
+            if now_s > next_s:
+                missed = math.ceil((now_s - next_s) / period_s)
+                logger.warning(
+                    "interval overran by %.2f s; %d tick(s) skipped", now_s - next_s, missed
+                )
+                next_s += missed * period_s
+            stop.wait(max(next_s - now_s, 0.0))
+
+    def run_interval(self) -> IntervalReport:
+        k = self.interval
+        now_s = self._clock()
+        active = self.store.jobs(ACTIVE_STATES)
+        self._load_nodes(self.store.nodes())
+        self._reconcile(active, k)
+        measured = self._measurements()
+        budget = self.store.current_budget(now_s)
+        budget_w = budget.budget_w if budget is not None else self.settings.initial_budget_w
+        uncontrolled_w = self._uncontrolled_w()
+        decision: Decision | None = None
+        if len(self.running):
+            decision = self.controller.step(
+                self.running.estimator,
+                self.running.job_state(),
+                now_s,
+                UNCAPPED_W if budget_w is None else budget_w,
+                uncontrolled_w=uncontrolled_w,
+                measured=measured,
+            )
+        setpoints = self._setpoints(decision)
+        responses = self._exchange(k, now_s, setpoints)
+        report = self._persist(k, now_s, budget_w, uncontrolled_w, decision, responses, setpoints)
+        self.last_report = report
+        self.interval = k + 1
+        return report
+
+    # -- 1. reconcile --------------------------------------------------------------------------
+
+    def _reconcile(self, active: list[Job], k: int) -> None:
+        by_id = {j.job_id: j for j in active}
+        for job_id, old in self._known.items():
+            if job_id not in by_id:  # finished: release its GPUs on every node
+                for g in old.gpus:
+                    self._releases.setdefault(g.node, set()).add(g.gpu_index)
+                self._started.discard(job_id)
+                self._progress_done.pop(job_id, None)
+        self._known = by_id
+        wanted: dict[str, JobInfo] = {}
+        for job in active:
+            info = self._job_info(job)
+            if info is not None:
+                wanted[job.job_id] = info
+        current = {j.job_id: j for j in self.running.jobs}
+        leave = [j for j, info in current.items() if wanted.get(j) != info]
+        for info in self.running.remove(leave):
+            self._added_at.pop(info.job_id, None)
+            reason = "finished" if info.job_id not in by_id else "node unreachable or GPUs changed"
+            logger.info("job %s: leaves the controller (%s)", info.job_id, reason)
+        joining = [info for j, info in wanted.items() if j not in self.running]
+        added: list[str] = []
+        for info in joining:
+            try:
+                self.running.add([info])
+            except InputError as e:
+                logger.warning("job %s: not controlled: %s", info.job_id, e)
+                continue
+            self._added_at[info.job_id] = k
+            added.append(info.job_id)
+            for ref in info.gpus:  # a GPU that gets a setpoint is not released
+                self._releases.get(ref.node, set()).discard(ref.index)
+        if added:
+            self._restore_models(added)
+
+    def _job_info(self, job: Job) -> JobInfo | None:
+        nodes = [self._nodes.get(n) for n in job.nodes]
+        if any(n is not None and n.reachable is False for n in nodes):
+            return None
+        types = {n.gpu_type for n in nodes if n is not None}
+        if None in types or not types or any(n is None for n in nodes):
+            if job.job_id not in self._waiting_logged:
+                self._waiting_logged.add(job.job_id)
+                logger.info("job %s: waits for its node(s) to report their GPU type", job.job_id)
+            return None
+        gpu_type = sorted(t for t in types if t is not None)[0]
+        if len(types) > 1:
+            logger.warning("job %s: GPU types differ across nodes; using %s", job.job_id, gpu_type)
+        return JobInfo(
+            job_id=job.job_id,
+            gpus=tuple(GpuRef(g.node, g.gpu_index) for g in sorted(job.gpus)),
+            gpu_type=gpu_type,
+            deadline_s=job.deadline_s,
+            iterations_total=job.iterations_total,
+        )
+
+    def _restore_models(self, job_ids: list[str]) -> None:
+        """Copy stored models into the rows of jobs that just joined (restart, node back)."""
+        snapshot = self.store.load_models(self.settings.estimator.family, job_ids)
+        if not len(snapshot):
+            return
+        estimator = self.running.estimator
+        rows = [self.running.jobs.index(self._info(j)) for j in snapshot.job_ids]
+        for bank, state in ((estimator.power, snapshot.power), (estimator.time, snapshot.time)):
+            bank.theta[rows] = state.theta
+            bank.cov[rows] = state.cov
+            bank.err_var[rows] = state.err_var
+            bank.count[rows] = state.count
+        logger.info("restored the models of job(s) %s", ", ".join(snapshot.job_ids))
+
+    def _info(self, job_id: str) -> JobInfo:
+        for info in self.running.jobs:
+            if info.job_id == job_id:
+                return info
+        raise KeyError(job_id)
+
+    # -- 2. measure ----------------------------------------------------------------------------
+
+    def _trusted(self) -> dict[str, list[GpuSample]]:
+        """Per job, the samples of the last exchange that may teach its model."""
+        out: dict[str, list[GpuSample]] = {}
+        owner = {g: j.job_id for j in self.running.jobs for g in j.gpus}
+        for name, node in self._nodes.items():
+            if node.reachable is not True:
+                continue
+            for r in node.reports:
+                ref = GpuRef(name, r.index)
+                job_id = owner.get(ref)
+                if job_id is None or r.power_w is None:
+                    continue
+                if r.sm_clock_mhz is None or r.memory_clock_mhz is None:
+                    continue
+                if self._added_at.get(job_id, self.interval) >= self._sampled_at:
+                    continue  # read before, or as, its first setpoint was applied
+                if not self.settings.shadow and r.job_id != job_id:
+                    continue  # the agent does not hold this job's setpoint (yet, or refused)
+                out.setdefault(job_id, []).append(
+                    GpuSample(ref, r.power_w, r.sm_clock_mhz, r.memory_clock_mhz, r.throttle or 0)
+                )
+        return out
+
+    def _measurements(self) -> Measurements:
+        samples = [s for per_job in self._trusted().values() for s in per_job]
+        planned = np.array([self._planned_w.get(j.job_id, np.nan) for j in self.running.jobs])
+        return self.running.measurements(samples, planned)
+
+    # -- 3. uncontrolled power -----------------------------------------------------------------
+
+    def _uncontrolled_w(self) -> float:
+        controlled = {g for j in self.running.jobs for g in j.gpus}
+        waiting = {
+            GpuRef(g.node, g.gpu_index)
+            for j in self._known.values()
+            if j.job_id not in self.running
+            for g in j.gpus
+        }
+        total_w = 0.0
+        for name, node in self._nodes.items():
+            if node.reachable is False:
+                total_w += node.worst_case_w  # P_worst = Σ max power limit, never zero
+                continue
+            for r in node.reports:
+                ref = GpuRef(name, r.index)
+                if ref in controlled:
+                    continue
+                limit_w = r.enforced_limit_w or self._limit_w(r.name)
+                if ref in waiting or r.power_w is None:
+                    total_w += limit_w
+                else:
+                    total_w += r.power_w
+        return total_w
+
+    def _limit_w(self, gpu_name: str) -> float:
+        try:
+            return catalog_spec(gpu_name).power_limit.max_w
+        except InputError:
+            return max(s.power_limit.max_w for s in self.specs.values())
+
+    # -- 4. exchange ---------------------------------------------------------------------------
+
+    def _setpoints(self, decision: Decision | None) -> dict[str, list[AgentSetpoint]]:
+        if decision is None or self.settings.shadow:
+            return {}
+        return {
+            node: [AgentSetpoint(p.gpu, p.job_id, p.graphics_mhz, p.memory_mhz) for p in points]
+            for node, points in self.running.setpoints(decision).items()
+        }
+
+    def _exchange(
+        self, k: int, now_s: float, setpoints: Mapping[str, list[AgentSetpoint]]
+    ) -> dict[str, ExchangeResponse | NodeFailure]:
+        lease_s = now_s + self.settings.lease_s
+        targets: dict[str, NodeTarget] = {}
+        for name, node in self._nodes.items():
+            points = tuple(setpoints.get(name, ()))
+            taken = {p.gpu for p in points}
+            release: tuple[int, ...] = ()
+            if not self.settings.shadow:
+                release = tuple(sorted(self._releases.get(name, set()) - taken))
+            targets[name] = NodeTarget(node.url, ExchangeRequest(k, lease_s, points, release))
+        if not targets:
+            return {}
+        responses = self.transport.exchange(targets)
+        for name, node in self._nodes.items():
+            result = responses.get(name, NodeFailure("not exchanged"))
+            if isinstance(result, NodeFailure):
+                if node.reachable is not False:
+                    logger.warning("node %s: unreachable: %s", name, result.reason)
+                node.reachable = False
+                node.reports = ()
+                continue
+            if node.reachable is False:
+                logger.info("node %s: reachable again", name)
+            node.reachable = True
+            node.reports = result.gpus
+            sent = targets[name].request
+            self._releases.pop(name, None)
+            if sent.release:
+                logger.info("node %s: released GPU(s) %s", name, ",".join(map(str, sent.release)))
+            for refusal in result.refused:
+                job = next((p.job_id for p in sent.setpoints if p.gpu == refusal.gpu), "-")
+                logger.warning(
+                    "job %s: node %s refused GPU %d: %s", job, name, refusal.gpu, refusal.reason
+                )
+            for p in result.progress:
+                self.running.record_progress(p.job_id, p.step, p.time_s)
+        self._sampled_at = k
+        return responses
+
+    # -- 5. persist ----------------------------------------------------------------------------
+
+    def _persist(
+        self,
+        k: int,
+        now_s: float,
+        budget_w: float | None,
+        uncontrolled_w: float,
+        decision: Decision | None,
+        responses: Mapping[str, ExchangeResponse | NodeFailure],
+        setpoints: Mapping[str, list[AgentSetpoint]],
+    ) -> IntervalReport:
+        jobs = self.running.jobs
+        power_by_gpu = {
+            GpuRef(name, r.index): r.power_w
+            for name, node in self._nodes.items()
+            for r in node.reports
+            if r.power_w is not None
+        }
+        owner = {
+            GpuRef(g.node, g.gpu_index): j.job_id for j in self._known.values() for g in j.gpus
+        }
+        trusted = self._trusted()
+        try:
+            with self.store.transaction():
+                self._persist_nodes(responses, now_s)
+                self._persist_progress(responses, trusted)
+                if self._last_decision is not None:
+                    decision_id, refs = self._last_decision
+                    drawn = [power_by_gpu[g] for g in refs if g in power_by_gpu]
+                    if drawn:
+                        self.store.set_measured_power(decision_id, float(sum(drawn)))
+                self._last_decision = None
+                if decision is not None:
+                    record = self.store.record_decision(
+                        interval_index=k,
+                        status=decision.status.value,
+                        mode=self.settings.controller.mode,
+                        price=decision.price,
+                        budget_w=math.inf if budget_w is None else budget_w,
+                        effective_budget_w=decision.effective_budget_w,
+                        predicted_power_w=decision.predicted_power_w,
+                        solve_s=decision.solve_s,
+                        setpoints=[
+                            StoredSetpoint(
+                                j.job_id,
+                                int(decision.graphics_mhz[i]),
+                                int(decision.memory_mhz[i]),
+                                float(decision.job_power_w[i]),
+                            )
+                            for i, j in enumerate(jobs)
+                        ],
+                        shadow=self.settings.shadow,
+                        time_s=now_s,
+                    )
+                    self._last_decision = (record.id, tuple(g for j in jobs for g in j.gpus))
+                    self.store.save_models(
+                        ModelSnapshot.of([j.job_id for j in jobs], self.running.estimator),
+                        at_s=now_s,
+                    )
+                self.store.record_measurements(
+                    Measurement(
+                        time_s=now_s,
+                        node=ref.node,
+                        gpu_index=ref.index,
+                        power_w=power_w,
+                        job_id=owner.get(ref),
+                    )
+                    for ref, power_w in sorted(power_by_gpu.items())
+                )
+                if k % PRUNE_EVERY == 0:
+                    self.store.prune_measurements(self.settings.retention_s, now_s=now_s)
+        except CdgpcError as e:
+            logger.error("interval %d: not recorded in the store: %s", k, e)
+        if decision is not None:
+            self._planned_w = {
+                j.job_id: float(decision.planned_power_w[i]) for i, j in enumerate(jobs)
+            }
+        views = self._job_views(decision, power_by_gpu)
+        reachable = sum(1 for n in self._nodes.values() if n.reachable is True)
+        return IntervalReport(
+            interval=k,
+            time_s=now_s,
+            budget_w=budget_w,
+            effective_budget_w=None if decision is None else decision.effective_budget_w,
+            uncontrolled_w=uncontrolled_w,
+            predicted_power_w=None if decision is None else decision.predicted_power_w,
+            measured_power_w=float(sum(power_by_gpu.values())),
+            price=None if decision is None else decision.price,
+            status="idle" if decision is None else decision.status.value,
+            solve_s=0.0 if decision is None else decision.solve_s,
+            shadow=self.settings.shadow,
+            nodes_reachable=reachable,
+            nodes_unreachable=sum(1 for n in self._nodes.values() if n.reachable is False),
+            setpoints_sent=sum(len(v) for v in setpoints.values()),
+            jobs=views,
+        )
+
+    def _persist_nodes(
+        self, responses: Mapping[str, ExchangeResponse | NodeFailure], now_s: float
+    ) -> None:
+        for name, result in responses.items():
+            node = self._nodes[name]
+            if isinstance(result, NodeFailure):
+                self.store.mark_node(name, False, at_s=now_s)
+                continue
+            gpu_type, worst_w = self._describe(name, result.gpus)
+            if gpu_type != node.gpu_type or worst_w != node.worst_case_w:
+                node.gpu_type = gpu_type or node.gpu_type
+                node.worst_case_w = worst_w
+                self.store.upsert_node(
+                    name,
+                    node.url,
+                    gpu_count=len(result.gpus),
+                    gpu_type=node.gpu_type or "",
+                    worst_case_power_w=worst_w,
+                    last_seen_s=now_s,
+                )
+                logger.info(
+                    "node %s: %d GPU(s) of type %s, worst case %.0f W",
+                    name,
+                    len(result.gpus),
+                    node.gpu_type,
+                    worst_w,
+                )
+            else:
+                self.store.mark_node(name, True, at_s=now_s)
+
+    def _describe(self, name: str, gpus: Sequence[GpuReport]) -> tuple[str | None, float]:
+        """A node's GPU type (its first GPU's, by catalog name) and worst-case power."""
+        gpu_type = None
+        for r in gpus:
+            try:
+                gpu_type = catalog_spec(r.name).name
+                break
+            except InputError:
+                continue
+        if gpus and gpu_type is None:
+            logger.warning("node %s: no GPU type of the catalog (%s)", name, gpus[0].name)
+        return gpu_type, float(sum(self._limit_w(r.name) for r in gpus))
+
+    def _persist_progress(
+        self,
+        responses: Mapping[str, ExchangeResponse | NodeFailure],
+        trusted: Mapping[str, list[GpuSample]],
+    ) -> None:
+        for job_id in trusted:
+            if job_id not in self._started and job_id in self._known:
+                self._started.add(job_id)
+                if self._known[job_id].state == "registered":
+                    self.store.start_job(job_id)
+        for result in responses.values():
+            if isinstance(result, NodeFailure):
+                continue
+            for p in result.progress:
+                if p.job_id in self._known and self._progress_done.get(p.job_id) != p.step:
+                    self._progress_done[p.job_id] = p.step
+                    self.store.record_progress(p.job_id, p.step, p.total)
+
+    def _job_views(
+        self, decision: Decision | None, power_by_gpu: Mapping[GpuRef, float]
+    ) -> tuple[JobView, ...]:
+        views: list[JobView] = []
+        row = {j.job_id: i for i, j in enumerate(self.running.jobs)}
+        for job_id, job in self._known.items():
+            drawn = [
+                power_by_gpu[GpuRef(g.node, g.gpu_index)]
+                for g in job.gpus
+                if GpuRef(g.node, g.gpu_index) in power_by_gpu
+            ]
+            measured = float(sum(drawn)) if drawn else None
+            i = row.get(job_id)
+            if decision is None or i is None:
+                views.append(JobView(job_id, i is not None, measured_power_w=measured))
+                continue
+            views.append(
+                JobView(
+                    job_id,
+                    True,
+                    int(decision.graphics_mhz[i]),
+                    int(decision.memory_mhz[i]),
+                    float(decision.job_power_w[i]),
+                    measured,
+                )
+            )
+        return tuple(views)

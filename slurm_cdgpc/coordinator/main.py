@@ -1,0 +1,184 @@
+"""``cdgpcd [--config PATH]``: the head daemon of slurm-cdgpc.
+
+Start-up, in this order: load the config; open the store and bring its schema up to date; build
+the signer (outgoing exchanges) and the verifier and access policy (the API) from ``[auth]``;
+resume the `Coordinator` from the store (jobs, models, budget, interval count); start the HTTP
+API on ``head.listen_address:listen_port``; then run the control loop on the main thread, one
+interval every ``control.interval``.
+
+SIGTERM, SIGINT and SIGHUP stop it after the interval in progress: the API closes, exit status 0.
+The agents are not told: their lease lapses and they fall to the safe cap (DESIGN.md, "Node
+agent and safety"), which is what keeps the cluster within budget without a head. Logs go to
+stderr, one line per event (journald adds time stamps); ``CDGPC_DEBUG=1`` logs at debug level
+and shows tracebacks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from types import FrameType
+from typing import Final
+
+from slurm_cdgpc.config import Config, load_config
+from slurm_cdgpc.coordinator.api import HeadHttpServer
+from slurm_cdgpc.coordinator.daemon import Coordinator, CoordinatorSettings
+from slurm_cdgpc.errors import CdgpcError, FatalError, InputError
+from slurm_cdgpc.store import Store, make_engine, upgrade
+from slurm_cdgpc.transport.auth import (
+    AccessPolicy,
+    HmacKey,
+    HmacSigner,
+    HmacVerifier,
+    MungeSigner,
+    MungeVerifier,
+    ReplayCache,
+    Signer,
+    Verifier,
+)
+from slurm_cdgpc.transport.http import NodeExchanger
+
+logger = logging.getLogger(__name__)
+
+DEBUG_ENV: Final = "CDGPC_DEBUG"
+#: the longest an exchange with one node may take, whatever the interval
+MAX_EXCHANGE_TIMEOUT_S: Final = 10.0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="cdgpcd", description="Head daemon of slurm-cdgpc: GPU power capping for Slurm."
+    )
+    parser.add_argument(
+        "--config",
+        type=Path,
+        help="configuration file (default: CDGPC_CONFIG or /etc/cdgpc/cdgpc.toml)",
+    )
+    args = parser.parse_args(argv)
+    debug = os.environ.get(DEBUG_ENV) == "1"
+    logging.basicConfig(
+        stream=sys.stderr,
+        level=logging.DEBUG if debug else logging.INFO,
+        format="%(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        return run(load_config(args.config))
+    except CdgpcError as e:
+        if debug:
+            logger.exception("cdgpcd failed")
+        print(f"Error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2 if isinstance(e, InputError) else 1
+
+
+def make_signer(config: Config) -> Signer:
+    """Credentials for outgoing requests (exchanges, cdgpc-admin) per ``auth.method``."""
+    auth = config.auth
+    if auth.method == "hmac":
+        return HmacSigner(HmacKey.load(auth.hmac_key_file, owner_uid=0))
+    return MungeSigner(socket=auth.munge_socket)
+
+
+def make_verifier(config: Config) -> Verifier:
+    auth = config.auth
+    cache = ReplayCache(max_skew_s=auth.max_clock_skew_s)
+    if auth.method == "hmac":
+        return HmacVerifier(HmacKey.load(auth.hmac_key_file, owner_uid=0), replay_cache=cache)
+    return MungeVerifier(socket=auth.munge_socket, replay_cache=cache)
+
+
+def make_policy(config: Config) -> AccessPolicy:
+    """Admins and the Slurm user from ``[auth]``; a name unknown here is logged and left out."""
+    auth = config.auth
+
+    def known(kind: str, names: Sequence[str]) -> list[str]:
+        kept = []
+        for name in names:
+            try:
+                if kind == "user":
+                    AccessPolicy.from_names(admin_users=[name])
+                else:
+                    AccessPolicy.from_names(admin_groups=[name])
+                kept.append(name)
+            except InputError as e:
+                logger.warning("%s; ignored", e)
+        return kept
+
+    slurm = known("user", [auth.slurm_user])
+    return AccessPolicy.from_names(
+        slurm_user=slurm[0] if slurm else None,
+        admin_users=known("user", auth.admin_users),
+        admin_groups=known("group", auth.admin_groups),
+        hmac_is_admin=auth.hmac_is_admin,
+    )
+
+
+def exchange_timeout_s(interval_s: float) -> float:
+    """Per-node timeout: well inside the interval (the round may take two of them)."""
+    return min(0.3 * interval_s, MAX_EXCHANGE_TIMEOUT_S)
+
+
+def run(config: Config) -> int:
+    stop = threading.Event()
+
+    def on_signal(signum: int, _frame: FrameType | None) -> None:
+        logger.info("%s received: stopping after this interval", signal.Signals(signum).name)
+        stop.set()
+
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, on_signal)
+
+    engine = make_engine(config.store.url)
+    try:
+        applied = upgrade(engine)
+        if applied:
+            logger.info("store schema upgraded (migrations %s)", ", ".join(map(str, applied)))
+        store = Store(engine)
+        settings = CoordinatorSettings.from_config(config)
+        exchanger = NodeExchanger(
+            make_signer(config), timeout_s=exchange_timeout_s(config.control.interval_s)
+        )
+        try:
+            coordinator = Coordinator(store, exchanger, settings)
+            coordinator.start()
+            _serve(config, coordinator, stop)
+        finally:
+            exchanger.close()
+    finally:
+        engine.dispose()
+    logger.info("cdgpcd stopped; the agents fall to the safe cap when their lease lapses")
+    return 0
+
+
+def _serve(config: Config, coordinator: Coordinator, stop: threading.Event) -> None:
+    address = (config.head.listen_address, config.head.listen_port)
+    try:
+        server = HeadHttpServer(address, coordinator, make_verifier(config), make_policy(config))
+    except OSError as e:
+        raise FatalError(f"cannot listen on {address[0]}:{address[1]}: {e.strerror or e}") from e
+    thread = threading.Thread(target=server.serve_forever, name="http", daemon=True)
+    thread.start()
+    try:
+        logger.info(
+            "cdgpcd listening on %s:%d (%s auth), interval %gs, lease %gs%s",
+            address[0],
+            server.port,
+            config.auth.method,
+            config.control.interval_s,
+            config.lease.duration_s,
+            ", SHADOW MODE: nothing is applied" if config.control.shadow else "",
+        )
+        coordinator.run(stop)
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=5.0)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,273 @@
+"""cdgpcd's HTTP API over a real loopback socket (the server runs in-process on port 0)."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import secrets
+import threading
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from slurm_cdgpc.agent.protocol import ExchangeResponse
+from slurm_cdgpc.coordinator.api import HeadHttpServer
+from slurm_cdgpc.coordinator.daemon import Coordinator, CoordinatorSettings
+from slurm_cdgpc.errors import InputError
+from slurm_cdgpc.store import Store, make_engine, upgrade
+from slurm_cdgpc.transport.auth import AccessPolicy, HmacKey, HmacSigner, HmacVerifier
+from slurm_cdgpc.transport.http import HeadClient, HeadRefusedError, NodeFailure, NodeTarget
+
+
+class NoAgents:
+    """Every node is down (the API tests need no agents)."""
+
+    def exchange(
+        self, targets: Mapping[str, NodeTarget]
+    ) -> dict[str, ExchangeResponse | NodeFailure]:
+        return {node: NodeFailure("no agents in this test") for node in targets}
+
+
+@dataclass
+class Api:
+    server: HeadHttpServer
+    coordinator: Coordinator
+    signer: HmacSigner
+
+    def call(
+        self,
+        method: str,
+        path: str,
+        body: bytes = b"",
+        *,
+        sign: bool = True,
+        credential: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> tuple[int, dict[str, object], str]:
+        conn = http.client.HTTPConnection("127.0.0.1", self.server.port, timeout=10)
+        try:
+            all_headers = {"Content-Length": str(len(body)), **(headers or {})}
+            if credential is None and sign:
+                credential = self.signer.sign(method, path, body)
+            if credential is not None:
+                all_headers["Authorization"] = credential
+            conn.request(method, path, body=body, headers=all_headers)
+            reply = conn.getresponse()
+            data = reply.read()
+            text = data.decode()
+            parsed = (
+                json.loads(text) if reply.getheader("Content-Type") == "application/json" else {}
+            )
+            return reply.status, parsed, text
+        finally:
+            conn.close()
+
+    def post(self, path: str, payload: object, **kwargs: object) -> tuple[int, dict[str, object]]:
+        status, data, _ = self.call("POST", path, json.dumps(payload).encode(), **kwargs)  # type: ignore[arg-type]
+        return status, data
+
+    def jobs(self) -> list[dict[str, object]]:
+        status, data, _ = self.call("GET", "/v1/jobs")
+        assert status == 200
+        return data["jobs"]  # type: ignore[return-value]
+
+
+@pytest.fixture
+def api(tmp_path: Path) -> Iterator[Api]:
+    engine = make_engine(f"sqlite:///{tmp_path / 'head.db'}")
+    upgrade(engine)
+    coordinator = Coordinator(Store(engine), NoAgents(), CoordinatorSettings(interval_s=1.0))
+    coordinator.start()
+    key = HmacKey(secrets.token_bytes(32))
+    server = HeadHttpServer(
+        ("127.0.0.1", 0), coordinator, HmacVerifier(key), AccessPolicy(hmac_is_admin=False)
+    )
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield Api(server, coordinator, HmacSigner(key, uid=0, gid=0))
+    server.shutdown()
+    server.server_close()
+    thread.join(timeout=5)
+    engine.dispose()
+
+
+JOB = {"job_id": "42", "user": "alice", "node": "n1", "gpus": [1, 0], "gpu_type": "A100"}
+
+
+def _one_line_error(data: dict[str, object], text: str) -> str:
+    assert "\n" not in text.strip() and isinstance(data["error"], str)
+    return data["error"]
+
+
+def test_register_is_idempotent_and_merges_nodes(api: Api) -> None:
+    assert api.post("/v1/jobs", JOB)[0] == 200
+    assert api.post("/v1/jobs", JOB)[0] == 200  # a retried Prolog
+    status, data = api.post("/v1/jobs", {**JOB, "node": "n2", "gpus": [3], "deadline_s": 2e9})
+    assert status == 200
+    [job] = api.jobs()
+    assert job["job_id"] == "42" and job["state"] == "registered"
+    assert job["deadline_s"] == 2e9
+    assert job["gpus"] == [
+        {"node": "n1", "index": 0},
+        {"node": "n1", "index": 1},
+        {"node": "n2", "index": 3},
+    ]
+    status, data, _ = api.call("GET", "/v1/nodes")
+    assert [(n["name"], n["url"], n["gpu_type"]) for n in data["nodes"]] == [  # type: ignore[union-attr,index]
+        ("n1", "http://n1:8464", "A100-SXM4-80GB"),
+        ("n2", "http://n2:8464", "A100-SXM4-80GB"),
+    ]
+    status, data, _ = api.call("DELETE", "/v1/jobs/42")
+    assert (status, data["state"]) == (200, "finished")
+    assert api.jobs() == []
+    assert api.call("DELETE", "/v1/jobs/43")[0] == 404
+
+
+def test_credentials_missing_forged_or_replayed_are_refused_and_change_nothing(api: Api) -> None:
+    body = json.dumps(JOB).encode()
+    forged = HmacSigner(HmacKey(secrets.token_bytes(32)), uid=0, gid=0)
+    valid = api.signer.sign("POST", "/v1/jobs", body)
+    other = api.signer.sign("POST", "/v1/jobs", body + b" ")
+    cases = {
+        "missing": api.call("POST", "/v1/jobs", body, sign=False),
+        "forged": api.call(
+            "POST", "/v1/jobs", body, credential=forged.sign("POST", "/v1/jobs", body)
+        ),
+        "garbage": api.call("POST", "/v1/jobs", body, credential="hmac-sha256 nonsense"),
+        "other body": api.call("POST", "/v1/jobs", body, credential=other),
+        "wrong path": api.call(
+            "POST", "/v1/nodes", body, credential=api.signer.sign("POST", "/v1/jobs", body)
+        ),
+    }
+    assert {name: c[0] for name, c in cases.items()} == {name: 401 for name in cases}
+    for _, data, text in cases.values():
+        _one_line_error(data, text)
+    assert api.jobs() == []
+    assert api.call("GET", "/v1/status", sign=False)[0] == 401
+    assert api.call("POST", "/v1/jobs", body, credential=valid)[0] == 200
+    status, data, text = api.call("POST", "/v1/jobs", body, credential=valid)  # replay
+    assert status == 401 and "replay" in _one_line_error(data, text)
+    # a replayed deregistration does not deregister a job registered again later
+    delete = api.signer.sign("DELETE", "/v1/jobs/42", b"")
+    assert api.call("DELETE", "/v1/jobs/42", credential=delete)[0] == 200
+    assert api.post("/v1/jobs", JOB)[0] == 200
+    assert api.call("DELETE", "/v1/jobs/42", credential=delete)[0] == 401
+    assert [j["job_id"] for j in api.jobs()] == ["42"]
+
+
+def test_budget_needs_an_admin_and_a_positive_finite_value(api: Api) -> None:
+    status, data, text = api.call("POST", "/v1/budget", b'{"budget_w": 450000}')
+    assert status == 403 and "admin" in _one_line_error(data, text)
+    assert api.coordinator.store.current_budget() is None
+    api.server.policy = AccessPolicy(hmac_is_admin=True)
+    for bad in (b'{"budget_w": 0}', b'{"budget_w": -5}', b'{"budget_w": 1e999}',
+                b'{"budget_w": NaN}', b'{"budget_w": "450kW"}', b'{"budget_w": true}',
+                b'{"budget": 5}', b'{"budget_w": 5, "budget_w": 6}'):  # fmt: skip
+        status, data, text = api.call("POST", "/v1/budget", bad)
+        assert status == 400, bad
+        _one_line_error(data, text)
+    assert api.coordinator.store.current_budget() is None
+    status, data = api.post("/v1/budget", {"budget_w": 450000.0, "reason": "summer"})
+    assert status == 200 and data["set_by"] == "root" and data["budget_w"] == 450000.0
+    status, data, _ = api.call("GET", "/v1/budget")
+    assert data["current"]["reason"] == "summer"  # type: ignore[index]
+    status, data, _ = api.call("GET", "/v1/status")
+    assert data["budget_w"] == 450000.0
+
+
+def test_malformed_and_oversized_bodies(api: Api) -> None:
+    bad_bodies = {
+        b"not json": "not valid JSON",
+        b"[1]": "JSON object",
+        json.dumps({**JOB, "extra": 1}).encode(): "extra",
+        json.dumps({**JOB, "gpus": []}).encode(): "gpus",
+        json.dumps({**JOB, "gpus": [0, 0]}).encode(): "twice",
+        json.dumps({**JOB, "job_id": "abc"}).encode(): "job_id",
+        json.dumps({**JOB, "node": "bad node"}).encode(): "node",
+        json.dumps({**JOB, "user": "a b"}).encode(): "user",
+        json.dumps({**JOB, "gpu_type": "Z9000"}).encode(): "unknown GPU type",
+        json.dumps({**JOB, "deadline_s": "soon"}).encode(): "deadline_s",
+    }
+    for body, expected in bad_bodies.items():
+        status, data, text = api.call("POST", "/v1/jobs", body)
+        assert status == 400, body
+        assert expected in _one_line_error(data, text), (body, data)
+    assert api.jobs() == []
+    big = b"x" * (70 * 1024)
+    assert api.call("POST", "/v1/jobs", big)[0] == 413
+    status, _, _ = api.call("POST", "/v1/jobs", b"", headers={"Content-Length": "99999999"})
+    assert status == 413
+    assert api.call("GET", "/v1/decisions?limit=0")[0] == 400
+    assert api.call("GET", "/v1/decisions?limit=5")[0] == 200
+
+
+def test_routes_health_and_metrics(api: Api) -> None:
+    assert api.call("GET", "/v1/health", sign=False)[:2] == (200, {"ok": True})
+    assert api.call("GET", "/v1/nothing")[0] == 404
+    assert api.call("PUT", "/v1/jobs")[0] == 405
+    assert api.call("GET", "/v1/jobs/42")[0] == 405
+    api.post("/v1/jobs", JOB)
+    api.coordinator.run_interval()
+    status, _, text = api.call("GET", "/metrics", sign=False)
+    assert status == 200
+    assert 'cdgpc_jobs{state="registered"} 1' in text
+    assert 'cdgpc_nodes{reachable="false"} 1' in text
+    assert "cdgpc_uncontrolled_power_watts" in text
+    # no per-job series: no label carries a job id (values may contain any digits)
+    labels = [line.split("{", 1)[1] for line in text.splitlines() if "{" in line]
+    assert not any('"42"' in label or "job=" in label for label in labels)
+
+
+def test_head_client_signs_and_reports_refusals(api: Api) -> None:
+    client = HeadClient(f"http://127.0.0.1:{api.server.port}", api.signer)
+    assert client.post("/v1/jobs", JOB)["job_id"] == "42"
+    assert [j["job_id"] for j in client.get("/v1/jobs")["jobs"]] == ["42"]
+    assert client.get("/v1/decisions", {"limit": 3}) == {"decisions": []}
+    with pytest.raises(HeadRefusedError, match=r"\(403\)"):
+        client.post("/v1/budget", {"budget_w": 1000.0})
+    unsigned = HeadClient(f"http://127.0.0.1:{api.server.port}", None)
+    with pytest.raises(HeadRefusedError, match=r"\(401\)"):
+        unsigned.get("/v1/status")
+
+
+def test_admin_commands_talk_to_the_head(api: Api, tmp_path: Path) -> None:
+    from click.testing import CliRunner  # noqa: PLC0415
+
+    from slurm_cdgpc.cli import admin  # noqa: PLC0415
+
+    key_file = tmp_path / "hmac.key"
+    key_file.write_bytes(secrets.token_bytes(32))
+    key_file.chmod(0o600)
+    if key_file.stat().st_uid != 0:
+        pytest.skip("the HMAC key must be owned by root: run as root")
+    key = HmacKey(key_file.read_bytes())
+    api.server.verifier = HmacVerifier(key)
+    api.server.policy = AccessPolicy(hmac_is_admin=True)
+    config = tmp_path / "cdgpc.toml"
+    config.write_text(
+        f'[head]\nurl = "http://127.0.0.1:{api.server.port}"\n'
+        f'[store]\nurl = "sqlite:///{tmp_path / "admin.db"}"\n'
+        f'[auth]\nmethod = "hmac"\nhmac_key_file = "{key_file}"\n'
+    )
+    runner = CliRunner()
+
+    def run(group: object, *args: str) -> str:
+        result = runner.invoke(group, [*args, "--config", str(config)])  # type: ignore[arg-type]
+        assert result.exit_code == 0, result.output
+        return result.output
+
+    assert "450 kW" in run(admin.budget, "set", "450kW", "--reason", "test")
+    assert api.coordinator.store.current_budget().budget_w == 450_000.0  # type: ignore[union-attr]
+    run(admin.budget, "set", "1.2MW", "--at", "+1h")
+    shown = json.loads(run(admin.budget, "show", "--json"))
+    assert shown["current"]["budget_w"] == 450_000.0
+    assert [b["budget_w"] for b in shown["scheduled"]] == [1_200_000.0]
+    assert json.loads(run(admin.status, "--json"))["budget_w"] == 450_000.0
+    assert json.loads(run(admin.jobs, "--json")) == {"jobs": []}
+    assert "no nodes" in run(admin.nodes)
+    assert "schema" in run(admin.db, "upgrade")
+    bad = runner.invoke(admin.budget, ["set", "0W", "--config", str(config)])
+    assert isinstance(bad.exception, InputError) and "positive" in str(bad.exception)
+    assert len(shown["history"]) == 2  # the refused budget changed nothing
