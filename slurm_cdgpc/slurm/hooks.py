@@ -1,0 +1,356 @@
+"""The slurmd Prolog and Epilog: register a starting job with cdgpcd, deregister a finished one.
+
+Prolog: read the job from the environment (`slurm_cdgpc.slurm.env`), its deadline and iteration
+count from the comment (`slurm_cdgpc.slurm.comment`; ``scontrol show job`` only when the submit
+time, ``--deadline`` or the time limit is needed), and ``POST /v1/jobs`` this node's GPUs. A
+multi-node job's Prolog runs on every node and each registers its own GPUs; the head merges them.
+Epilog: ``DELETE /v1/jobs/{id}``; the head releases the GPUs at its next exchange with the agent
+(404 is fine: another node's Epilog was first, or the job had no GPUs). Jobs without GPUs on this
+node are left alone.
+
+When the head cannot be reached (down, timeout, MUNGE down, 5xx) the request is spooled to local
+disk (`slurm_cdgpc.slurm.spool`) and the hook returns at once. After every request the head did
+answer, the hook forwards whatever the spool holds, within its time budget.
+
+Bounds: each request has a socket timeout (default 1 s) and the whole hook a budget (default 2 s)
+that no step outlives by more than one timeout. The exit status is 0 whatever happens (a failing
+Prolog drains the node and requeues the job), unless ``--strict`` is given and the job could be
+neither registered nor spooled. Each run writes one syslog line (ident ``cdgpc-prolog`` or
+``cdgpc-epilog``, facility daemon) naming the job; nothing is printed.
+
+Import cost matters: this module and everything it imports use the standard library only (a unit
+test checks that numpy, sqlalchemy and cvxpy stay out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import syslog
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Final
+
+from slurm_cdgpc.config import Config, load_config
+from slurm_cdgpc.errors import CdgpcError, InputError
+from slurm_cdgpc.slurm.comment import (
+    Deadline,
+    deadline_warnings,
+    effective_deadline,
+    parse_comment,
+)
+from slurm_cdgpc.slurm.env import HookEnv, read_hook_env
+from slurm_cdgpc.slurm.scontrol import SCONTROL, JobTimes, job_times
+from slurm_cdgpc.slurm.spool import DEFAULT_SPOOL_DIR, JobsClient, Spool, SpoolError
+from slurm_cdgpc.transport.auth import HmacKey, HmacSigner, MungeSigner, Signer
+from slurm_cdgpc.transport.http import HeadClient, HeadRefusedError
+
+logger = logging.getLogger(__name__)
+
+KINDS: Final = ("prolog", "epilog")
+DEFAULT_TIMEOUT_S: Final = 1.0
+DEFAULT_BUDGET_S: Final = 2.0
+#: statuses after which a request is spooled and retried later (auth, clock skew, the head's
+#: database); any other refusal (400: malformed) cannot heal and is only logged
+_RETRYABLE: Final = frozenset({401, 403, 408, 429})
+
+Emit = Callable[[int, str], None]
+
+
+@dataclass(frozen=True)
+class HookSettings:
+    """How a hook runs; the installed wrapper (`slurm_cdgpc.slurm.install`) fixes them."""
+
+    config_path: Path | None = None
+    spool_dir: Path = DEFAULT_SPOOL_DIR
+    timeout_s: float = DEFAULT_TIMEOUT_S
+    budget_s: float = DEFAULT_BUDGET_S
+    strict: bool = False
+    scontrol: Path = SCONTROL
+
+
+@dataclass(frozen=True)
+class HookOutcome:
+    """What a hook did: ``registered``, ``deregistered``, ``spooled``, ``skipped`` or ``failed``;
+    ``line`` is its syslog line."""
+
+    action: str
+    line: str
+    priority: int = syslog.LOG_INFO
+
+    @property
+    def failed(self) -> bool:
+        return self.action == "failed"
+
+
+def _retryable(e: CdgpcError) -> bool:
+    if isinstance(e, HeadRefusedError):
+        return e.status in _RETRYABLE or e.status >= 500
+    return not isinstance(e, InputError)  # unavailable head, MUNGE down: SoftError
+
+
+def _until(start_s: float, budget_s: float) -> float:
+    return start_s + budget_s
+
+
+def _format_deadline(deadline: Deadline | None) -> str:
+    if deadline is None:
+        return "no deadline"
+    moment = datetime.fromtimestamp(deadline.deadline_s, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return f"deadline {moment} ({deadline.source})"
+
+
+def registration(
+    env: HookEnv,
+    *,
+    now_s: float,
+    times: Callable[[str], JobTimes | None],
+) -> tuple[dict[str, object], list[str]]:
+    """The ``POST /v1/jobs`` body for this node, and notes for the log line."""
+    notes: list[str] = []
+    try:
+        request = parse_comment(env.comment)
+    except InputError as e:
+        notes.append(f"comment ignored: {e}")
+        request = parse_comment(None)
+    known = JobTimes()
+    if request.deadline is None or request.deadline.is_relative:
+        known = times(env.job_id) or JobTimes()
+    deadline = effective_deadline(
+        request,
+        submit_s=known.submit_s if known.submit_s is not None else now_s,
+        slurm_deadline_s=known.deadline_s,
+        start_s=known.start_s,
+        time_limit_s=known.time_limit_s,
+    )
+    payload: dict[str, object] = {
+        "job_id": env.job_id,
+        "user": env.user,
+        "node": env.node,
+        "gpus": list(env.gpus),
+    }
+    if deadline is not None:
+        payload["deadline_s"] = deadline.deadline_s
+        notes.extend(
+            deadline_warnings(
+                deadline.deadline_s,
+                now_s=now_s,
+                start_s=known.start_s,
+                time_limit_s=known.time_limit_s,
+            )
+        )
+    if request.iterations_total is not None:
+        payload["iterations_total"] = request.iterations_total
+    notes.insert(0, _format_deadline(deadline))
+    return payload, notes
+
+
+def run_prolog(
+    env: HookEnv,
+    client: JobsClient | None,
+    spool: Spool,
+    *,
+    now_s: float,
+    until_s: float,
+    times: Callable[[str], JobTimes | None],
+    client_error: str = "",
+) -> HookOutcome:
+    """Register this node's share of the job (or spool it); never raises `CdgpcError`."""
+    where = f"job {env.display_id} on {env.node}"
+    if env.job_id != env.display_id:
+        where += f" (id {env.job_id})"
+    if not env.gpus:
+        return HookOutcome("skipped", f"{where}: no GPUs here, not registered")
+    payload, notes = registration(env, now_s=now_s, times=times)
+    gpus = ",".join(map(str, env.gpus))
+    detail = "; ".join(notes)
+    reason = client_error
+    if client is not None:
+        try:
+            client.post("/v1/jobs", payload)
+            forwarded = _forward(client, spool, until_s)
+            return HookOutcome(
+                "registered", f"{where}: registered GPUs {gpus}, {detail}{forwarded}"
+            )
+        except CdgpcError as e:
+            if not _retryable(e):
+                return HookOutcome(
+                    "failed", f"{where}: head refused GPUs {gpus}: {e}", syslog.LOG_ERR
+                )
+            reason = str(e)
+    try:
+        path = spool.spool("register", env.job_id, payload)
+    except SpoolError as e:
+        return HookOutcome("failed", f"{where}: NOT registered ({reason}) and {e}", syslog.LOG_ERR)
+    return HookOutcome(
+        "spooled",
+        f"{where}: head unavailable ({reason}); GPUs {gpus}, {detail}; spooled as {path.name}",
+        syslog.LOG_WARNING,
+    )
+
+
+def run_epilog(
+    env: HookEnv,
+    client: JobsClient | None,
+    spool: Spool,
+    *,
+    until_s: float,
+    client_error: str = "",
+) -> HookOutcome:
+    """Deregister the job (or spool that); never raises `CdgpcError`."""
+    where = f"job {env.display_id} on {env.node}"
+    if env.job_id != env.display_id:
+        where += f" (id {env.job_id})"
+    if not env.gpus:
+        return HookOutcome("skipped", f"{where}: no GPUs here, nothing to deregister")
+    reason = client_error
+    if client is not None:
+        try:
+            # a registration still in the spool must reach the head before its deregistration
+            forwarded = _forward(client, spool, until_s)
+            try:
+                client.delete(f"/v1/jobs/{env.job_id}")
+                done = "deregistered; the head releases its GPUs at the next exchange"
+            except HeadRefusedError as e:
+                if e.status != 404:
+                    raise
+                done = "already deregistered (another node's Epilog, or never registered)"
+            return HookOutcome("deregistered", f"{where}: {done}{forwarded}")
+        except CdgpcError as e:
+            if not _retryable(e):
+                return HookOutcome("failed", f"{where}: head refused: {e}", syslog.LOG_ERR)
+            reason = str(e)
+    try:
+        path = spool.spool("deregister", env.job_id)
+    except SpoolError as e:
+        return HookOutcome(
+            "failed", f"{where}: NOT deregistered ({reason}) and {e}", syslog.LOG_ERR
+        )
+    return HookOutcome(
+        "spooled",
+        f"{where}: head unavailable ({reason}); spooled as {path.name}",
+        syslog.LOG_WARNING,
+    )
+
+
+def _forward(client: JobsClient, spool: Spool, until_s: float) -> str:
+    """Forward the spool (bounded); a note for the log line when anything was waiting."""
+    try:
+        result = spool.forward(client, until_s=until_s)
+    except SpoolError as e:
+        return f"; spool: {e}"
+    if not (result.sent or result.dropped or result.left):
+        return ""
+    return f"; spool: {result.sent} forwarded, {result.dropped} dropped, {result.left} left" + (
+        " (another forwarder busy)" if result.skipped else ""
+    )
+
+
+def make_signer(config: Config, timeout_s: float) -> Signer:
+    """The hook's credentials per ``auth.method`` (HMAC key or MUNGE, bounded)."""
+    if config.auth.method == "hmac":
+        return HmacSigner(HmacKey.load(config.auth.hmac_key_file, owner_uid=0))
+    return MungeSigner(socket=config.auth.munge_socket, timeout_s=timeout_s)
+
+
+def make_client(settings: HookSettings, environ: Mapping[str, str]) -> HeadClient:
+    """A client for the head per the config; `CdgpcError` (one line) when that is impossible."""
+    config = load_config(settings.config_path, env=environ)
+    return HeadClient(
+        config.head.url, make_signer(config, settings.timeout_s), timeout_s=settings.timeout_s
+    )
+
+
+def _parser(kind: str) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=f"cdgpc-{kind}", description=f"Slurm node {kind.title()} of slurm-cdgpc."
+    )
+    parser.add_argument("--config", type=Path, help="cdgpc.toml (default: CDGPC_CONFIG or /etc)")
+    parser.add_argument("--spool-dir", type=Path, default=DEFAULT_SPOOL_DIR)
+    parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="per request, s")
+    parser.add_argument("--budget", type=float, default=DEFAULT_BUDGET_S, help="whole hook, s")
+    parser.add_argument("--strict", action="store_true", help="exit 1 when nothing was recorded")
+    return parser
+
+
+def settings_from_args(kind: str, argv: Sequence[str]) -> HookSettings:
+    args = _parser(kind).parse_args(list(argv))
+    if not 0 < args.timeout <= args.budget <= 60:
+        raise InputError("need 0 < --timeout <= --budget <= 60 seconds")
+    return HookSettings(
+        config_path=args.config,
+        spool_dir=args.spool_dir,
+        timeout_s=args.timeout,
+        budget_s=args.budget,
+        strict=args.strict,
+    )
+
+
+def _syslog_emit(kind: str) -> Emit:
+    syslog.openlog(f"cdgpc-{kind}", syslog.LOG_PID, syslog.LOG_DAEMON)
+    return syslog.syslog
+
+
+def run(
+    kind: str,
+    settings: HookSettings,
+    environ: Mapping[str, str],
+    *,
+    emit: Emit,
+    client_factory: Callable[[HookSettings, Mapping[str, str]], JobsClient] = make_client,
+) -> int:
+    """One hook run: the exit status (0 unless strict and nothing recorded); one ``emit`` line."""
+    start_s = time.monotonic()
+    try:
+        env = read_hook_env(environ)
+    except InputError as e:
+        emit(syslog.LOG_ERR, f"not run by slurmd for a job: {e}")
+        return 1 if settings.strict else 0
+    client: JobsClient | None = None
+    client_error = ""
+    try:
+        client = client_factory(settings, environ)
+    except CdgpcError as e:
+        client_error = f"no client: {e}"
+    spool = Spool(settings.spool_dir)
+    until_s = _until(start_s, settings.budget_s)
+    if kind == "prolog":
+        outcome = run_prolog(
+            env,
+            client,
+            spool,
+            now_s=time.time(),
+            until_s=until_s,
+            times=lambda job: job_times(
+                job, scontrol=settings.scontrol, timeout_s=min(0.5, settings.timeout_s)
+            ),
+            client_error=client_error,
+        )
+    else:
+        outcome = run_epilog(env, client, spool, until_s=until_s, client_error=client_error)
+    elapsed_ms = (time.monotonic() - start_s) * 1000.0
+    emit(outcome.priority, f"{' '.join(outcome.line.split())} [{elapsed_ms:.0f} ms]")
+    return 1 if settings.strict and outcome.failed else 0
+
+
+def main(kind: str, argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``cdgpc-prolog`` / ``cdgpc-epilog``: never raises, 0 unless strict."""
+    if kind not in KINDS:
+        raise InputError(f"hook kind must be one of {KINDS}, got {kind!r}")
+    emit = _syslog_emit(kind)
+    strict = False
+    try:
+        settings = settings_from_args(kind, sys.argv[1:] if argv is None else argv)
+        strict = settings.strict
+        return run(kind, settings, os.environ, emit=emit)
+    except SystemExit as e:  # argparse: a wrong wrapper; say so, keep the node up
+        emit(syslog.LOG_ERR, f"bad arguments {argv!r}: exit {e.code}")
+        return 0
+    except Exception as e:  # a bug must not drain the node
+        emit(syslog.LOG_ERR, f"internal error: {type(e).__name__}: {' '.join(str(e).split())}")
+        return 1 if strict else 0

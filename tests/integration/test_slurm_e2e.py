@@ -1,0 +1,359 @@
+"""A real Slurm (tests/slurm/harness.sh: slurmctld, slurmd n1 and n2, munged, fake GPUs) with our
+Prolog, Epilog and job_submit.lua, a real cdgpcd (SQLite, HMAC) and two cdgpc-noded (simulated).
+
+Skips with the reason when Slurm cannot be installed or started (not root, no apt), except under
+``CI=true``, where that fails. Everything started here is stopped at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from slurm_cdgpc.errors import CdgpcError
+from slurm_cdgpc.slurm.spool import forward_spool
+from slurm_cdgpc.transport.auth import HmacKey, HmacSigner
+from slurm_cdgpc.transport.http import HeadClient
+
+pytestmark = [pytest.mark.slurm, pytest.mark.live]
+
+REPO = Path(__file__).resolve().parents[2]
+HARNESS = REPO / "tests" / "slurm" / "harness.sh"
+NODES = ("n1", "n2")
+INTERVAL_S = 0.5
+LEASE_S = 3.0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _unavailable(reason: str) -> None:
+    if os.environ.get("CI") == "true":
+        pytest.fail(f"CI=true but a real Slurm is needed and {reason}")
+    pytest.skip(reason)
+
+
+@dataclass
+class Cluster:
+    tmp: Path
+    lab: Path
+    head_config: Path
+    head_port: int
+    signer: HmacSigner
+    env: dict[str, str]
+    procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+
+    def start(self, name: str, *args: str) -> subprocess.Popen[bytes]:
+        log = (self.tmp / f"{name}.log").open("ab")
+        proc = subprocess.Popen(
+            [sys.executable, *args],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=log,
+            env=self.env,
+            cwd=self.tmp,
+        )
+        log.close()
+        self.procs[name] = proc
+        return proc
+
+    def start_head(self) -> None:
+        self.start("head", "-m", "slurm_cdgpc.coordinator.main", "--config", str(self.head_config))
+        wait("cdgpcd answers", lambda: self.client().get("/v1/health"), 20, self.logs)
+
+    def stop(self, name: str) -> None:
+        proc = self.procs.pop(name, None)
+        if proc is not None and proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=10)
+
+    def client(self) -> HeadClient:
+        return HeadClient(f"http://127.0.0.1:{self.head_port}", self.signer, timeout_s=2.0)
+
+    def jobs(self) -> dict[str, dict[str, Any]]:
+        return {j["job_id"]: j for j in self.client().get("/v1/jobs")["jobs"]}
+
+    def locks(self, node: str) -> dict[int, int]:
+        path = self.tmp / node / "state.json"
+        if not path.exists():
+            return {}
+        data = json.loads(path.read_text())
+        return {lock["index"]: lock["graphics_max_mhz"] for lock in data["locks"]}
+
+    def sbatch(self, *args: str) -> str:
+        out = subprocess.run(
+            ["sbatch", "--parsable", "-o", str(self.lab / "out" / "%j.out"), *args],
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=10,
+        )
+        return out.stdout.strip().split(";")[0]
+
+    def state(self, job_id: str) -> str:
+        out = subprocess.run(
+            ["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True, check=False
+        ).stdout
+        match = re.search(r"JobState=(\S+)", out)
+        return match[1] if match else "GONE"
+
+    def hook_times(self, kind: str) -> dict[tuple[str, str], tuple[float, float, int]]:
+        path = self.lab / "log" / f"{kind}-times.log"
+        out = {}
+        for line in path.read_text().splitlines() if path.exists() else []:
+            job, node, t0, t1, rc = line.split()
+            out[(job, node)] = (float(t0), float(t1), int(rc))
+        return out
+
+    def logs(self) -> str:
+        parts = [
+            f"== {p.name}\n{p.read_text(errors='replace')[-2000:]}" for p in self.tmp.glob("*.log")
+        ]
+        parts += [
+            f"== {p.name}\n{p.read_text(errors='replace')[-1500:]}"
+            for p in (self.lab / "log").glob("*.log")
+        ]
+        return "\n".join(parts)
+
+
+def wait(what: str, check: Callable[[], Any], timeout_s: float, log: Callable[[], str]) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            result = check()
+        except (OSError, ValueError, KeyError, CdgpcError):
+            result = None
+        if result:
+            return result
+        if time.monotonic() > deadline:
+            pytest.fail(f"{what}: not within {timeout_s:g} s\n{log()}")
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="session")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    if os.geteuid() != 0:
+        _unavailable("a real Slurm needs root (mknod, SlurmUser=root)")
+    tmp = tmp_path_factory.mktemp("slurm")
+    lab = tmp / "lab"
+    secret = secrets.token_hex(32).encode()
+    key = tmp / "hmac.key"
+    key.write_bytes(secret)
+    key.chmod(0o600)
+    head_port = _free_port()
+    auth = f'[auth]\nmethod = "hmac"\nhmac_key_file = "{key}"\nhmac_is_admin = true\n'
+    common = f'[control]\ninterval = "{INTERVAL_S}s"\n[lease]\nduration = "{LEASE_S}s"\n' + auth
+    head_config = tmp / "head.toml"
+    head_config.write_text(
+        common + f'[head]\nlisten_address = "127.0.0.1"\nlisten_port = {head_port}\n'
+        f'[store]\nurl = "sqlite:///{tmp / "cdgpc.db"}"\n'
+    )
+    hooks_config = tmp / "hooks.toml"
+    hooks_config.write_text(f'[head]\nurl = "http://127.0.0.1:{head_port}"\n' + auth)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("CDGPC_", "SLURM_"))}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    harness_env = {
+        **env,
+        "CDGPC_SLURM_LAB": str(lab),
+        "CDGPC_PYTHON": sys.executable,
+        "CDGPC_SLURM_HOOK_CONFIG": str(hooks_config),
+    }
+    started = subprocess.run(
+        ["bash", str(HARNESS), "start"],
+        env=harness_env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    c = Cluster(tmp, lab, head_config, head_port, HmacSigner(HmacKey(secret), uid=0, gid=0), env)
+    try:
+        if started.returncode == 3:
+            _unavailable(f"Slurm cannot be installed here: {started.stderr.strip()[-300:]}")
+        if started.returncode != 0:
+            pytest.fail(f"harness start failed:\n{started.stderr[-3000:]}")
+        c.start_head()
+        for node in NODES:
+            port = _free_port()
+            (tmp / node).mkdir()
+            config = tmp / f"{node}.toml"
+            config.write_text(
+                common + f'[node]\nbackend = "simulated"\nsimulated_gpu_count = 4\n'
+                f'state_file = "{tmp / node / "state.json"}"\n'
+                f'progress_socket = "{tmp / node / "progress.sock"}"\n'
+                f'listen_address = "127.0.0.1"\nlisten_port = {port}\n'
+            )
+            c.start(
+                node, "-m", "slurm_cdgpc.agent.main", "--config", str(config), "--node-name", node
+            )
+            wait(
+                "agent listens",
+                lambda n=node: "listening on" in (tmp / f"{n}.log").read_text(),
+                20,
+                c.logs,
+            )
+            c.client().post("/v1/nodes", {"node": node, "url": f"http://127.0.0.1:{port}"})
+        wait(
+            "both nodes report",
+            lambda: all(n["reachable"] for n in c.client().get("/v1/nodes")["nodes"]),
+            10,
+            c.logs,
+        )
+        yield c
+    finally:
+        subprocess.run(["scancel", "--user=root"], check=False, capture_output=True)
+        for name in list(c.procs):
+            c.stop(name)
+        subprocess.run(
+            ["bash", str(HARNESS), "stop"], env=harness_env, check=False, capture_output=True
+        )
+
+
+@pytest.fixture
+def slurm(cluster: Cluster) -> Iterator[Cluster]:
+    """The cluster, with no job left running after the test."""
+    yield cluster
+    subprocess.run(["scancel", "--user=root"], check=False, capture_output=True)
+    wait(
+        "queue empty",
+        lambda: (
+            not subprocess.run(
+                ["squeue", "-h"], check=False, capture_output=True, text=True
+            ).stdout.strip()
+        ),
+        20,
+        cluster.logs,
+    )
+
+
+def _running(c: Cluster, job_id: str) -> bool:
+    return c.state(job_id) == "RUNNING"
+
+
+def test_job_registers_gets_clocks_and_is_deregistered(slurm: Cluster) -> None:
+    submit_s = time.time()
+    job = slurm.sbatch("--comment=deadline=+2h,iters=500", "--gres=gpu:2", "--wrap", "sleep 4")
+    wait("job running", lambda: _running(slurm, job), 15, slurm.logs)
+    seen = wait("job registered", lambda: slurm.jobs().get(job), 5, slurm.logs)
+    node = seen["gpus"][0]["node"]
+    t0, t1, rc = wait(
+        "Prolog done", lambda: slurm.hook_times("prolog").get((job, node)), 5, slurm.logs
+    )
+    assert rc == 0 and t1 - t0 < 2.0
+    # registered by the time the Prolog ended: long before 1 s after the job started
+    assert {(g["node"], g["index"]) for g in seen["gpus"]} == {(node, 0), (node, 1)}
+    assert abs(seen["deadline_s"] - (submit_s + 7200)) < 5
+    assert seen["iterations_total"] == 500
+    other = "n2" if node == "n1" else "n1"
+    wait(
+        "clocks applied on the job's GPUs", lambda: set(slurm.locks(node)) == {0, 1}, 5, slurm.logs
+    )
+    assert slurm.locks(other) == {}
+    wait("job deregistered after it ended", lambda: job not in slurm.jobs(), 15, slurm.logs)
+    wait("GPUs released", lambda: slurm.locks(node) == {}, 5, slurm.logs)
+
+
+def test_malformed_deadline_is_refused_at_submit(slurm: Cluster) -> None:
+    with pytest.raises(subprocess.CalledProcessError) as refused:
+        slurm.sbatch("--comment=deadline=tomorow", "--gres=gpu:1", "--wrap", "true")
+    assert (
+        "cdgpc: cannot read deadline 'tomorow': use 2026-12-01T12:00 or +6h" in refused.value.stderr
+    )
+    out = subprocess.run(
+        ["sbatch", "-o", "/dev/null", "--comment=note deadline=2001-01-01T00:00", "--wrap", "true"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert "cdgpc: warning: the deadline is in the past" in out.stderr
+
+
+def test_head_down_job_starts_and_spool_arrives(slurm: Cluster) -> None:
+    slurm.stop("head")
+    job = slurm.sbatch("--comment=deadline=2030-01-01T00:00Z", "--gres=gpu:1", "--wrap", "sleep 60")
+    wait("job running without a head", lambda: _running(slurm, job), 15, slurm.logs)
+    [(t0, t1, rc)] = wait(
+        "Prolog done",
+        lambda: [v for (j, _), v in slurm.hook_times("prolog").items() if j == job],
+        5,
+        slurm.logs,
+    )
+    assert rc == 0 and t1 - t0 < 2.0
+    states = subprocess.run(
+        ["sinfo", "-h", "-N", "-o", "%T"], check=False, capture_output=True, text=True
+    ).stdout
+    assert "drain" not in states
+    slurm.start_head()
+    assert job not in slurm.jobs()
+    result = forward_spool(slurm.client(), slurm.lab / "spool")
+    assert result.sent >= 1 and result.left == 0
+    seen = slurm.jobs()[job]
+    assert seen["deadline_s"] == 1893456000.0
+    subprocess.run(["scancel", job], check=True)
+    wait("scancel deregisters", lambda: job not in slurm.jobs(), 15, slurm.logs)
+
+
+def test_two_node_job_registers_both_nodes(slurm: Cluster) -> None:
+    job = slurm.sbatch("-N2", "--gres=gpu:1", "--wrap", "sleep 30")
+    seen = wait(
+        "both nodes registered",
+        lambda: len((j := slurm.jobs().get(job, {"gpus": []}))["gpus"]) == 2 and j,
+        15,
+        slurm.logs,
+    )
+    assert {g["node"] for g in seen["gpus"]} == set(NODES)
+    subprocess.run(["scancel", job], check=True)
+    wait("scancel deregisters", lambda: job not in slurm.jobs(), 15, slurm.logs)
+
+
+def test_array_tasks_register_under_their_own_ids(slurm: Cluster) -> None:
+    array = slurm.sbatch("--array=1-2", "--gres=gpu:1", "--wrap", "sleep 30")
+    ids = wait(
+        "both tasks registered",
+        lambda: (
+            len(
+                r := [
+                    j
+                    for j, line in _array_ids(array).items()
+                    if line == "RUNNING" and j in slurm.jobs()
+                ]
+            )
+            == 2
+            and r
+        ),
+        15,
+        slurm.logs,
+    )
+    assert array not in ids or len(set(ids)) == 2
+    subprocess.run(["scancel", array], check=True)
+    wait("tasks deregistered", lambda: not set(ids) & set(slurm.jobs()), 15, slurm.logs)
+
+
+def _array_ids(array: str) -> dict[str, str]:
+    """Raw job id → state of each task of an array job."""
+    out = subprocess.run(
+        ["squeue", "-h", "-r", "-j", array, "-o", "%A %T"],
+        check=False,
+        capture_output=True,
+        text=True,
+    ).stdout
+    return dict(line.split() for line in out.splitlines() if line.strip())

@@ -1,0 +1,116 @@
+"""The comment grammar: deadline (ISO, relative, epoch), iters, other text left alone; fuzzed."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta, timezone
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from slurm_cdgpc.errors import InputError
+from slurm_cdgpc.slurm.comment import (
+    CommentRequest,
+    deadline_warnings,
+    effective_deadline,
+    parse_comment,
+    parse_deadline,
+)
+
+SUBMIT_S = 1_800_000_000.0
+UTC_PLUS_2 = timezone(timedelta(hours=2))
+
+
+@pytest.mark.parametrize(
+    ("text", "expected_s"),
+    [
+        ("deadline=2026-12-01T12:00Z", datetime(2026, 12, 1, 12, tzinfo=UTC).timestamp()),
+        (
+            "deadline=2026-12-01T12:00:30+02:00",
+            datetime(2026, 12, 1, 10, 0, 30, tzinfo=UTC).timestamp(),
+        ),
+        ("deadline=2026-12-01T12:00-0130", datetime(2026, 12, 1, 13, 30, tzinfo=UTC).timestamp()),
+        ("deadline=2026-12-01", datetime(2026, 12, 1, tzinfo=UTC_PLUS_2).timestamp()),
+        ("deadline=2026-12-01T12:00", datetime(2026, 12, 1, 12, tzinfo=UTC_PLUS_2).timestamp()),
+        ("deadline=+90m", SUBMIT_S + 5400),
+        ("deadline=+6h", SUBMIT_S + 6 * 3600),
+        ("DEADLINE=+2d", SUBMIT_S + 2 * 86400),
+        ("deadline=+1.5H", SUBMIT_S + 5400),
+        ("deadline=1893456000", 1_893_456_000.0),
+    ],
+)
+def test_deadline_forms(text: str, expected_s: float) -> None:
+    request = parse_comment(text, tz=UTC_PLUS_2)
+    assert request.deadline is not None
+    assert request.deadline.resolve(SUBMIT_S) == pytest.approx(expected_s)
+
+
+def test_other_text_is_left_alone_and_separators_mix() -> None:
+    request = parse_comment("project=x run 7, deadline=+6h  iters=5000,tag=a=b", tz=UTC)
+    assert request.iterations_total == 5000
+    assert request.deadline is not None and request.deadline.relative_s == 6 * 3600
+    assert parse_comment("just a note; owner=alice") == CommentRequest()
+    assert parse_comment(None) == CommentRequest() == parse_comment("")
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("deadline=tomorow", "cannot read deadline 'tomorow': use 2026-12-01T12:00 or +6h"),
+        ("deadline=", "cannot read deadline '': use 2026-12-01T12:00 or +6h"),
+        ("deadline=2026-13-01", "cannot read deadline '2026-13-01'"),
+        ("deadline=2026-02-30T10:00", "cannot read deadline"),
+        ("deadline=2026-12-01T24:00", "cannot read deadline"),
+        ("deadline=2026-12-01T12:00+25:00", "cannot read deadline"),
+        ("deadline=+6", "cannot read deadline '+6'"),
+        ("deadline=+5.h", "cannot read deadline"),
+        ("deadline=+4000d", "more than 3650 days away"),
+        ("deadline=99999999999999", "cannot read deadline"),
+        ("deadline=+1h deadline=+2h", "given twice"),
+        ("iters=0", "iters must be between 1"),
+        ("iters=many", "cannot read iters 'many'"),
+        ("deadline=٣", "cannot read deadline"),  # Unicode digits are not digits here (nor in Lua)
+    ],
+)
+def test_malformed_values_are_one_line_input_errors(text: str, message: str) -> None:
+    with pytest.raises(InputError, match=message.replace("+", r"\+").replace(".", r"\.")):
+        parse_comment(text)
+
+
+def test_fallbacks_slurm_deadline_then_time_limit() -> None:
+    none = CommentRequest()
+    assert effective_deadline(none, submit_s=SUBMIT_S) is None
+    d = effective_deadline(none, submit_s=SUBMIT_S, slurm_deadline_s=SUBMIT_S + 60, time_limit_s=9)
+    assert d is not None and (d.deadline_s, d.source) == (SUBMIT_S + 60, "slurm-deadline")
+    d = effective_deadline(none, submit_s=SUBMIT_S, start_s=SUBMIT_S + 10, time_limit_s=3600)
+    assert d is not None and (d.deadline_s, d.source) == (SUBMIT_S + 3610, "time-limit")
+    given_ = parse_comment("deadline=+1h")
+    d = effective_deadline(given_, submit_s=SUBMIT_S, slurm_deadline_s=1.0, time_limit_s=60)
+    assert d is not None and (d.deadline_s, d.source) == (SUBMIT_S + 3600, "comment")
+
+
+def test_warnings_for_past_and_beyond_the_time_limit() -> None:
+    assert deadline_warnings(SUBMIT_S + 100, now_s=SUBMIT_S, time_limit_s=None) == []
+    [past] = deadline_warnings(SUBMIT_S - 1, now_s=SUBMIT_S, time_limit_s=None)
+    assert "in the past" in past
+    [late] = deadline_warnings(SUBMIT_S + 7200, now_s=SUBMIT_S, time_limit_s=3600)
+    assert "after the time limit" in late
+
+
+@given(st.text(max_size=200))
+def test_fuzz_any_text_parses_or_gives_one_line_input_error(text: str) -> None:
+    try:
+        parse_comment(text)
+    except InputError as e:
+        assert "\n" not in str(e) and len(str(e)) < 200
+
+
+@given(st.text(alphabet="0123456789-+:TZ.smhd", max_size=30))
+def test_fuzz_deadline_alphabet(value: str) -> None:
+    try:
+        spec = parse_deadline(value, tz=UTC)
+    except InputError as e:
+        assert "\n" not in str(e)
+    else:
+        assert (spec.absolute_s is None) != (spec.relative_s is None)
+        assert 0 <= spec.resolve(SUBMIT_S) < 1e12

@@ -1,0 +1,190 @@
+"""The Prolog/Epilog logic with a fake head: register, spool, forward, deregister, exit 0."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from slurm_cdgpc.errors import InputError
+from slurm_cdgpc.slurm.env import parse_gpu_indices, read_hook_env
+from slurm_cdgpc.slurm.hooks import HookSettings, run, run_epilog, run_prolog
+from slurm_cdgpc.slurm.install import render_hook
+from slurm_cdgpc.slurm.scontrol import JobTimes, parse_show_job
+from slurm_cdgpc.slurm.spool import Spool, forward_spool
+from slurm_cdgpc.slurm.squeue import parse_squeue_json
+from slurm_cdgpc.transport.http import HeadRefusedError, HeadUnavailableError
+
+REPO = Path(__file__).resolve().parents[2]
+NOW_S = 1_800_000_000.0
+ENV = {
+    "SLURM_JOB_ID": "42",
+    "SLURM_JOB_USER": "alice",
+    "SLURMD_NODENAME": "n1",
+    "SLURM_JOB_GPUS": "0,1",
+    "SLURM_JOB_COMMENT": "deadline=+1h,iters=100 other",
+}
+
+
+class FakeHead:
+    def __init__(self, down: bool = False) -> None:
+        self.down = down
+        self.jobs: dict[str, dict[str, Any]] = {}
+        self.calls: list[tuple[str, str]] = []
+
+    def post(self, path: str, payload: dict[str, object]) -> Any:
+        self.calls.append(("POST", path))
+        if self.down:
+            raise HeadUnavailableError("cannot reach cdgpcd")
+        self.jobs[str(payload["job_id"])] = dict(payload)
+        return {}
+
+    def delete(self, path: str) -> Any:
+        self.calls.append(("DELETE", path))
+        if self.down:
+            raise HeadUnavailableError("cannot reach cdgpcd")
+        if self.jobs.pop(path.rsplit("/", 1)[1], None) is None:
+            raise HeadRefusedError(404, "not registered")
+        return {}
+
+
+def _times(_job: str) -> JobTimes:
+    return JobTimes(submit_s=NOW_S - 60)
+
+
+def test_prolog_registers_gpus_deadline_and_iterations(tmp_path: Path) -> None:
+    head = FakeHead()
+    out = run_prolog(
+        read_hook_env(ENV), head, Spool(tmp_path), now_s=NOW_S, until_s=1e18, times=_times
+    )
+    assert out.action == "registered" and "job 42 on n1" in out.line
+    assert head.jobs["42"] == {
+        "job_id": "42",
+        "user": "alice",
+        "node": "n1",
+        "gpus": [0, 1],
+        "deadline_s": NOW_S - 60 + 3600,
+        "iterations_total": 100,
+    }
+
+
+def test_head_down_spools_then_forwarding_delivers_in_order(tmp_path: Path) -> None:
+    head = FakeHead(down=True)
+    env = read_hook_env(ENV)
+    spool = Spool(tmp_path)
+    assert run_prolog(env, head, spool, now_s=NOW_S, until_s=1e18, times=_times).action == "spooled"
+    assert run_epilog(env, head, spool, until_s=1e18).action == "spooled"
+    assert len(spool.pending()) == 2
+    head.down = False
+    head.calls.clear()
+    result = forward_spool(head, tmp_path)
+    assert (result.sent, result.left) == (2, 0)
+    assert head.calls == [("POST", "/v1/jobs"), ("DELETE", "/v1/jobs/42")]
+    assert spool.pending() == []
+
+
+def test_epilog_deregisters_and_tolerates_404(tmp_path: Path) -> None:
+    head = FakeHead()
+    env = read_hook_env(ENV)
+    run_prolog(env, head, Spool(tmp_path), now_s=NOW_S, until_s=1e18, times=_times)
+    assert run_epilog(env, head, Spool(tmp_path), until_s=1e18).action == "deregistered"
+    again = run_epilog(env, head, Spool(tmp_path), until_s=1e18)
+    assert again.action == "deregistered" and "already" in again.line
+
+
+def test_job_without_gpus_is_left_alone(tmp_path: Path) -> None:
+    head = FakeHead()
+    env = read_hook_env({**ENV, "SLURM_JOB_GPUS": ""})
+    assert (
+        run_prolog(env, head, Spool(tmp_path), now_s=NOW_S, until_s=1e18, times=_times).action
+        == "skipped"
+    )
+    assert head.calls == []
+
+
+def test_run_exits_0_with_one_line_unless_strict(tmp_path: Path) -> None:
+    lines: list[str] = []
+    settings = HookSettings(spool_dir=tmp_path / "spool")
+
+    def down(_s: HookSettings, _e: object) -> FakeHead:
+        return FakeHead(down=True)
+
+    assert run("prolog", settings, {}, emit=lambda _p, m: lines.append(m), client_factory=down) == 0
+    assert len(lines) == 1 and "not run by slurmd" in lines[0]
+    lines.clear()
+    assert (
+        run("prolog", settings, ENV, emit=lambda _p, m: lines.append(m), client_factory=down) == 0
+    )
+    assert len(lines) == 1 and "spooled" in lines[0] and "job 42" in lines[0]
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    strict = HookSettings(spool_dir=blocked / "spool", strict=True)
+    assert run("prolog", strict, ENV, emit=lambda _p, m: lines.append(m), client_factory=down) == 1
+    lenient = HookSettings(spool_dir=blocked / "spool")
+    assert run("prolog", lenient, ENV, emit=lambda _p, m: lines.append(m), client_factory=down) == 0
+
+
+def test_hook_module_imports_only_the_standard_library() -> None:
+    code = (
+        "import sys, slurm_cdgpc.slurm.hooks\n"
+        "print(sorted(m for m in ('numpy', 'sqlalchemy', 'cvxpy', 'click') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_committed_entry_points_match_the_installer() -> None:
+    for kind in ("prolog", "epilog"):
+        path = REPO / kind / f"cdgpc-{kind}"
+        assert path.read_text() == render_hook(kind)
+        assert path.stat().st_mode & 0o111
+        assert path.read_text().startswith("#!/usr/bin/python3 -I\n")
+
+
+def test_env_parsing() -> None:
+    assert parse_gpu_indices("0,2-3") == (0, 2, 3)
+    with pytest.raises(InputError):
+        parse_gpu_indices("gpu0")
+    env = read_hook_env(
+        {
+            "SLURM_JOB_ID": "7",
+            "SLURM_JOB_USER": "bob",
+            "CUDA_VISIBLE_DEVICES": "3",
+            "SLURM_ARRAY_JOB_ID": "5",
+            "SLURM_ARRAY_TASK_ID": "2",
+        },
+        hostname=lambda: "gpu01.example.org",
+    )
+    assert (env.node, env.gpus, env.display_id) == ("gpu01", (3,), "5_2")
+    with pytest.raises(InputError):
+        read_hook_env({"SLURM_JOB_USER": "bob"})
+
+
+def test_scontrol_line() -> None:
+    times = parse_show_job(
+        "JobId=9 JobName=wrap SubmitTime=2026-11-29T10:00:00 TimeLimit=1-01:00:00 "
+        "StartTime=2026-11-29T10:00:05 Deadline=N/A Comment=deadline=+1h"
+    )
+    assert times.time_limit_s == 90000.0 and times.deadline_s is None
+    assert times.start_s is not None and times.submit_s is not None
+    assert times.start_s - times.submit_s == 5.0
+
+
+def test_squeue_json_22_05_and_24_11_shapes() -> None:
+    old = (
+        '{"jobs": [{"job_id": 3, "job_state": "RUNNING", "user_name": "a", "time_limit": 60,'
+        ' "start_time": 100, "nodes": "n1", "comment": "deadline=+1h"}, {"job_id": "x"}]}'
+    )
+    new = (
+        '{"jobs": [{"job_id": 4, "job_state": ["RUNNING"], "user_name": "b",'
+        ' "time_limit": {"set": true, "infinite": false, "number": 30},'
+        ' "start_time": {"set": true, "infinite": false, "number": 200},'
+        ' "array_job_id": {"set": true, "infinite": false, "number": 0}}]}'
+    )
+    [a] = parse_squeue_json(old)
+    [b] = parse_squeue_json(new)
+    assert (a.job_id, a.state, a.time_limit_s, a.start_s) == ("3", "RUNNING", 3600.0, 100.0)
+    assert (b.job_id, b.state, b.time_limit_s, b.array_job_id) == ("4", "RUNNING", 1800.0, None)
