@@ -39,12 +39,8 @@ from slurm_cdgpc.errors import CdgpcError, FatalError, InputError
 from slurm_cdgpc.gpu.device import GpuSet
 from slurm_cdgpc.transport.auth import (
     AccessPolicy,
-    HmacKey,
-    HmacVerifier,
-    MungeVerifier,
-    ReplayCache,
-    Verifier,
 )
+from slurm_cdgpc.transport.credentials import verifier_from_config
 
 logger = logging.getLogger(__name__)
 
@@ -89,15 +85,6 @@ def open_gpus(config: Config, node_name: str) -> GpuSet:
     from slurm_cdgpc.gpu.nvml import open_nvml_gpus  # noqa: PLC0415 - pynvml only here
 
     return open_nvml_gpus()
-
-
-def make_verifier(config: Config) -> Verifier:
-    """The credential checker for ``auth.method`` (the HMAC key must be root-only)."""
-    auth = config.auth
-    cache = ReplayCache(max_skew_s=auth.max_clock_skew_s)
-    if auth.method == "hmac":
-        return HmacVerifier(HmacKey.load(auth.hmac_key_file, owner_uid=0), replay_cache=cache)
-    return MungeVerifier(socket=auth.munge_socket, replay_cache=cache)
 
 
 def make_policy(config: Config) -> AccessPolicy:
@@ -146,7 +133,7 @@ def _serve(config: Config, agent: NodeAgent, stop: threading.Event) -> bool:
     server: AgentHttpServer | None = None
     thread: threading.Thread | None = None
     try:
-        verifier = make_verifier(config)
+        verifier = verifier_from_config(config)
         policy = make_policy(config)
         progress = ProgressServer(config.node.progress_socket, agent.record_progress)
         try:

@@ -17,6 +17,7 @@ import click
 from slurm_cdgpc.cli.output import echo_json, format_table
 from slurm_cdgpc.config import Config, load_config
 from slurm_cdgpc.errors import InputError
+from slurm_cdgpc.transport.credentials import signer_from_config
 from slurm_cdgpc.transport.http import HeadClient
 from slurm_cdgpc.units import format_power, parse_duration_s, parse_power_w
 
@@ -35,9 +36,8 @@ def _config(path: Path | None) -> Config:
 
 
 def _client(config: Config) -> HeadClient:
-    from slurm_cdgpc.coordinator.main import make_signer  # noqa: PLC0415 - only when needed
 
-    return HeadClient(config.head.url, make_signer(config))
+    return HeadClient(config.head.url, signer_from_config(config))
 
 
 def parse_time_s(text: str, now_s: float | None = None) -> float:

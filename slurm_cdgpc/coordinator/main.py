@@ -33,15 +33,8 @@ from slurm_cdgpc.errors import CdgpcError, FatalError, InputError
 from slurm_cdgpc.store import Store, make_engine, upgrade
 from slurm_cdgpc.transport.auth import (
     AccessPolicy,
-    HmacKey,
-    HmacSigner,
-    HmacVerifier,
-    MungeSigner,
-    MungeVerifier,
-    ReplayCache,
-    Signer,
-    Verifier,
 )
+from slurm_cdgpc.transport.credentials import signer_from_config, verifier_from_config
 from slurm_cdgpc.transport.http import NodeExchanger
 
 logger = logging.getLogger(__name__)
@@ -74,22 +67,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             logger.exception("cdgpcd failed")
         print(f"Error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2 if isinstance(e, InputError) else 1
-
-
-def make_signer(config: Config) -> Signer:
-    """Credentials for outgoing requests (exchanges, cdgpc-admin) per ``auth.method``."""
-    auth = config.auth
-    if auth.method == "hmac":
-        return HmacSigner(HmacKey.load(auth.hmac_key_file, owner_uid=0))
-    return MungeSigner(socket=auth.munge_socket)
-
-
-def make_verifier(config: Config) -> Verifier:
-    auth = config.auth
-    cache = ReplayCache(max_skew_s=auth.max_clock_skew_s)
-    if auth.method == "hmac":
-        return HmacVerifier(HmacKey.load(auth.hmac_key_file, owner_uid=0), replay_cache=cache)
-    return MungeVerifier(socket=auth.munge_socket, replay_cache=cache)
 
 
 def make_policy(config: Config) -> AccessPolicy:
@@ -141,7 +118,7 @@ def run(config: Config) -> int:
         store = Store(engine)
         settings = CoordinatorSettings.from_config(config)
         exchanger = NodeExchanger(
-            make_signer(config), timeout_s=exchange_timeout_s(config.control.interval_s)
+            signer_from_config(config), timeout_s=exchange_timeout_s(config.control.interval_s)
         )
         try:
             coordinator = Coordinator(store, exchanger, settings)
@@ -158,7 +135,9 @@ def run(config: Config) -> int:
 def _serve(config: Config, coordinator: Coordinator, stop: threading.Event) -> None:
     address = (config.head.listen_address, config.head.listen_port)
     try:
-        server = HeadHttpServer(address, coordinator, make_verifier(config), make_policy(config))
+        server = HeadHttpServer(
+            address, coordinator, verifier_from_config(config), make_policy(config)
+        )
     except OSError as e:
         raise FatalError(f"cannot listen on {address[0]}:{address[1]}: {e.strerror or e}") from e
     thread = threading.Thread(target=server.serve_forever, name="http", daemon=True)

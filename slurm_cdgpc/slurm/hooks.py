@@ -36,7 +36,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Final
 
-from slurm_cdgpc.config import Config, load_config
+from slurm_cdgpc.config import load_config
 from slurm_cdgpc.errors import CdgpcError, InputError
 from slurm_cdgpc.slurm.comment import (
     Deadline,
@@ -47,7 +47,7 @@ from slurm_cdgpc.slurm.comment import (
 from slurm_cdgpc.slurm.env import HookEnv, read_hook_env
 from slurm_cdgpc.slurm.scontrol import SCONTROL, JobTimes, job_times
 from slurm_cdgpc.slurm.spool import DEFAULT_SPOOL_DIR, JobsClient, Spool, SpoolError
-from slurm_cdgpc.transport.auth import HmacKey, HmacSigner, MungeSigner, Signer
+from slurm_cdgpc.transport.credentials import signer_from_config
 from slurm_cdgpc.transport.http import HeadClient, HeadRefusedError
 
 logger = logging.getLogger(__name__)
@@ -251,18 +251,13 @@ def _forward(client: JobsClient, spool: Spool, until_s: float) -> str:
     )
 
 
-def make_signer(config: Config, timeout_s: float) -> Signer:
-    """The hook's credentials per ``auth.method`` (HMAC key or MUNGE, bounded)."""
-    if config.auth.method == "hmac":
-        return HmacSigner(HmacKey.load(config.auth.hmac_key_file, owner_uid=0))
-    return MungeSigner(socket=config.auth.munge_socket, timeout_s=timeout_s)
-
-
 def make_client(settings: HookSettings, environ: Mapping[str, str]) -> HeadClient:
     """A client for the head per the config; `CdgpcError` (one line) when that is impossible."""
     config = load_config(settings.config_path, env=environ)
     return HeadClient(
-        config.head.url, make_signer(config, settings.timeout_s), timeout_s=settings.timeout_s
+        config.head.url,
+        signer_from_config(config, settings.timeout_s),
+        timeout_s=settings.timeout_s,
     )
 
 

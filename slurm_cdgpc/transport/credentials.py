@@ -1,0 +1,37 @@
+"""Signers and verifiers built from the ``[auth]`` section: one place for every daemon and hook.
+
+The HMAC key file must be root-only (`HmacKey.load` checks); MUNGE talks to the configured
+munged socket. Verifiers carry a replay cache sized by the allowed clock skew.
+"""
+
+from __future__ import annotations
+
+from slurm_cdgpc.config import Config
+from slurm_cdgpc.transport.auth import (
+    DEFAULT_TIMEOUT_S,
+    HmacKey,
+    HmacSigner,
+    HmacVerifier,
+    MungeSigner,
+    MungeVerifier,
+    ReplayCache,
+    Signer,
+    Verifier,
+)
+
+
+def signer_from_config(config: Config, timeout_s: float = DEFAULT_TIMEOUT_S) -> Signer:
+    """Credentials for outgoing requests per ``auth.method``."""
+    auth = config.auth
+    if auth.method == "hmac":
+        return HmacSigner(HmacKey.load(auth.hmac_key_file, owner_uid=0))
+    return MungeSigner(socket=auth.munge_socket, timeout_s=timeout_s)
+
+
+def verifier_from_config(config: Config) -> Verifier:
+    """The credential checker per ``auth.method``, with its own replay cache."""
+    auth = config.auth
+    cache = ReplayCache(max_skew_s=auth.max_clock_skew_s)
+    if auth.method == "hmac":
+        return HmacVerifier(HmacKey.load(auth.hmac_key_file, owner_uid=0), replay_cache=cache)
+    return MungeVerifier(socket=auth.munge_socket, replay_cache=cache)
