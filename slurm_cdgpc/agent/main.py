@@ -3,8 +3,9 @@
 Start-up, in this order: load the config; open the GPUs (``node.backend``: ``nvml`` or
 ``simulated``); build the `NodeAgent`, which resets every GPU first if a crash left a state file;
 build the request verifier (``auth.method``); start the progress socket (a failure there is logged,
-not fatal: clock safety matters more than progress reports); start the HTTP listener; then tick
-the lease watchdog every `TICK_PERIOD_S` on the main thread.
+not fatal: clock safety matters more than progress reports); start the HTTP listener and a
+thread that forwards spooled Prolog/Epilog records to the head every `SPOOL_FORWARD_PERIOD_S`;
+then tick the lease watchdog every `TICK_PERIOD_S` on the main thread.
 
 SIGTERM, SIGINT and SIGHUP stop it: the listener and the progress socket close, every GPU is
 reset to default clocks, the state file is removed, exit status 0 (1 if a GPU could not be reset;
@@ -37,14 +38,18 @@ from slurm_cdgpc.agent.server import AgentHttpServer
 from slurm_cdgpc.config import Config, load_config
 from slurm_cdgpc.errors import CdgpcError, FatalError, InputError
 from slurm_cdgpc.gpu.device import GpuSet
+from slurm_cdgpc.slurm.spool import DEFAULT_SPOOL_DIR, forward_spool
 from slurm_cdgpc.transport.auth import (
     AccessPolicy,
 )
-from slurm_cdgpc.transport.credentials import verifier_from_config
+from slurm_cdgpc.transport.credentials import signer_from_config, verifier_from_config
+from slurm_cdgpc.transport.http import HeadClient
 
 logger = logging.getLogger(__name__)
 
 TICK_PERIOD_S: Final = 0.5
+#: how often registrations a Prolog or Epilog spooled while the head was away are sent on
+SPOOL_FORWARD_PERIOD_S: Final = 30.0
 DEBUG_ENV: Final = "CDGPC_DEBUG"
 
 
@@ -150,6 +155,9 @@ def _serve(config: Config, agent: NodeAgent, stop: threading.Event) -> bool:
             ) from e
         thread = threading.Thread(target=server.serve_forever, name="http", daemon=True)
         thread.start()
+        threading.Thread(
+            target=_forward_spool_until, args=(config, stop), name="spool", daemon=True
+        ).start()
         logger.info(
             "cdgpc-noded on %s: %d GPU(s), listening on %s:%d (%s auth), lease %gs, safe cap %s",
             agent.node_name,
@@ -176,6 +184,23 @@ def _serve(config: Config, agent: NodeAgent, stop: threading.Event) -> bool:
         failed = agent.restore_defaults()
         logger.info("cdgpc-noded stopped%s", f" ({len(failed)} GPU(s) not reset)" if failed else "")
     return bool(failed)
+
+
+def _forward_spool_until(config: Config, stop: threading.Event) -> None:
+    """Every `SPOOL_FORWARD_PERIOD_S`, send what the hooks spooled while the head was away."""
+    while not stop.wait(SPOOL_FORWARD_PERIOD_S):
+        if not DEFAULT_SPOOL_DIR.is_dir():
+            continue
+        try:
+            client = HeadClient(config.head.url, signer_from_config(config))
+            result = forward_spool(client, DEFAULT_SPOOL_DIR)
+        except CdgpcError as e:
+            logger.warning("spooled registrations not forwarded: %s", e)
+            continue
+        if result.sent or result.dropped:
+            logger.info(
+                "spool: %d forwarded, %d dropped, %d left", result.sent, result.dropped, result.left
+            )
 
 
 if __name__ == "__main__":
