@@ -44,7 +44,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Final, Protocol
 
@@ -346,6 +346,21 @@ class Coordinator:
             iterations_total,
         )
         return job
+
+    def reconcile(self, slurm_running: Collection[str], grace_s: float) -> list[str]:
+        """Deregister active jobs that Slurm no longer runs: their Epilog never reached us (a
+        node crashed, the head was away and the spool was lost). A job registered less than
+        ``grace_s`` ago is left alone: squeue may not list it yet. Returns the ids removed."""
+        now_s = self._clock()
+        gone = [
+            job.job_id
+            for job in self.store.jobs(ACTIVE_STATES)
+            if job.job_id not in slurm_running and now_s - job.registered_at_s > grace_s
+        ]
+        for job_id in gone:
+            logger.warning("job %s: no longer running in Slurm; deregistered", job_id)
+            self.deregister_job(job_id)
+        return gone
 
     def deregister_job(self, job_id: str) -> Job | None:
         """The job ended: its GPUs are released at the next exchange. None if unknown."""

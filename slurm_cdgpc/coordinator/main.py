@@ -30,6 +30,7 @@ from slurm_cdgpc.config import Config, load_config
 from slurm_cdgpc.coordinator.api import HeadHttpServer
 from slurm_cdgpc.coordinator.daemon import Coordinator, CoordinatorSettings
 from slurm_cdgpc.errors import CdgpcError, FatalError, InputError
+from slurm_cdgpc.slurm.squeue import SQUEUE, SqueueError, running_jobs
 from slurm_cdgpc.store import Store, make_engine, upgrade
 from slurm_cdgpc.transport.auth import (
     AccessPolicy,
@@ -42,6 +43,8 @@ logger = logging.getLogger(__name__)
 DEBUG_ENV: Final = "CDGPC_DEBUG"
 #: the longest an exchange with one node may take, whatever the interval
 MAX_EXCHANGE_TIMEOUT_S: Final = 10.0
+#: how often the head asks Slurm which jobs still run (at least two control intervals)
+RECONCILE_PERIOD_S: Final = 30.0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -142,6 +145,16 @@ def _serve(config: Config, coordinator: Coordinator, stop: threading.Event) -> N
         raise FatalError(f"cannot listen on {address[0]}:{address[1]}: {e.strerror or e}") from e
     thread = threading.Thread(target=server.serve_forever, name="http", daemon=True)
     thread.start()
+    if SQUEUE.exists():
+        period_s = max(RECONCILE_PERIOD_S, 2 * config.control.interval_s)
+        threading.Thread(
+            target=_reconcile_until,
+            args=(coordinator, stop, period_s),
+            name="reconcile",
+            daemon=True,
+        ).start()
+    else:
+        logger.info("%s not found: no reconcile with Slurm", SQUEUE)
     try:
         logger.info(
             "cdgpcd listening on %s:%d (%s auth), interval %gs, lease %gs%s",
@@ -157,6 +170,18 @@ def _serve(config: Config, coordinator: Coordinator, stop: threading.Event) -> N
         server.shutdown()
         server.server_close()
         thread.join(timeout=5.0)
+
+
+def _reconcile_until(coordinator: Coordinator, stop: threading.Event, period_s: float) -> None:
+    """Every ``period_s``, drop jobs Slurm no longer runs (off the control thread: squeue may
+    take seconds on a busy controller)."""
+    while not stop.wait(period_s):
+        try:
+            running = running_jobs()
+        except SqueueError as e:
+            logger.warning("reconcile skipped: %s", e)
+            continue
+        coordinator.reconcile(running.keys(), grace_s=period_s)
 
 
 if __name__ == "__main__":

@@ -292,3 +292,21 @@ def test_job_on_unknown_node_waits_for_its_gpu_type(make_cluster: MakeCluster) -
     assert [(j.job_id, j.controlled) for j in report.jobs] == [("9", False)]
     nodes = {n.name: n for n in cluster.store.nodes()}
     assert nodes["n9"].url == "http://n9:8464" and not nodes["n9"].reachable
+
+
+def test_reconcile_drops_jobs_slurm_no_longer_runs(make_cluster: MakeCluster) -> None:
+    cluster = make_cluster()
+    cluster.store.set_budget(600.0, "root")
+    cluster.tick()
+    _register(cluster, "11", "n1", 0)
+    _register(cluster, "12", "n1", 1)
+    cluster.tick()
+    cluster.clock.advance(100.0)
+    _register(cluster, "13", "n2", 0)  # just started: squeue may not list it yet
+    # Slurm runs 12 only; 11's Epilog never arrived
+    assert cluster.head.reconcile({"12"}, grace_s=30.0) == ["11"]
+    assert cluster.store.job("11").state == "finished"
+    assert cluster.store.job("12").state != "finished"
+    assert cluster.store.job("13").state != "finished"
+    cluster.tick()
+    assert cluster.last_requests()["n1"].release == (0,)
