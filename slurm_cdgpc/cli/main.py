@@ -10,7 +10,7 @@ from typing import Any
 import click
 
 from slurm_cdgpc import __version__
-from slurm_cdgpc.cli import admin, bench, demo, model
+from slurm_cdgpc.cli import admin, bench, demo, model, simulate
 from slurm_cdgpc.errors import CdgpcError
 
 
@@ -34,7 +34,7 @@ def cli(verbose: int) -> None:
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
 
 
-for _group in (*admin.COMMANDS, bench.bench, model.model, demo.demo):
+for _group in (*admin.COMMANDS, bench.bench, model.model, demo.demo, simulate.simulate):
     cli.add_command(_group)
 
 

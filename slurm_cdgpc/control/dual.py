@@ -110,7 +110,7 @@ class DualProblem:
         lam = price[:, None]
         g, a = self.gpus, self.core_theta
         interior = (x > self.x_lo) & (x < self.x_hi)
-        with np.errstate(divide="ignore", invalid="ignore"):
+        with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
             s = self.weight * self.time_theta[:, 0] / (lam * g)
             # implicit differentiation of s(λ)/x² = m(x), s ∝ 1/λ:
             # dx/dλ = −(s / (λ x²)) / (2 s / x³ + m'(x))

@@ -1,0 +1,498 @@
+"""Trace-driven cluster simulator: FIFO placement, a control loop, the calibrated plant.
+
+Every ``interval_s`` (one control interval, default 60 s), at the interval's start ``t``:
+
+1. jobs submitted at or before ``t`` join the queue (so a job waits for the next boundary);
+   a job asking for more GPUs than the whole fleet is rejected and counted, never queued;
+2. strict FIFO first-fit: the queue's head is placed if it fits, then the next, and so on; the
+   first job that does not fit blocks every job behind it (no backfilling: the simplest rule,
+   and it makes queueing delay a pure consequence of how fast the running jobs finish, which
+   is what a power policy changes). A job of g ≤ GPUs-per-node GPUs takes the first node with
+   g free GPUs; a larger job takes ⌈g / n⌉ entirely free nodes, first within one node group,
+   else across groups in order (the last node holds the remainder);
+3. the policy sees a `ClusterView` (what a real system knows: measurements of the last
+   interval, GPU counts and types, deadlines, reported progress, the budget; never the plant)
+   and returns `Setpoints` (graphics/memory clock locks and/or per-GPU power limits per job);
+4. the plant runs every job for the interval at its applied clock. A job's workload is drawn
+   per GPU type from its model name (`draw_workloads`); its iteration time is scaled so that
+   iterations × time per iteration at max clocks (default limit) is the trace's duration. A job
+   spanning GPU types runs as its slowest type (the slowest GPU paces a synchronous job);
+5. progress: ΔR = Δt / T; a job with R ≤ Δt / T finishes at t + R·T (interpolated), its GPUs
+   draw idle power for the rest of the interval and are free at the next boundary;
+6. cluster power over the interval: busy GPUs at plant power, idle GPUs at their idle power.
+
+Intervals with nothing running or queued are skipped (their idle energy is still counted).
+Measurements are interval means with seeded noise (`Plant.observe`); Hopper's 1 s power
+averaging does not matter at interval means and is not modelled here.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from slurm_cdgpc.errors import InputError
+from slurm_cdgpc.gpu.catalog import GpuSpec
+from slurm_cdgpc.gpu.plant import Plant, WorkloadArrays, draw_workloads, hardware_calibration
+from slurm_cdgpc.sim.fleet import FleetSpec
+from slurm_cdgpc.sim.traces import Trace
+
+logger = logging.getLogger(__name__)
+
+FloatArray = npt.NDArray[np.float64]
+IntArray = npt.NDArray[np.int64]
+BoolArray = npt.NDArray[np.bool_]
+
+_WORKLOAD_FIELDS = tuple(WorkloadArrays.__dataclass_fields__)
+
+
+@dataclass(frozen=True)
+class ClusterView:
+    """Everything a policy may know at the start of an interval (no reference to the plant).
+
+    Job rows: the previous view's rows still running (``kept`` over them), in order, then the
+    ``started`` jobs placed this interval. Measurements are the last interval's means as node
+    agents report them (noisy); NaN for jobs that started this interval.
+    """
+
+    now_s: float
+    interval_s: float
+    budget_w: float
+    specs: tuple[GpuSpec, ...]  # GPU types (catalog data), indexed by job_type / node_type
+    kept: BoolArray  # over the previous view's rows
+    started: int
+    job_id: IntArray  # the job's row in the trace
+    job_gpus: IntArray
+    job_type: IntArray
+    job_nodes: IntArray  # (jobs, nodes): GPUs of each job on each node
+    submit_s: FloatArray
+    deadline_s: FloatArray  # NaN: none
+    iterations: FloatArray  # total, as the job reports it
+    remaining_iterations: FloatArray  # as the job reports its progress
+    graphics_mhz: FloatArray  # applied clock
+    memory_mhz: FloatArray
+    power_w: FloatArray  # mean per GPU
+    iteration_s: FloatArray
+    power_capped: BoolArray
+    node_type: IntArray
+    node_gpus: IntArray
+    node_power_w: FloatArray  # measured mean per node over the last interval (NaN: none yet)
+    idle_power_w: float  # GPUs without a job, at their idle power
+    queued_jobs: int
+    queued_gpus: int
+
+    def __post_init__(self) -> None:
+        # read-only views: a policy cannot write into the simulator's state
+        for name, value in vars(self).items():
+            if isinstance(value, np.ndarray):
+                frozen = value.view()
+                frozen.setflags(write=False)
+                object.__setattr__(self, name, frozen)
+
+    def __len__(self) -> int:
+        return int(self.job_gpus.shape[0])
+
+    @property
+    def busy_gpus(self) -> int:
+        return int(self.job_gpus.sum())
+
+
+@dataclass(frozen=True)
+class Setpoints:
+    """A policy's answer, per job row of the view; None means "leave at default"."""
+
+    graphics_mhz: FloatArray | None = None  # clock lock; NaN = top clock
+    memory_mhz: FloatArray | None = None
+    limit_w: FloatArray | None = None  # per-GPU power limit; NaN = default
+
+
+class Policy:
+    """Decides setpoints from a `ClusterView`. Subclasses keep their own per-job state aligned
+    with the view's rows (``view.kept``, ``view.started``)."""
+
+    name = "policy"
+
+    def start(self, fleet: FleetSpec, budget_w: float, interval_s: float) -> None:
+        """Called once before the first interval."""
+
+    def decide(self, view: ClusterView) -> Setpoints:
+        raise NotImplementedError
+
+
+class PlantPolicy(Policy):
+    """A policy that reads the true plant (the oracle). The simulator hands the plant of the
+    running jobs, rows aligned with the view, to these policies only."""
+
+    def decide(self, view: ClusterView) -> Setpoints:
+        raise InputError(f"policy {self.name!r} needs the plant: use decide_with_plant")
+
+    def decide_with_plant(self, view: ClusterView, plant: Plant) -> Setpoints:
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class SimulationResult:
+    """One replay: per job (trace order) and per simulated interval."""
+
+    policy: str
+    fleet: str
+    fleet_gpus: int
+    budget_w: float
+    interval_s: float
+    # per job
+    submit_s: FloatArray
+    duration_s: FloatArray  # at max clocks (the trace's)
+    deadline_s: FloatArray
+    num_gpu: IntArray
+    start_s: FloatArray  # NaN: never started (rejected)
+    finish_s: FloatArray
+    rejected: BoolArray
+    # per simulated interval (intervals with jobs running)
+    t_s: FloatArray  # interval start
+    power_w: FloatArray  # cluster mean over the interval (idle GPUs included)
+    demand_w: FloatArray  # what the running jobs would draw at max clocks (idle included)
+    controller_s: FloatArray  # the policy's decide time
+    energy_j: float  # the whole run, skipped idle gaps included
+    wall_s: float
+
+
+@dataclass(frozen=True)
+class Workloads:
+    """Every trace job's workload on every GPU type of the fleet, and its iterations.
+
+    ``fields[name]`` has shape (types, jobs). Drawn once per seed, so every policy replays the
+    same jobs.
+    """
+
+    fields: dict[str, FloatArray]
+    iterations: FloatArray
+    slowness: FloatArray  # per type: relative iteration time (the slowest paces a mixed job)
+
+    def on(self, types: IntArray, rows: IntArray) -> WorkloadArrays:
+        return WorkloadArrays(*(self.fields[f][types, rows] for f in _WORKLOAD_FIELDS))
+
+
+def draw_trace_workloads(trace: Trace, specs: tuple[GpuSpec, ...], seed: int) -> Workloads:
+    """Workloads per job and GPU type such that iterations × T(max clocks) = duration.
+
+    Iterations come from the trace; where missing, duration / a drawn iteration time (on the
+    first type). T(f) of the plant scales with the workload's base time, so one plant step at
+    max clocks gives the factor that makes the time at max clocks (default limit) match.
+    """
+    n = len(trace)
+    rng = np.random.default_rng(seed)
+    names = [str(m) for m in trace.model_name]
+    fields: dict[str, list[FloatArray]] = {f: [] for f in _WORKLOAD_FIELDS}
+    iterations = np.asarray(trace.iterations, dtype=np.float64).copy()
+    for k, spec in enumerate(specs):
+        drawn = draw_workloads(n, spec, rng, model_names=names)
+        if k == 0:
+            missing = ~(np.isfinite(iterations) & (iterations > 0))
+            iterations[missing] = trace.duration_s[missing] / drawn.iteration_time_s[missing]
+        unit = WorkloadArrays(np.ones(n), *(getattr(drawn, f) for f in _WORKLOAD_FIELDS[1:]))
+        t_top = Plant.of(spec, unit).step(spec.max_graphics_mhz).iteration_time_s
+        # T0 = (duration / iterations) / T_top(T0 = 1); zero-length jobs keep the drawn time
+        per_iter = np.divide(
+            trace.duration_s,
+            iterations,
+            out=np.zeros(n),
+            where=iterations > 0,
+        )
+        base = np.where(per_iter > 0, per_iter / t_top, drawn.iteration_time_s)
+        fields["iteration_time_s"].append(base)
+        for f in _WORKLOAD_FIELDS[1:]:
+            fields[f].append(getattr(drawn, f))
+    iterations = np.where(trace.duration_s > 0, iterations, 0.0)
+    slowness = np.array([hardware_calibration(s).relative_time for s in specs])
+    return Workloads({f: np.stack(v) for f, v in fields.items()}, iterations, slowness)
+
+
+@dataclass
+class _Running:
+    """Rows of the running jobs, all arrays aligned."""
+
+    rows: IntArray
+    types: IntArray
+    gpus: IntArray
+    alloc: IntArray  # (jobs, nodes)
+    remaining: FloatArray
+    # last interval's measurement (NaN for new rows)
+    graphics_mhz: FloatArray
+    memory_mhz: FloatArray
+    power_w: FloatArray
+    iteration_s: FloatArray
+    power_capped: BoolArray
+
+    def select(self, keep: BoolArray) -> _Running:
+        return _Running(*(getattr(self, f)[keep] for f in self.__dataclass_fields__))
+
+
+class Simulator:
+    """Replays `trace` on `fleet` under one policy (module docstring)."""
+
+    def __init__(
+        self,
+        trace: Trace,
+        fleet: FleetSpec,
+        budget_w: float,
+        *,
+        interval_s: float = 60.0,
+        seed: int = 0,
+        workloads: Workloads | None = None,
+    ) -> None:
+        if not budget_w > 0 or not math.isfinite(budget_w):
+            raise InputError(f"the power budget must be a positive number of watts, got {budget_w}")
+        if not interval_s > 0:
+            raise InputError(f"the control interval must be positive, got {interval_s}")
+        self.trace = trace
+        self.fleet = fleet
+        self.budget_w = float(budget_w)
+        self.interval_s = float(interval_s)
+        self.seed = seed
+        self.specs = fleet.specs
+        self.workloads = workloads or draw_trace_workloads(trace, self.specs, seed)
+        self.node_type = fleet.node_type
+        self.node_gpus = fleet.node_gpus
+        self.node_group = np.concatenate(
+            [np.full(g.nodes, k, dtype=np.int64) for k, g in enumerate(fleet.groups)]
+        )
+        self.idle_w_by_type = np.array([s.idle_power_w for s in self.specs])
+        self.max_mhz_by_type = np.array([float(s.max_graphics_mhz) for s in self.specs])
+
+    # --- placement -------------------------------------------------------------------------
+
+    def _place(self, gpus: int, free: IntArray) -> IntArray | None:
+        """GPUs taken on each node by first-fit, or None when the job does not fit now."""
+        take = np.zeros_like(free)
+        fits = np.flatnonzero((free >= gpus) & (self.node_gpus >= gpus))
+        if fits.size:
+            take[fits[0]] = gpus
+            return take
+        whole = free == self.node_gpus
+        for group in [*np.unique(self.node_group), None]:
+            pick = np.flatnonzero(whole if group is None else whole & (self.node_group == group))
+            if pick.size == 0:
+                continue
+            cum = np.cumsum(self.node_gpus[pick])
+            k = int(np.searchsorted(cum, gpus, side="left"))
+            if k < pick.size:
+                take[pick[:k]] = self.node_gpus[pick[:k]]
+                take[pick[k]] = gpus - (int(cum[k - 1]) if k else 0)
+                return take
+        return None
+
+    # --- the loop --------------------------------------------------------------------------
+
+    def run(
+        self, policy: Policy, progress: Callable[[int], None] | None = None
+    ) -> SimulationResult:
+        """Replay the whole trace under ``policy``; ``progress(n)`` gets jobs done so far."""
+        wall0 = time.perf_counter()
+        trace, wl, dt = self.trace, self.workloads, self.interval_s
+        n = len(trace)
+        n_nodes = self.node_gpus.shape[0]
+        total_gpus = int(self.node_gpus.sum())
+        rng = np.random.default_rng([self.seed, 1])
+        policy.start(self.fleet, self.budget_w, dt)
+        start_s = np.full(n, np.nan)
+        finish_s = np.full(n, np.nan)
+        rejected = trace.num_gpu > total_gpus
+        if rejected.any():
+            logger.info("%d jobs need more GPUs than the fleet's %d", rejected.sum(), total_gpus)
+        free = self.node_gpus.copy()
+        node_power_w = np.full(n_nodes, np.nan)
+        empty_f, empty_i = np.zeros(0), np.zeros(0, dtype=np.int64)
+        run = _Running(
+            empty_i,
+            empty_i,
+            empty_i,
+            np.zeros((0, n_nodes), dtype=np.int64),
+            empty_f,
+            empty_f,
+            empty_f,
+            empty_f,
+            empty_f,
+            np.zeros(0, dtype=bool),
+        )
+        kept = np.zeros(0, dtype=bool)
+        queue: deque[int] = deque()
+        queued_gpus = 0
+        next_job = 0  # next trace row not yet submitted
+        done = int(rejected.sum())
+        plant: Plant | None = None
+        t_rec: list[float] = []
+        p_rec: list[float] = []
+        d_rec: list[float] = []
+        c_rec: list[float] = []
+        energy_j = 0.0
+        t = float(trace.submit_s[0]) if n else 0.0
+        t0 = t
+        idle_all_w = float(np.sum(self.node_gpus * self.idle_w_by_type[self.node_type]))
+        while done < n:
+            if not queue and len(run.rows) == 0:
+                # nothing to do: jump to the boundary at or after the next submission
+                nxt = float(trace.submit_s[next_job])
+                if nxt > t:
+                    jump = math.ceil((nxt - t) / dt - 1e-9) * dt
+                    energy_j += idle_all_w * jump
+                    t += jump
+            while next_job < n and trace.submit_s[next_job] <= t:
+                if not rejected[next_job]:
+                    queue.append(next_job)
+                    queued_gpus += int(trace.num_gpu[next_job])
+                next_job += 1
+            started_rows: list[int] = []
+            started_alloc: list[IntArray] = []
+            while queue:
+                take = self._place(int(trace.num_gpu[queue[0]]), free)
+                if take is None:
+                    break  # strict FIFO: the head blocks the queue
+                free -= take
+                started_rows.append(queue.popleft())
+                queued_gpus -= int(trace.num_gpu[started_rows[-1]])
+                started_alloc.append(take)
+            if started_rows:
+                new_rows = np.array(started_rows, dtype=np.int64)
+                new_alloc = np.stack(started_alloc)
+                # the slowest GPU type a job holds paces it
+                held = new_alloc[:, :, None] * (
+                    self.node_type[None, :, None] == np.arange(len(self.specs))[None, None, :]
+                )
+                holds = held.sum(axis=1) > 0  # (new, types)
+                slow = np.where(holds, wl.slowness[None, :], -np.inf)
+                new_types = np.argmax(slow, axis=1).astype(np.int64)
+                start_s[new_rows] = t
+                nan = np.full(new_rows.size, np.nan)
+                run = _Running(
+                    np.concatenate([run.rows, new_rows]),
+                    np.concatenate([run.types, new_types]),
+                    np.concatenate([run.gpus, trace.num_gpu[new_rows]]),
+                    np.concatenate([run.alloc, new_alloc]),
+                    np.concatenate([run.remaining, wl.iterations[new_rows]]),
+                    np.concatenate([run.graphics_mhz, nan]),
+                    np.concatenate([run.memory_mhz, nan]),
+                    np.concatenate([run.power_w, nan]),
+                    np.concatenate([run.iteration_s, nan]),
+                    np.concatenate([run.power_capped, np.zeros(new_rows.size, dtype=bool)]),
+                )
+                plant = None
+            if len(run.rows) == 0:
+                t += dt
+                energy_j += idle_all_w * dt
+                continue
+            if plant is None:
+                plant = Plant(self.specs, run.types, wl.on(run.types, run.rows))
+            idle_gpu_w = float(np.sum(free * self.idle_w_by_type[self.node_type]))
+            view = ClusterView(
+                now_s=t,
+                interval_s=dt,
+                budget_w=self.budget_w,
+                specs=self.specs,
+                kept=kept,
+                started=len(started_rows),
+                job_id=run.rows,
+                job_gpus=run.gpus,
+                job_type=run.types,
+                job_nodes=run.alloc,
+                submit_s=trace.submit_s[run.rows],
+                deadline_s=trace.deadline_s[run.rows],
+                iterations=wl.iterations[run.rows],
+                remaining_iterations=run.remaining.copy(),
+                graphics_mhz=run.graphics_mhz,
+                memory_mhz=run.memory_mhz,
+                power_w=run.power_w,
+                iteration_s=run.iteration_s,
+                power_capped=run.power_capped,
+                node_type=self.node_type,
+                node_gpus=self.node_gpus,
+                node_power_w=node_power_w,
+                idle_power_w=idle_gpu_w,
+                queued_jobs=len(queue),
+                queued_gpus=queued_gpus,
+            )
+            c0 = time.perf_counter()
+            if isinstance(policy, PlantPolicy):
+                sp = policy.decide_with_plant(view, plant)
+            else:
+                sp = policy.decide(view)
+            c_rec.append(time.perf_counter() - c0)
+            top = self.max_mhz_by_type[run.types]
+            clock = (
+                top
+                if sp.graphics_mhz is None
+                else np.where(np.isfinite(sp.graphics_mhz), sp.graphics_mhz, top)
+            )
+            limit = None
+            if sp.limit_w is not None:
+                default = np.array([s.power_limit.default_w for s in self.specs])[run.types]
+                limit = np.where(np.isfinite(sp.limit_w), sp.limit_w, default)
+            mem = sp.memory_mhz
+            truth = plant.step(clock, mem, limit)
+            at_max = plant.step(top)
+            # progress ΔR = Δt / T; a job with R ≤ Δt/T ran the share R·T/Δt of the interval
+            per_interval = dt / truth.iteration_time_s
+            finishing = run.remaining <= per_interval * (1.0 + 1e-9)  # FP: exact fits finish
+            share = np.where(
+                finishing, np.minimum(run.remaining * truth.iteration_time_s / dt, 1.0), 1.0
+            )
+            idle_job_w = self.idle_w_by_type[run.types]
+            job_w = run.gpus * (truth.power_w * share + idle_job_w * (1.0 - share))
+            power_w = float(job_w.sum()) + idle_gpu_w
+            energy_j += power_w * dt
+            t_rec.append(t)
+            p_rec.append(power_w)
+            d_rec.append(float(np.sum(run.gpus * at_max.power_w)) + idle_gpu_w)
+            seen = plant.observe(truth, rng)
+            seen_job_w = run.gpus * (seen.power_w * share + idle_job_w * (1.0 - share))
+            # per node: Σ_jobs GPUs on the node × measured per-GPU power, plus its idle GPUs
+            node_power_w = (run.alloc.T @ (seen_job_w / run.gpus)) + free * self.idle_w_by_type[
+                self.node_type
+            ]
+            finish_s[run.rows[finishing]] = t + share[finishing] * dt
+            run.remaining = np.maximum(run.remaining - per_interval, 0.0)
+            run.graphics_mhz = truth.applied_mhz
+            run.memory_mhz = (
+                np.array([float(s.max_memory_mhz) for s in self.specs])[run.types]
+                if mem is None
+                else np.asarray(mem, dtype=np.float64)
+            )
+            run.power_w = seen.power_w
+            run.iteration_s = seen.iteration_time_s
+            run.power_capped = truth.power_capped
+            kept = ~finishing
+            if finishing.any():
+                free += run.alloc[finishing].sum(axis=0)
+                run = run.select(kept)
+                plant = None
+                done += int(finishing.sum())
+                if progress is not None:
+                    progress(done)
+            t += dt
+        logger.debug("replayed %d jobs in %.1f s of simulated time", n, t - t0)
+        return SimulationResult(
+            policy=policy.name,
+            fleet=str(self.fleet),
+            fleet_gpus=total_gpus,
+            budget_w=self.budget_w,
+            interval_s=dt,
+            submit_s=np.asarray(trace.submit_s, dtype=np.float64),
+            duration_s=np.asarray(trace.duration_s, dtype=np.float64),
+            deadline_s=np.asarray(trace.deadline_s, dtype=np.float64),
+            num_gpu=np.asarray(trace.num_gpu, dtype=np.int64),
+            start_s=start_s,
+            finish_s=finish_s,
+            rejected=rejected,
+            t_s=np.array(t_rec),
+            power_w=np.array(p_rec),
+            demand_w=np.array(d_rec),
+            controller_s=np.array(c_rec),
+            energy_j=energy_j,
+            wall_s=time.perf_counter() - wall0,
+        )

@@ -1,0 +1,137 @@
+"""The simulated cluster's hardware: groups of identical nodes, parsed from ``--fleet``.
+
+A fleet spec is a comma-separated list of ``NODESxGPUS:TYPE`` groups, e.g.
+``64x8:A100-SXM4-80GB,32x8:V100-SXM2`` (64 nodes of 8 A100s, then 32 nodes of 8 V100s). The
+order is the placement order: first-fit scans nodes group by group. `default_fleet` sizes a
+homogeneous A100 fleet from a trace: the time-weighted 90th percentile of the GPUs the trace
+would keep busy if every job started at submission and ran at max clocks, in whole 8-GPU nodes.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Final
+
+import numpy as np
+import numpy.typing as npt
+
+from slurm_cdgpc.errors import InputError
+from slurm_cdgpc.gpu.catalog import GpuSpec, catalog_spec
+from slurm_cdgpc.sim.traces import Trace
+
+IntArray = npt.NDArray[np.int64]
+FloatArray = npt.NDArray[np.float64]
+
+DEFAULT_GPU: Final = "A100-SXM4-80GB"
+DEFAULT_GPUS_PER_NODE: Final = 8
+#: the share of time the default fleet covers the trace's demand (time-weighted percentile)
+DEFAULT_QUANTILE: Final = 0.9
+
+_GROUP = re.compile(r"\s*([0-9]+)\s*x\s*([0-9]+)\s*:\s*([^,]+?)\s*")
+
+
+@dataclass(frozen=True)
+class NodeGroup:
+    """``nodes`` identical nodes with ``gpus_per_node`` GPUs of type ``spec``."""
+
+    nodes: int
+    gpus_per_node: int
+    spec: GpuSpec
+
+
+@dataclass(frozen=True)
+class FleetSpec:
+    """The cluster's node groups, in placement order."""
+
+    groups: tuple[NodeGroup, ...]
+
+    def __post_init__(self) -> None:
+        if not self.groups:
+            raise InputError("a fleet needs at least one node group")
+
+    @property
+    def specs(self) -> tuple[GpuSpec, ...]:
+        """The distinct GPU types, in order of first appearance."""
+        seen: dict[str, GpuSpec] = {}
+        for g in self.groups:
+            seen.setdefault(g.spec.name, g.spec)
+        return tuple(seen.values())
+
+    @property
+    def node_type(self) -> IntArray:
+        """Index into `specs` of every node, shape (nodes,)."""
+        names = [s.name for s in self.specs]
+        return np.concatenate(
+            [np.full(g.nodes, names.index(g.spec.name), dtype=np.int64) for g in self.groups]
+        )
+
+    @property
+    def node_gpus(self) -> IntArray:
+        """GPUs of every node, shape (nodes,)."""
+        return np.concatenate(
+            [np.full(g.nodes, g.gpus_per_node, dtype=np.int64) for g in self.groups]
+        )
+
+    @property
+    def total_gpus(self) -> int:
+        return sum(g.nodes * g.gpus_per_node for g in self.groups)
+
+    @property
+    def max_power_w(self) -> float:
+        """Σ over GPUs of the highest power limit: what ``--budget 1.0`` means."""
+        return float(sum(g.nodes * g.gpus_per_node * g.spec.power_limit.max_w for g in self.groups))
+
+    def __str__(self) -> str:
+        return ",".join(f"{g.nodes}x{g.gpus_per_node}:{g.spec.name}" for g in self.groups)
+
+
+def parse_fleet(text: str) -> FleetSpec:
+    """``64x8:A100-SXM4-80GB,32x8:V100-SXM2`` → `FleetSpec`; malformed text is an `InputError`."""
+    groups = []
+    for part in text.split(","):
+        match = _GROUP.fullmatch(part)
+        if match is None:
+            raise InputError(
+                f"cannot read fleet group {part.strip()!r}: use NODESxGPUS:TYPE, "
+                "e.g. 64x8:A100-SXM4-80GB"
+            )
+        nodes, gpus = int(match[1]), int(match[2])
+        if nodes < 1 or gpus < 1:
+            raise InputError(f"fleet group {part.strip()!r} needs at least one node and one GPU")
+        groups.append(NodeGroup(nodes, gpus, catalog_spec(match[3])))
+    return FleetSpec(tuple(groups))
+
+
+def concurrent_demand_quantile(
+    submit_s: FloatArray, duration_s: FloatArray, num_gpu: IntArray, quantile: float
+) -> float:
+    """Time-weighted quantile of Σ GPUs of the jobs in [submit, submit + duration).
+
+    Demand is a step function changing at every start and end; each level is weighted by how
+    long it holds, from the first submission to the last end.
+    """
+    if submit_s.size == 0:
+        return 0.0
+    times = np.concatenate([submit_s, submit_s + duration_s])
+    delta = np.concatenate([num_gpu, -num_gpu]).astype(np.float64)
+    order = np.argsort(times, kind="stable")
+    times, delta = times[order], delta[order]
+    level = np.cumsum(delta)[:-1]  # demand on [t_i, t_{i+1})
+    span = np.diff(times)
+    if span.sum() <= 0:
+        return float(num_gpu.sum())
+    by_level = np.argsort(level, kind="stable")
+    cum = np.cumsum(span[by_level]) / span.sum()
+    k = int(np.searchsorted(cum, quantile, side="left"))
+    return float(level[by_level][min(k, level.size - 1)])
+
+
+def default_fleet(trace: Trace) -> FleetSpec:
+    """The trace's time-weighted p90 concurrent GPU demand, in whole 8-GPU A100 nodes (≥ 1)."""
+    demand = concurrent_demand_quantile(
+        trace.submit_s, trace.duration_s, trace.num_gpu, DEFAULT_QUANTILE
+    )
+    nodes = max(1, math.ceil(demand / DEFAULT_GPUS_PER_NODE))
+    return FleetSpec((NodeGroup(nodes, DEFAULT_GPUS_PER_NODE, catalog_spec(DEFAULT_GPU)),))

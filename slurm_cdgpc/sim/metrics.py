@@ -1,0 +1,180 @@
+"""What a replay is judged by (`Metrics`), computed from a `SimulationResult`.
+
+Definitions (a job "meets" its deadline when it finishes at or before it; a deadline job that
+never ran, being larger than the fleet, misses it):
+
+``jobs``, ``finished``, ``rejected``
+    Jobs in the trace; jobs that finished; jobs larger than the whole fleet (never queued).
+``deadline_jobs``, ``violations``, ``dvr``
+    Jobs with a deadline; those that miss it; violations / deadline_jobs.
+``violations_induced``, ``dvr_induced``
+    Deadline jobs that meet their deadline in the ``max-clock`` replay of the same seeded
+    workload (the reference) but miss it here; violations_induced / deadline_jobs (the same
+    denominator as ``dvr``). Judging a miss "unavoidable" from a job's actual start would depend
+    on the policy, since slowing jobs lengthens the queue; the reference run does not.
+``feasible_jobs``, ``violations_feasible``
+    Deadline jobs with deadline ≥ submission + duration at max clocks (they could make it if
+    they started at once); the misses among them.
+``binding_intervals``, ``power_mae_pct``
+    Intervals where the running jobs' max-clock demand (idle GPUs included) exceeds the budget,
+    i.e. the cap binds; mean |P − B| / B × 100 over them (P: cluster power over the interval).
+``over_budget_intervals_pct``, ``max_overshoot_pct``
+    Share of simulated intervals with P > 1.01 B, × 100; max over intervals of (P / B − 1) × 100
+    (negative: never above the budget).
+``energy_kwh``
+    Cluster energy over the replay, idle GPUs and idle gaps included.
+``mean_jct_s``, ``makespan_s``
+    Mean of finish − submission over finished jobs; last finish − first submission.
+``controller_ms_p50``
+    Median time of the policy's decision per interval, milliseconds.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from slurm_cdgpc.errors import InputError
+from slurm_cdgpc.sim.cluster import SimulationResult, Simulator
+from slurm_cdgpc.sim.policies import make_policy
+
+FloatArray = npt.NDArray[np.float64]
+BoolArray = npt.NDArray[np.bool_]
+
+#: P > (1 + this) B counts as over budget
+OVER_BUDGET_TOLERANCE = 0.01
+
+
+@dataclass(frozen=True)
+class Metrics:
+    policy: str
+    fleet_gpus: int
+    budget_w: float
+    jobs: int
+    finished: int
+    rejected: int
+    deadline_jobs: int
+    violations: int
+    dvr: float
+    violations_induced: int | None  # None without a reference run
+    dvr_induced: float | None
+    feasible_jobs: int
+    violations_feasible: int
+    power_mae_pct: float | None  # None when the cap never binds
+    binding_intervals: int
+    over_budget_intervals_pct: float
+    max_overshoot_pct: float
+    energy_kwh: float
+    mean_jct_s: float
+    makespan_s: float
+    controller_ms_p50: float
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def missed(result: SimulationResult) -> BoolArray:
+    """Deadline jobs that finish after their deadline or never finish."""
+    has = np.isfinite(result.deadline_s)
+    late = ~(result.finish_s <= result.deadline_s)  # NaN finish: a miss
+    return has & late
+
+
+def slowdown(result: SimulationResult) -> FloatArray:
+    """(finish − submission) / duration at max clocks, for finished jobs of non-zero length."""
+    ok = np.isfinite(result.finish_s) & (result.duration_s > 0)
+    return (result.finish_s[ok] - result.submit_s[ok]) / result.duration_s[ok]
+
+
+def _finite(value: float) -> float:
+    return float(value) if math.isfinite(value) else 0.0
+
+
+def compute_metrics(result: SimulationResult, reference: SimulationResult | None = None) -> Metrics:
+    """The metrics of ``result``; ``reference`` is the max-clock replay of the same workload."""
+    has = np.isfinite(result.deadline_s)
+    miss = missed(result)
+    deadline_jobs = int(has.sum())
+    induced: int | None = None
+    if reference is not None:
+        if reference.submit_s.shape != result.submit_s.shape:
+            raise InputError("the reference replay is of another trace")
+        induced = int(np.sum(miss & ~missed(reference) & has))
+    feasible = has & (result.deadline_s >= result.submit_s + result.duration_s)
+    finished = np.isfinite(result.finish_s)
+    budget = result.budget_w
+    binding = result.demand_w > budget
+    gap = np.abs(result.power_w[binding] - budget) / budget  # |P − B| / B
+    intervals = max(result.power_w.size, 1)
+    over = result.power_w > (1.0 + OVER_BUDGET_TOLERANCE) * budget
+    return Metrics(
+        policy=result.policy,
+        fleet_gpus=result.fleet_gpus,
+        budget_w=budget,
+        jobs=int(result.submit_s.size),
+        finished=int(finished.sum()),
+        rejected=int(result.rejected.sum()),
+        deadline_jobs=deadline_jobs,
+        violations=int(miss.sum()),
+        dvr=int(miss.sum()) / deadline_jobs if deadline_jobs else 0.0,
+        violations_induced=induced,
+        dvr_induced=None if induced is None or not deadline_jobs else induced / deadline_jobs,
+        feasible_jobs=int(feasible.sum()),
+        violations_feasible=int(np.sum(miss & feasible)),
+        power_mae_pct=float(100.0 * gap.mean()) if gap.size else None,
+        binding_intervals=int(binding.sum()),
+        over_budget_intervals_pct=100.0 * int(over.sum()) / intervals,
+        max_overshoot_pct=(
+            float(100.0 * (result.power_w.max() / budget - 1.0)) if result.power_w.size else 0.0
+        ),
+        energy_kwh=result.energy_j / 3.6e6,
+        mean_jct_s=_finite(float(np.mean(result.finish_s[finished] - result.submit_s[finished])))
+        if finished.any()
+        else 0.0,
+        makespan_s=(
+            float(np.max(result.finish_s[finished]) - np.min(result.submit_s))
+            if finished.any()
+            else 0.0
+        ),
+        controller_ms_p50=(
+            float(1e3 * np.median(result.controller_s)) if result.controller_s.size else 0.0
+        ),
+    )
+
+
+@dataclass(frozen=True)
+class PolicyRun:
+    """One policy's replay and its metrics."""
+
+    result: SimulationResult
+    metrics: Metrics
+
+
+def run_policies(
+    simulator: Simulator,
+    names: Sequence[str],
+    progress: Callable[[str, int], None] | None = None,
+) -> dict[str, PolicyRun]:
+    """Replay the simulator's trace under each policy in ``names``, on the same seeded workload.
+
+    The ``max-clock`` replay (the reference of ``violations_induced``) runs first, whether
+    asked for or not; it is returned only when asked for.
+    """
+    for name in names:
+        make_policy(name)  # unknown names fail before any replay
+
+    def replay(name: str) -> SimulationResult:
+        tick = None if progress is None else (lambda done: progress(name, done))
+        return simulator.run(make_policy(name), tick)
+
+    reference = replay("max-clock")
+    runs: dict[str, PolicyRun] = {}
+    for name in names:
+        result = reference if name == "max-clock" else replay(name)
+        runs[name] = PolicyRun(result, compute_metrics(result, reference))
+    return runs

@@ -1,0 +1,501 @@
+"""Power-capping policies for the cluster simulator, one interface (`Policy.decide`).
+
+Every policy but ``oracle`` sees only a `ClusterView` (measurements, job sizes and types,
+deadlines, reported progress, the budget) and has no path to the plant: the simulator hands the
+plant to `PlantPolicy` subclasses only, and ``oracle`` is the one. ``max-clock`` needs nothing.
+
+``cdgpc``
+    Our controller: `EconomicMPC` with the bent power family, learning online, clocks no lower
+    than `CDGPC_MIN_CLOCK_FRACTION` of max, plus triage (``triage=True``): a job predicted to
+    miss its deadline even at top clocks (remaining iterations × learned time at top clocks >
+    slack) is weighted like a job without a deadline, so power goes to jobs it can still save.
+    Adaptive floor: when even every job at the floor (by the learned models, unmeasured jobs at
+    their power limit) exceeds the budget, the floor gives way to the lowest supported clock
+    for that interval, so that a tight budget still holds. Guard band max(0.2 %, 3 %/√N) of the
+    budget for N running jobs (a fixed 0.2 % overshot on a 32-GPU cluster).
+    Option ``queue_weight`` β (off by default: it did not help in our measurements): while jobs
+    queue, every job's pressure grows by β·g_n/ḡ, charging a slow job for the GPUs it holds.
+``cdgpc-paper``
+    The paper's method as published: the same EMPC with the linear power family and the paper's
+    deadline-aware weights w = R / max(D − t, Δt) (remaining iterations over slack), so a late
+    job keeps the highest weight; no triage, no exploration margin, clock floor 0.5 of max.
+``max-clock``
+    No cap.
+``uniform-power-cap``
+    DCGM/Flux style: (budget − idle GPUs at idle power) / busy GPUs as every busy GPU's power
+    limit, clipped to its type's limit range.
+``uniform-clock``
+    One clock fraction for every job, the highest whose predicted power fits the budget. Power
+    is predicted by the same online estimator as cdgpc (bent family, RLS on measurements),
+    corrected by the measured relative miss of the last plans; unmeasured jobs count at their
+    power limit. Clocks are floored to each type's supported levels.
+``ear-greedy``
+    EAR style: each node starts from a share of the budget proportional to its GPUs' power
+    limits; nodes drawing well below their share (measured) release the excess down to 110 % of
+    their draw, and the released power is water-filled over the nodes pressing their cap. A
+    node's allocation, less its idle GPUs, becomes its busy GPUs' power limit.
+``static-gpu-freq``
+    As ``sbatch --gpu-freq``: a job runs its first interval at top clocks; from the measured
+    iteration time it gets, once, the lowest supported clock that still meets its deadline
+    assuming time ∝ 1 / clock (top clock when it has no deadline or cannot meet it), never below
+    0.5 of max. The uniform per-GPU power limit is the backstop that holds the budget.
+``oracle``
+    True plant, centralised: per job the true power and time on a grid of clocks, one price λ
+    found by bisection so that each job's argmin of w·T + λ·g·P fits the budget. Weights as
+    cdgpc's (with triage), from the true time at top clocks; clocks from 0.6 of max, lower only
+    when that does not fit. An upper bound on what a controller can know, not a competitor; it
+    is not an upper bound on deadline outcomes (24 clock levels, no greedy fill, and the
+    objective ignores queueing: on cluster07 at 0.7 it induced more misses than cdgpc).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Final
+
+import numpy as np
+import numpy.typing as npt
+
+from slurm_cdgpc.control.discrete import ClockGrid
+from slurm_cdgpc.control.empc import (
+    ControllerSettings,
+    EconomicMPC,
+    JobState,
+    Measurements,
+)
+from slurm_cdgpc.errors import InputError
+from slurm_cdgpc.gpu.catalog import GpuSpec
+from slurm_cdgpc.gpu.plant import Plant, WorkloadArrays
+from slurm_cdgpc.model.estimator import EstimatorSettings, JobEstimator, JobStatics
+from slurm_cdgpc.sim.cluster import ClusterView, PlantPolicy, Policy, Setpoints
+from slurm_cdgpc.sim.fleet import FleetSpec
+
+logger = logging.getLogger(__name__)
+
+FloatArray = npt.NDArray[np.float64]
+IntArray = npt.NDArray[np.int64]
+BoolArray = npt.NDArray[np.bool_]
+
+#: ε: share of the budget the learning policies hold back (0.5 % left MAE > 1 % on Philly)
+GUARD_BAND: Final = 0.002
+#: cdgpc's guard band grows to c/√(running jobs) on small clusters (0.95 % at 10 jobs)
+GUARD_PER_SQRT_JOB: Final = 0.03
+#: cdgpc's clock floor: below ≈ 0.6 of max a GPU takes longer AND spends more energy per step
+CDGPC_MIN_CLOCK_FRACTION: Final = 0.6
+PAPER_MIN_CLOCK_FRACTION: Final = 0.5
+STATIC_MIN_CLOCK_FRACTION: Final = 0.5
+UNIFORM_CLOCK_FRACTIONS: Final = np.round(np.arange(1.0, 0.295, -0.01), 2)
+ORACLE_CLOCK_LEVELS: Final = 24
+#: η of the relative-miss correction in uniform-clock
+OFFSET_GAIN: Final = 0.3
+
+
+def _statics(specs: tuple[GpuSpec, ...], gpus: IntArray, types: IntArray) -> JobStatics:
+    def per_job(values: list[float]) -> FloatArray:
+        return np.asarray(values, dtype=np.float64)[types]
+
+    return JobStatics(
+        gpus=gpus.astype(np.int64),
+        graphics_max_mhz=per_job([float(s.max_graphics_mhz) for s in specs]),
+        memory_max_mhz=per_job([float(s.max_memory_mhz) for s in specs]),
+        knee_mhz=per_job([s.knee_mhz for s in specs]),
+        mem_mask=per_job([1.0 if s.memory_lockable else 0.0 for s in specs]),
+        idle_power_w=per_job([s.idle_power_w for s in specs]),
+        power_limit_w=per_job([s.power_limit.default_w for s in specs]),
+    )
+
+
+def _limit_range(specs: tuple[GpuSpec, ...], types: IntArray) -> tuple[FloatArray, FloatArray]:
+    lo = np.array([s.power_limit.min_w for s in specs])[types]
+    hi = np.array([s.power_limit.max_w for s in specs])[types]
+    return lo, hi
+
+
+def uniform_limit_w(view: ClusterView) -> FloatArray:
+    """Per job: L = (B − P_idle GPUs) / busy GPUs, clipped to the job's limit range."""
+    lo, hi = _limit_range(view.specs, view.job_type)
+    share = (view.budget_w - view.idle_power_w) / max(view.busy_gpus, 1)
+    limit: FloatArray = np.clip(np.full(len(view), share), lo, hi)
+    return limit
+
+
+class _Levels:
+    """Supported graphics clocks per GPU type (top memory clock), ascending."""
+
+    def __init__(self, specs: tuple[GpuSpec, ...]) -> None:
+        self.levels = [np.array(sorted(s.clocks.graphics_for()), dtype=np.float64) for s in specs]
+        self.top = np.array([lv[-1] for lv in self.levels])
+
+    def floor_mhz(self, types: IntArray, mhz: FloatArray) -> FloatArray:
+        """Highest level ≤ mhz (the lowest level if none); mhz of shape (..., N)."""
+        out = np.empty_like(mhz)
+        for k, lv in enumerate(self.levels):
+            sel = types == k
+            idx = np.searchsorted(lv, mhz[..., sel] * (1 + 1e-12), side="right") - 1
+            out[..., sel] = lv[np.clip(idx, 0, lv.size - 1)]
+        return out
+
+    def ceil_mhz(self, types: IntArray, mhz: FloatArray) -> FloatArray:
+        """Lowest level ≥ mhz (the top level if none)."""
+        out = np.empty_like(mhz)
+        for k, lv in enumerate(self.levels):
+            sel = types == k
+            idx = np.searchsorted(lv, mhz[sel] * (1 - 1e-12), side="left")
+            out[sel] = lv[np.clip(idx, 0, lv.size - 1)]
+        return out
+
+
+# --- simple policies ------------------------------------------------------------------------
+
+
+class MaxClock(Policy):
+    name = "max-clock"
+
+    def decide(self, view: ClusterView) -> Setpoints:
+        return Setpoints()
+
+
+class UniformPowerCap(Policy):
+    name = "uniform-power-cap"
+
+    def decide(self, view: ClusterView) -> Setpoints:
+        return Setpoints(limit_w=uniform_limit_w(view))
+
+
+class EarGreedy(Policy):
+    name = "ear-greedy"
+    #: a node drawing below this share of its allocation releases the excess
+    release_below = 0.9
+    #: what a releasing node keeps above its draw
+    headroom = 1.1
+
+    def start(self, fleet: FleetSpec, budget_w: float, interval_s: float) -> None:
+        node_max = (
+            fleet.node_gpus * np.array([s.power_limit.max_w for s in fleet.specs])[fleet.node_type]
+        )
+        self.base_w = budget_w * node_max / node_max.sum()  # equal per-GPU-limit shares
+        self.node_max_w = node_max.astype(np.float64)
+        self.alloc_w = self.base_w.copy()
+
+    def decide(self, view: ClusterView) -> Setpoints:
+        p = view.node_power_w
+        started = np.zeros(len(view), dtype=bool)
+        started[len(view) - view.started :] = True
+        fresh = (view.job_nodes[started] > 0).any(axis=0)  # nodes that got a job
+        # demand: a node well under its allocation wants 110 % of its draw; the others all
+        # they can get (∞), up to their GPUs' maximum limits
+        wants = np.where(
+            np.isfinite(p) & ~fresh & (p < self.release_below * self.alloc_w),
+            self.headroom * np.nan_to_num(p),
+            np.inf,
+        )
+        wants = np.minimum(wants, self.node_max_w)
+        # water-fill: alloc_i = min(wants_i, λ·base_i) with Σ alloc = B (bisection on λ)
+        lo, hi = 0.0, 1.0
+        while np.minimum(wants, hi * self.base_w).sum() < view.budget_w and hi < 1e6:
+            if np.all(wants <= hi * self.base_w):
+                break
+            hi *= 2.0
+        for _ in range(50):
+            mid = 0.5 * (lo + hi)
+            if np.minimum(wants, mid * self.base_w).sum() > view.budget_w:
+                hi = mid
+            else:
+                lo = mid
+        self.alloc_w = np.minimum(wants, lo * self.base_w)
+        # per busy GPU of a node: (alloc − idle GPUs · P_idle) / busy GPUs
+        busy = view.job_nodes.sum(axis=0)
+        idle_w = np.array([s.idle_power_w for s in view.specs])[view.node_type]
+        per_gpu = (self.alloc_w - (view.node_gpus - busy) * idle_w) / np.maximum(busy, 1)
+        # a job's limit: the lowest of its nodes'
+        limit = np.where(view.job_nodes > 0, per_gpu[None, :], np.inf).min(axis=1)
+        lo_w, hi_w = _limit_range(view.specs, view.job_type)
+        return Setpoints(limit_w=np.clip(limit, lo_w, hi_w))
+
+
+class StaticGpuFreq(Policy):
+    name = "static-gpu-freq"
+
+    def start(self, fleet: FleetSpec, budget_w: float, interval_s: float) -> None:
+        self.levels = _Levels(fleet.specs)
+        self.clock_mhz = np.zeros(0)
+
+    def decide(self, view: ClusterView) -> Setpoints:
+        clock = np.concatenate([self.clock_mhz[view.kept], np.full(view.started, np.nan)])
+        top = self.levels.top[view.job_type]
+        # choose once, after the first measured interval at top clocks:
+        # R·T_top·f_top/f ≤ D − t  ⇒  f ≥ f_top·R·T_top / (D − t)
+        pick = np.isnan(clock) & np.isfinite(view.iteration_s)
+        slack = view.deadline_s - view.now_s
+        t_top = view.iteration_s * view.graphics_mhz / top
+        need = top * view.remaining_iterations * t_top / np.where(slack > 0, slack, np.nan)
+        need = np.where(np.isfinite(need) & (need <= top), need, top)
+        need = np.maximum(need, STATIC_MIN_CLOCK_FRACTION * top)
+        clock = np.where(pick, self.levels.ceil_mhz(view.job_type, need), clock)
+        self.clock_mhz = clock
+        return Setpoints(graphics_mhz=clock, limit_w=uniform_limit_w(view))
+
+
+# --- policies that learn ----------------------------------------------------------------------
+
+
+class _TriageMpc(EconomicMPC):
+    """`EconomicMPC` whose weights treat hopeless jobs like jobs without a deadline."""
+
+    triage = True
+    #: β of the queue term (0: off) and whether jobs wait for GPUs now
+    queue_weight = 0.0
+    queueing = False
+
+    def weights(self, estimator: JobEstimator, jobs: JobState, now_s: float) -> FloatArray:
+        w = super().weights(estimator, jobs, now_s)
+        one = np.ones(len(estimator))
+        t_top = estimator.predict_iteration_s(one, one)
+        t_top = np.where(np.isfinite(t_top) & (t_top > 0), t_top, 1.0)
+        if self.queue_weight > 0 and self.queueing:
+            # while jobs queue, finishing sooner frees GPUs: pressure β·g_n/ḡ on top
+            g = estimator.statics.gpus.astype(np.float64)
+            w = w + self.queue_weight * (g / max(float(g.mean()), 1.0)) / t_top
+        if not self.triage:
+            return w
+        # hopeless: R · T_top > D − t (a miss even at top clocks from now on)
+        hopeless = (
+            (estimator.time.count > 0)
+            & np.isfinite(jobs.deadline_s)
+            & (jobs.remaining_iterations * t_top > jobs.deadline_s - now_s)
+        )
+        low = self.settings.default_pressure / t_top
+        if self.queue_weight > 0 and self.queueing:
+            g = estimator.statics.gpus.astype(np.float64)
+            low = low + self.queue_weight * (g / max(float(g.mean()), 1.0)) / t_top
+        return np.where(hopeless[None, :], low, w)
+
+
+class Cdgpc(Policy):
+    """The economic MPC with an online estimator (module docstring: cdgpc, cdgpc-paper)."""
+
+    def __init__(
+        self,
+        name: str = "cdgpc",
+        *,
+        family: str = "bent",
+        triage: bool = True,
+        min_clock_fraction: float = CDGPC_MIN_CLOCK_FRACTION,
+        uncertainty_sigmas: float = 1.0,
+        adaptive_floor: bool = True,
+        guard_band: float = GUARD_BAND,
+        queue_weight: float = 0.0,
+        adaptive_guard: bool = True,
+        no_deadline_pressure: float = 0.5,
+    ) -> None:
+        self.name = name
+        self.no_deadline_pressure = no_deadline_pressure
+        self.adaptive_guard = adaptive_guard
+        self.queue_weight = queue_weight
+        self.guard_band = guard_band
+        self.adaptive_floor = adaptive_floor
+        self.family = family
+        self.triage = triage
+        self.min_clock_fraction = min_clock_fraction
+        self.uncertainty_sigmas = uncertainty_sigmas
+
+    def start(self, fleet: FleetSpec, budget_w: float, interval_s: float) -> None:
+        self.specs = fleet.specs
+        grid = ClockGrid.from_tables(
+            [(s.name, s.clocks) for s in fleet.specs], min_fraction=self.min_clock_fraction
+        )
+        settings = ControllerSettings(
+            interval_s=interval_s,
+            guard_band=self.guard_band,
+            uncertainty_sigmas=self.uncertainty_sigmas,
+            default_pressure=self.no_deadline_pressure,
+        )
+        # when even the floor cannot fit the budget, the floor gives way (module docstring)
+        self.grid = grid
+        self.low_grid = ClockGrid.from_tables(
+            [(s.name, s.clocks) for s in fleet.specs], min_fraction=0.0
+        )
+        self.controller = _TriageMpc(grid, settings)
+        self.controller.triage = self.triage
+        self.controller.queue_weight = self.queue_weight
+        self.estimator = JobEstimator(EstimatorSettings(family=self.family))
+        self.planned_w = np.zeros(0)
+
+    def decide(self, view: ClusterView) -> Setpoints:
+        self.estimator.keep(view.kept)
+        new = slice(len(view) - view.started, None)
+        if view.started:
+            self.estimator.add_jobs(_statics(self.specs, view.job_gpus[new], view.job_type[new]))
+        planned = np.concatenate([self.planned_w[view.kept], np.full(view.started, np.nan)])
+        measured = Measurements(
+            view.graphics_mhz,
+            view.memory_mhz,
+            view.power_w,
+            view.iteration_s,
+            planned,
+            view.power_capped,
+        )
+        jobs = JobState(view.job_type, view.remaining_iterations, view.deadline_s)
+        self.controller.grid = self.grid
+        if self.adaptive_guard:
+            # ε = max(ε_0, c/√N): with few jobs one job's model error is a large share of the sum
+            guard = max(self.guard_band, GUARD_PER_SQRT_JOB / np.sqrt(max(len(view), 1)))
+            self.controller.settings = replace(self.controller.settings, guard_band=guard)
+        self.controller.queueing = view.queued_jobs > 0
+        if self.adaptive_floor and len(view):
+            problem = self.controller.problem(
+                self.estimator, jobs, view.now_s, view.budget_w, view.idle_power_w
+            )
+            # Σ g P(x_lo) > B_eff: nothing at or above the floor fits, go below it
+            if float(problem.power_w(problem.x_lo, problem.xm_lo).sum()) > problem.budget_w[0]:
+                self.controller.grid = self.low_grid
+        d = self.controller.step(
+            self.estimator, jobs, view.now_s, view.budget_w, view.idle_power_w, measured
+        )
+        self.planned_w = d.planned_power_w
+        return Setpoints(
+            graphics_mhz=d.graphics_mhz.astype(np.float64),
+            memory_mhz=d.memory_mhz.astype(np.float64),
+        )
+
+
+class UniformClock(Policy):
+    name = "uniform-clock"
+
+    def start(self, fleet: FleetSpec, budget_w: float, interval_s: float) -> None:
+        self.specs = fleet.specs
+        self.levels = _Levels(fleet.specs)
+        self.estimator = JobEstimator(EstimatorSettings(family="bent"))
+        self.planned_w = np.zeros(0)
+        self.offset = 0.0  # δ: relative miss of recent plans
+
+    def decide(self, view: ClusterView) -> Setpoints:
+        est = self.estimator
+        est.keep(view.kept)
+        new = slice(len(view) - view.started, None)
+        if view.started:
+            est.add_jobs(_statics(self.specs, view.job_gpus[new], view.job_type[new]))
+        planned = np.concatenate([self.planned_w[view.kept], np.full(view.started, np.nan)])
+        x_a, xm_a = est.normalise(view.graphics_mhz, view.memory_mhz)
+        settled = est.power.count >= 3
+        drawn = view.job_gpus * view.power_w
+        ok = settled & np.isfinite(drawn) & np.isfinite(planned) & ~view.power_capped
+        if ok.any() and planned[ok].sum() > 0:
+            miss = float(drawn[ok].sum() / planned[ok].sum()) - 1.0
+            self.offset = (1 - OFFSET_GAIN) * self.offset + OFFSET_GAIN * miss
+        est.observe(x_a, xm_a, view.power_w, view.iteration_s, power_capped=view.power_capped)
+        # candidates (H, N): every job at the same fraction, floored to its type's levels
+        top = self.levels.top[view.job_type]
+        clocks = self.levels.floor_mhz(view.job_type, UNIFORM_CLOCK_FRACTIONS[:, None] * top)
+        x = clocks / est.statics.graphics_max_mhz
+        per_gpu = est.predict_power_w(x, np.ones_like(x))
+        # unmeasured jobs: at their power limit, whatever the clock
+        per_gpu = np.where(est.power.count > 0, per_gpu, est.statics.power_limit_w)
+        job_w = view.job_gpus * per_gpu
+        total = job_w.sum(axis=1) * (1.0 + self.offset)
+        room = view.budget_w * (1.0 - GUARD_BAND) - view.idle_power_w
+        fits = np.flatnonzero(total <= room)
+        h = int(fits[0]) if fits.size else len(UNIFORM_CLOCK_FRACTIONS) - 1
+        self.planned_w = np.where(settled, job_w[h], np.nan)
+        return Setpoints(graphics_mhz=clocks[h])
+
+
+class Oracle(PlantPolicy):
+    name = "oracle"
+
+    def __init__(self, triage: bool = True, min_clock_fraction: float = 0.6) -> None:
+        self.triage = triage
+        self.min_clock_fraction = min_clock_fraction
+
+    def start(self, fleet: FleetSpec, budget_w: float, interval_s: float) -> None:
+        self.levels = _Levels(fleet.specs)
+
+    def decide_with_plant(self, view: ClusterView, plant: Plant) -> Setpoints:
+        n = len(view)
+        room = view.budget_w * (1.0 - GUARD_BAND) - view.idle_power_w
+        time_s, job_w, clocks = self._table(view, plant, self.min_clock_fraction)
+        if job_w[-1].sum() > room:  # the floor does not fit: give way down to the lowest clock
+            time_s, job_w, clocks = self._table(view, plant, 0.0)
+        t_top = time_s[0]
+        slack = view.deadline_s - view.now_s
+        has = np.isfinite(view.deadline_s)
+        # w = R / max(D − t, Δt); triage: hopeless (R·T_top > D − t) and no-deadline jobs 0.5/T_top
+        w = view.remaining_iterations / np.maximum(slack, view.interval_s)
+        hopeless = has & (view.remaining_iterations * t_top > slack)
+        low = ~has | (hopeless if self.triage else np.zeros(n, dtype=bool))
+        w = np.where(low, 0.5 / t_top, np.minimum(w, 1e3 / t_top))
+
+        def choice(price: float) -> IntArray:
+            return np.argmin(w * time_s + price * job_w, axis=0)  # type: ignore[no-any-return]
+
+        cols = np.arange(n)
+        if job_w[0].sum() <= room:
+            pick = np.zeros(n, dtype=np.int64)
+        else:
+            lo, hi = 0.0, 1.0
+            while job_w[choice(hi), cols].sum() > room and hi < 1e12:
+                hi *= 4.0
+            for _ in range(40):
+                mid = 0.5 * (lo + hi)
+                if job_w[choice(mid), cols].sum() > room:
+                    lo = mid
+                else:
+                    hi = mid
+            pick = choice(hi)
+        return Setpoints(graphics_mhz=clocks[pick, cols])
+
+    def _table(
+        self, view: ClusterView, plant: Plant, floor: float
+    ) -> tuple[FloatArray, FloatArray, FloatArray]:
+        """True time and job power (L, N) on L clocks from top down to ``floor`` × top."""
+        n = len(view)
+        top = self.levels.top[view.job_type]
+        frac = np.linspace(1.0, floor, ORACLE_CLOCK_LEVELS)
+        clocks = self.levels.floor_mhz(view.job_type, frac[:, None] * top)  # (L, N)
+        big = Plant(
+            plant.specs,
+            np.tile(plant.spec_index, ORACLE_CLOCK_LEVELS),
+            WorkloadArrays(
+                *(np.tile(getattr(plant.workloads, f), ORACLE_CLOCK_LEVELS) for f in _WL)
+            ),
+        )
+        truth = big.step(clocks.reshape(-1))
+        time_s = truth.iteration_time_s.reshape(ORACLE_CLOCK_LEVELS, n)
+        job_w = view.job_gpus * truth.power_w.reshape(ORACLE_CLOCK_LEVELS, n)
+        return time_s, job_w, clocks
+
+
+_WL = tuple(WorkloadArrays.__dataclass_fields__)
+
+_FACTORIES: Final[dict[str, Callable[[], Policy]]] = {
+    "cdgpc": lambda: Cdgpc("cdgpc"),
+    "cdgpc-paper": lambda: Cdgpc(
+        "cdgpc-paper",
+        family="linear",
+        triage=False,
+        min_clock_fraction=PAPER_MIN_CLOCK_FRACTION,
+        uncertainty_sigmas=0.0,
+        adaptive_floor=False,
+        adaptive_guard=False,
+    ),
+    "max-clock": MaxClock,
+    "uniform-power-cap": UniformPowerCap,
+    "uniform-clock": UniformClock,
+    "ear-greedy": EarGreedy,
+    "static-gpu-freq": StaticGpuFreq,
+    "oracle": Oracle,
+}
+POLICIES: Final = tuple(_FACTORIES)
+#: policies allowed to read the plant's true parameters
+READS_PLANT: Final = ("max-clock", "oracle")
+
+
+def make_policy(name: str) -> Policy:
+    """A fresh policy called ``name`` (one of `POLICIES`)."""
+    try:
+        factory = _FACTORIES[name]
+    except KeyError:
+        raise InputError(f"unknown policy {name!r} (known: {', '.join(POLICIES)})") from None
+    return factory()

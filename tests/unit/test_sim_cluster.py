@@ -1,0 +1,247 @@
+"""The cluster simulator on hand-checkable tiny traces: FIFO, placement, finish times."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from slurm_cdgpc.errors import InputError
+from slurm_cdgpc.sim.cluster import ClusterView, Policy, Setpoints, Simulator
+from slurm_cdgpc.sim.fleet import parse_fleet
+from slurm_cdgpc.sim.metrics import run_policies
+from slurm_cdgpc.sim.policies import POLICIES, MaxClock
+from slurm_cdgpc.sim.traces import Trace, load_trace
+
+DATA = Path(__file__).resolve().parent.parent / "data" / "sim"
+
+
+def _trace(submit: list[float], duration: list[float], gpus: list[int]) -> Trace:
+    n = len(submit)
+    return Trace(
+        job_id=np.array([f"j{i}" for i in range(n)]),
+        submit_s=np.array(submit, dtype=float),
+        duration_s=np.array(duration, dtype=float),
+        num_gpu=np.array(gpus),
+        deadline_s=np.full(n, np.nan),
+        iterations=np.full(n, np.nan),
+        model_name=np.full(n, "resnet50"),
+        gpu_type=np.full(n, ""),
+        job_type=np.full(n, ""),
+        source="cdgpc",
+        time_unit_note="s",
+    )
+
+
+class Recorder(Policy):
+    """Max clocks, keeping every view it was shown."""
+
+    name = "recorder"
+
+    def __init__(self) -> None:
+        self.views: list[ClusterView] = []
+
+    def decide(self, view: ClusterView) -> Setpoints:
+        self.views.append(view)
+        return Setpoints()
+
+
+def test_tiny_trace_fifo_blocking_and_finish_times_by_hand() -> None:
+    # one node of 8: a(4 GPUs, 600 s) and b(4, 300 s) start at 0; c(8, 120 s) waits for both;
+    # d(1 GPU, submitted at 10 s) could start at 300 s when b leaves, but strict FIFO keeps it
+    # behind c: it starts when c is done
+    trace = load_trace(DATA / "tiny.csv")
+    fleet = parse_fleet("1x8:A100-SXM4-80GB")
+    result = Simulator(trace, fleet, 0.7 * fleet.max_power_w).run(MaxClock())
+    np.testing.assert_allclose(result.start_s, [0.0, 0.0, 600.0, 720.0])
+    np.testing.assert_allclose(result.finish_s, [600.0, 300.0, 720.0, 780.0], atol=1e-6)
+    assert not result.rejected.any()
+
+
+def test_a_job_finishes_inside_an_interval() -> None:
+    # 90 s of work from t = 0 at max clocks: finishes at 90 s, not at a boundary
+    fleet = parse_fleet("1x8:A100-SXM4-80GB")
+    result = Simulator(_trace([0.0], [90.0], [2]), fleet, fleet.max_power_w).run(MaxClock())
+    assert result.finish_s[0] == pytest.approx(90.0, abs=1e-6)
+
+
+def test_multi_node_job_takes_whole_free_nodes_and_the_remainder() -> None:
+    fleet = parse_fleet("3x8:A100-SXM4-80GB")
+    trace = _trace([0.0, 0.0], [600.0, 600.0], [3, 12])
+    rec = Recorder()
+    Simulator(trace, fleet, fleet.max_power_w).run(rec)
+    # the 3-GPU job on node 0; the 12-GPU one needs 2 fully free nodes: 8 on node 1, 4 on node 2
+    assert rec.views[0].job_nodes.tolist() == [[3, 0, 0], [0, 8, 4]]
+    assert rec.views[0].idle_power_w == pytest.approx(9 * 60.0)
+
+
+def test_small_job_fills_the_first_node_with_room() -> None:
+    fleet = parse_fleet("2x8:A100-SXM4-80GB")
+    trace = _trace([0.0, 0.0, 0.0], [600.0] * 3, [6, 4, 2])
+    rec = Recorder()
+    Simulator(trace, fleet, fleet.max_power_w).run(rec)
+    assert rec.views[0].job_nodes.tolist() == [[6, 0], [0, 4], [2, 0]]
+
+
+def test_job_larger_than_the_fleet_is_rejected_and_does_not_block() -> None:
+    fleet = parse_fleet("1x8:A100-SXM4-80GB")
+    trace = _trace([0.0, 0.0], [600.0, 60.0], [16, 1])
+    result = Simulator(trace, fleet, fleet.max_power_w).run(MaxClock())
+    assert result.rejected.tolist() == [True, False]
+    assert np.isnan(result.finish_s[0])
+    assert result.finish_s[1] == pytest.approx(60.0, abs=1e-6)
+
+
+def test_view_rows_stay_aligned_when_jobs_leave() -> None:
+    fleet = parse_fleet("1x8:A100-SXM4-80GB")
+    trace = _trace([0.0, 0.0, 0.0, 200.0], [120.0, 600.0, 300.0, 60.0], [2, 2, 2, 2])
+    rec = Recorder()
+    Simulator(trace, fleet, fleet.max_power_w).run(rec)
+    previous = None
+    for view in rec.views:
+        if previous is not None:
+            kept_ids = previous.job_id[view.kept]
+            assert view.job_id[: len(kept_ids)].tolist() == kept_ids.tolist()
+            assert len(view) == len(kept_ids) + view.started
+        previous = view
+    # j0 leaves after 120 s: the view at 120 s keeps j1 and j2 only
+    at_120 = next(v for v in rec.views if v.now_s == 120.0)
+    assert at_120.job_id.tolist() == [1, 2]
+    # measurements: jobs that ran report power and time; a new job reports NaN
+    at_240 = next(v for v in rec.views if v.now_s == 240.0)
+    assert at_240.job_id.tolist() == [1, 2, 3]
+    assert np.isfinite(at_240.power_w[:2]).all() and np.isnan(at_240.power_w[2])
+
+
+def test_power_counts_idle_gpus_and_max_clock_overshoots_a_low_budget() -> None:
+    fleet = parse_fleet("2x8:A100-SXM4-80GB")
+    trace = _trace([0.0], [600.0], [8])
+    result = Simulator(trace, fleet, 0.3 * fleet.max_power_w).run(MaxClock())
+    # 8 busy A100s at max clocks plus 8 idle ones at 60 W
+    assert result.power_w[0] > 8 * 60.0 + 8 * 200.0
+    assert (result.demand_w > result.budget_w).all()
+    assert result.energy_j == pytest.approx(float(np.sum(result.power_w * 60.0)))
+
+
+def test_bad_budget_is_refused() -> None:
+    fleet = parse_fleet("1x8:A100-SXM4-80GB")
+    with pytest.raises(InputError):
+        Simulator(_trace([0.0], [60.0], [1]), fleet, 0.0)
+
+
+# --- the CLI ----------------------------------------------------------------------------------
+
+METRIC_KEYS = {
+    "policy",
+    "fleet_gpus",
+    "budget_w",
+    "jobs",
+    "finished",
+    "deadline_jobs",
+    "violations",
+    "dvr",
+    "violations_induced",
+    "dvr_induced",
+    "feasible_jobs",
+    "violations_feasible",
+    "power_mae_pct",
+    "binding_intervals",
+    "over_budget_intervals_pct",
+    "max_overshoot_pct",
+    "energy_kwh",
+    "mean_jct_s",
+    "makespan_s",
+    "controller_ms_p50",
+}
+
+
+def _cli(*args: str) -> tuple[int, str]:
+    from click.testing import CliRunner  # noqa: PLC0415
+
+    from slurm_cdgpc.cli.simulate import simulate  # noqa: PLC0415
+
+    result = CliRunner().invoke(simulate, list(args))
+    return result.exit_code, result.output
+
+
+def test_cli_json_is_deterministic_under_a_seed() -> None:
+    args = ("--trace", str(DATA / "synthetic40.csv"), "--limit-jobs", "12", "--json")
+    outputs = []
+    for _ in range(2):
+        code, out = _cli(*args, "--seed", "5", "--policy", "cdgpc", "--budget", "0.5")
+        assert code == 0, out
+        payload = json.loads(out)
+        assert set(payload) >= METRIC_KEYS
+        payload.pop("controller_ms_p50")  # wall-clock time
+        outputs.append(payload)
+    assert outputs[0] == outputs[1]
+    _, other = _cli(*args, "--seed", "6", "--policy", "cdgpc", "--budget", "0.5")
+    assert json.loads(other)["energy_kwh"] != outputs[0]["energy_kwh"]
+
+
+def test_cli_all_policies_keyed_json_and_table() -> None:
+    code, out = _cli("--trace", str(DATA / "tiny.csv"), "--policy", "all", "--json")
+    assert code == 0, out
+    payload = json.loads(out)
+    assert list(payload) == list(POLICIES)
+    assert payload["max-clock"]["violations_induced"] == 0
+    code, out = _cli("--trace", str(DATA / "tiny.csv"), "--policy", "all", "--budget", "200kW")
+    assert code == 0, out
+    assert "uniform-power-cap" in out and "induced" in out
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("--policy", "fastest"), "unknown policy"),
+        (("--format", "slurmish"), "unknown trace format"),
+        (("--fleet", "8xA100"), "cannot read fleet group"),
+        (("--budget", "0"), "budget"),
+        (("--budget", "-3kW"), "power"),
+        (("--budget", "1.5"), "fraction"),
+        (("--interval", "soon"), "duration"),
+    ],
+)
+def test_cli_bad_input_is_a_one_line_error(args: tuple[str, ...], message: str) -> None:
+    code, out = _cli("--trace", str(DATA / "tiny.csv"), *args)
+    assert code != 0
+    lines = [line for line in out.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("Error: ") and message in lines[0], out
+
+
+def test_cli_report_writes_json_plots_and_summary(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    code, out = _cli(
+        "--trace", str(DATA / "tiny.csv"), "--policy", "uniform-clock", "--report", str(tmp_path)
+    )
+    assert code == 0, out
+    names = {p.name for p in tmp_path.iterdir()}
+    assert names == {"metrics.json", "power.png", "deadlines.png", "slowdown_cdf.png", "summary.md"}
+    assert "uniform-clock" in (tmp_path / "summary.md").read_text()
+    assert (tmp_path / "power.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.data
+def test_real_trace_head_replays_and_max_clock_is_the_reference(shared_data: Path) -> None:
+    path = shared_data / "microsoft-elasticflow-itp" / "with_deadlines" / "cluster04.csv"
+    head = load_trace(path).head(300)
+    short = head.select(head.duration_s < 3 * 3600.0)  # keep it quick: short jobs only
+    trace = short.head(20)
+    fleet = parse_fleet("4x8:A100-SXM4-80GB")
+    runs = run_policies(Simulator(trace, fleet, 0.7 * fleet.max_power_w), ["cdgpc", "max-clock"])
+    assert runs["cdgpc"].metrics.finished == 20 - runs["cdgpc"].metrics.rejected
+    assert runs["cdgpc"].metrics.over_budget_intervals_pct < 1.0
+    assert runs["max-clock"].metrics.violations_induced == 0
+
+
+def test_a_policy_cannot_write_into_the_simulator_through_its_view() -> None:
+    class Vandal(Policy):
+        def decide(self, view: ClusterView) -> Setpoints:
+            view.job_gpus[:] = 0
+            return Setpoints()
+
+    fleet = parse_fleet("1x8:A100-SXM4-80GB")
+    with pytest.raises(ValueError, match="read-only"):
+        Simulator(_trace([0.0], [60.0], [1]), fleet, fleet.max_power_w).run(Vandal())
