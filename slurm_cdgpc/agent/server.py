@@ -18,10 +18,8 @@ timeout, and at most `max_connections` are served at once (more are closed at on
 from __future__ import annotations
 
 import logging
-import socket
-import threading
 from http import HTTPStatus
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Any, Final
 
 from slurm_cdgpc.agent.node import NodeAgent
@@ -40,6 +38,7 @@ from slurm_cdgpc.transport.auth import (
     Operation,
     Verifier,
 )
+from slurm_cdgpc.transport.server import BoundedHttpServer
 
 logger = logging.getLogger(__name__)
 
@@ -48,11 +47,8 @@ HEALTH_PATH: Final = "/v1/health"
 _ROUTES: Final = {EXCHANGE_PATH: "POST", HEALTH_PATH: "GET"}
 
 
-class AgentHttpServer(ThreadingHTTPServer):
+class AgentHttpServer(BoundedHttpServer):
     """A threading HTTP server bound to one `NodeAgent`, `Verifier` and `AccessPolicy`."""
-
-    daemon_threads = True
-    allow_reuse_address = True
 
     def __init__(
         self,
@@ -66,35 +62,15 @@ class AgentHttpServer(ThreadingHTTPServer):
         max_connections: int = 32,
     ) -> None:
         self.agent = agent
-        self.verifier = verifier
-        self.policy = policy
-        self.request_timeout_s = request_timeout_s
-        self.max_body_bytes = max_body_bytes
-        self._slots = threading.BoundedSemaphore(max_connections)
-        if ":" in address[0]:
-            self.address_family = socket.AF_INET6
-        super().__init__(address, _Handler)
-
-    @property
-    def port(self) -> int:
-        return int(self.server_address[1])
-
-    def process_request(self, request: Any, client_address: Any) -> None:
-        if not self._slots.acquire(blocking=False):
-            logger.warning("too many connections; closing one from %s", client_address[0])
-            self.shutdown_request(request)
-            return
-        try:
-            super().process_request(request, client_address)
-        except BaseException:
-            self._slots.release()
-            raise
-
-    def process_request_thread(self, request: Any, client_address: Any) -> None:
-        try:
-            super().process_request_thread(request, client_address)
-        finally:
-            self._slots.release()
+        super().__init__(
+            address,
+            _Handler,
+            verifier,
+            policy,
+            request_timeout_s=request_timeout_s,
+            max_body_bytes=max_body_bytes,
+            max_connections=max_connections,
+        )
 
 
 class _Handler(BaseHTTPRequestHandler):

@@ -28,11 +28,9 @@ from __future__ import annotations
 import logging
 import math
 import re
-import socket
-import threading
 from collections.abc import Callable
 from http import HTTPStatus
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Any, Final
 from urllib.parse import parse_qs, urlsplit
 
@@ -56,6 +54,7 @@ from slurm_cdgpc.transport.auth import (
     Principal,
     Verifier,
 )
+from slurm_cdgpc.transport.server import BoundedHttpServer
 
 logger = logging.getLogger(__name__)
 
@@ -74,11 +73,8 @@ class _HttpError(Exception):
         self.status = status
 
 
-class HeadHttpServer(ThreadingHTTPServer):
+class HeadHttpServer(BoundedHttpServer):
     """A threading HTTP server bound to one `Coordinator`, `Verifier` and `AccessPolicy`."""
-
-    daemon_threads = True
-    allow_reuse_address = True
 
     def __init__(
         self,
@@ -92,35 +88,15 @@ class HeadHttpServer(ThreadingHTTPServer):
         max_connections: int = 64,
     ) -> None:
         self.coordinator = coordinator
-        self.verifier = verifier
-        self.policy = policy
-        self.request_timeout_s = request_timeout_s
-        self.max_body_bytes = max_body_bytes
-        self._slots = threading.BoundedSemaphore(max_connections)
-        if ":" in address[0]:
-            self.address_family = socket.AF_INET6
-        super().__init__(address, _Handler)
-
-    @property
-    def port(self) -> int:
-        return int(self.server_address[1])
-
-    def process_request(self, request: Any, client_address: Any) -> None:
-        if not self._slots.acquire(blocking=False):
-            logger.warning("too many connections; closing one from %s", client_address[0])
-            self.shutdown_request(request)
-            return
-        try:
-            super().process_request(request, client_address)
-        except BaseException:
-            self._slots.release()
-            raise
-
-    def process_request_thread(self, request: Any, client_address: Any) -> None:
-        try:
-            super().process_request_thread(request, client_address)
-        finally:
-            self._slots.release()
+        super().__init__(
+            address,
+            _Handler,
+            verifier,
+            policy,
+            request_timeout_s=request_timeout_s,
+            max_body_bytes=max_body_bytes,
+            max_connections=max_connections,
+        )
 
 
 # -- body checks: each returns the typed value or raises _HttpError(400) naming the field ------
