@@ -18,10 +18,8 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import signal
 import socket
-import sys
 import threading
 import time
 import zlib
@@ -38,6 +36,7 @@ from slurm_cdgpc.agent.server import AgentHttpServer
 from slurm_cdgpc.config import Config, load_config
 from slurm_cdgpc.errors import CdgpcError, FatalError, InputError
 from slurm_cdgpc.gpu.device import GpuSet
+from slurm_cdgpc.service import serve
 from slurm_cdgpc.slurm.spool import DEFAULT_SPOOL_DIR, forward_spool
 from slurm_cdgpc.transport.auth import (
     AccessPolicy,
@@ -50,7 +49,6 @@ logger = logging.getLogger(__name__)
 TICK_PERIOD_S: Final = 0.5
 #: how often registrations a Prolog or Epilog spooled while the head was away are sent on
 SPOOL_FORWARD_PERIOD_S: Final = 30.0
-DEBUG_ENV: Final = "CDGPC_DEBUG"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -64,19 +62,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--node-name", help="this node's name in replies (default: host name)")
     args = parser.parse_args(argv)
-    debug = os.environ.get(DEBUG_ENV) == "1"
-    logging.basicConfig(
-        stream=sys.stderr,
-        level=logging.DEBUG if debug else logging.INFO,
-        format="%(levelname)s %(name)s: %(message)s",
-    )
-    try:
-        return run(load_config(args.config), node_name=args.node_name)
-    except CdgpcError as e:
-        if debug:
-            logger.exception("cdgpc-noded failed")
-        print(f"Error: {' '.join(str(e).split())}", file=sys.stderr)
-        return 2 if isinstance(e, InputError) else 1
+    return serve("cdgpc-noded", lambda: run(load_config(args.config), node_name=args.node_name))
 
 
 def open_gpus(config: Config, node_name: str) -> GpuSet:

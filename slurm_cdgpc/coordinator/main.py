@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import signal
-import sys
 import threading
 from collections.abc import Sequence
 from pathlib import Path
@@ -29,7 +27,8 @@ from typing import Final
 from slurm_cdgpc.config import Config, load_config
 from slurm_cdgpc.coordinator.api import HeadHttpServer
 from slurm_cdgpc.coordinator.daemon import Coordinator, CoordinatorSettings
-from slurm_cdgpc.errors import CdgpcError, FatalError, InputError
+from slurm_cdgpc.errors import FatalError, InputError
+from slurm_cdgpc.service import serve
 from slurm_cdgpc.slurm.squeue import SQUEUE, SqueueError, running_jobs
 from slurm_cdgpc.store import Store, make_engine, upgrade
 from slurm_cdgpc.transport.auth import (
@@ -40,7 +39,6 @@ from slurm_cdgpc.transport.http import NodeExchanger
 
 logger = logging.getLogger(__name__)
 
-DEBUG_ENV: Final = "CDGPC_DEBUG"
 #: the longest an exchange with one node may take, whatever the interval
 MAX_EXCHANGE_TIMEOUT_S: Final = 10.0
 #: how often the head asks Slurm which jobs still run (at least two control intervals)
@@ -57,19 +55,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="configuration file (default: CDGPC_CONFIG or /etc/cdgpc/cdgpc.toml)",
     )
     args = parser.parse_args(argv)
-    debug = os.environ.get(DEBUG_ENV) == "1"
-    logging.basicConfig(
-        stream=sys.stderr,
-        level=logging.DEBUG if debug else logging.INFO,
-        format="%(levelname)s %(name)s: %(message)s",
-    )
-    try:
-        return run(load_config(args.config))
-    except CdgpcError as e:
-        if debug:
-            logger.exception("cdgpcd failed")
-        print(f"Error: {' '.join(str(e).split())}", file=sys.stderr)
-        return 2 if isinstance(e, InputError) else 1
+    return serve("cdgpcd", lambda: run(load_config(args.config)))
 
 
 def make_policy(config: Config) -> AccessPolicy:
