@@ -1,5 +1,8 @@
 """``cdgpc-noded [--config PATH] [--node-name NAME]``: the node agent.
 
+``cdgpc-noded exchange [--config PATH]`` is the node end of the SSH transport: the head runs it
+over ssh, it relays one exchange (JSON on stdin) to the running agent and prints the reply.
+
 Start-up, in this order: load the config; open the GPUs (``node.backend``: ``nvml`` or
 ``simulated``); build the `NodeAgent`, which resets every GPU first if a crash left a state file;
 build the request verifier (``auth.method``); start the progress socket (a failure there is logged,
@@ -20,6 +23,7 @@ import argparse
 import logging
 import signal
 import socket
+import sys
 import threading
 import time
 import zlib
@@ -52,8 +56,15 @@ SPOOL_FORWARD_PERIOD_S: Final = 30.0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    words = list(sys.argv[1:] if argv is None else argv)
+    if words[:1] == ["exchange"]:  # the SSH transport: one exchange, JSON on stdin and stdout
+        from slurm_cdgpc.agent.forward import main as exchange_main  # noqa: PLC0415
+
+        return exchange_main(words[1:])
     parser = argparse.ArgumentParser(
-        prog="cdgpc-noded", description="Node agent of slurm-cdgpc: applies GPU clock caps."
+        prog="cdgpc-noded",
+        description="Node agent of slurm-cdgpc: applies GPU clock caps. "
+        "`cdgpc-noded exchange` relays one exchange from stdin to the running agent (SSH).",
     )
     parser.add_argument(
         "--config",
@@ -61,7 +72,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="configuration file (default: CDGPC_CONFIG or /etc/cdgpc/cdgpc.toml)",
     )
     parser.add_argument("--node-name", help="this node's name in replies (default: host name)")
-    args = parser.parse_args(argv)
+    args = parser.parse_args(words)
     return serve("cdgpc-noded", lambda: run(load_config(args.config), node_name=args.node_name))
 
 

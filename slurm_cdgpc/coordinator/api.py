@@ -63,7 +63,9 @@ MAX_GPUS_PER_NODE: Final = 1024
 DEFAULT_DECISIONS: Final = 20
 MAX_DECISIONS: Final = 1000
 _JOB_PATH: Final = re.compile(r"/v1/jobs/(?P<job_id>[^/?]+)")
-_URL: Final = re.compile(r"https?://[A-Za-z0-9.\-\[\]:]+(/[\x21-\x7e]*)?")
+_URL: Final = re.compile(
+    r"(https?://[A-Za-z0-9.\-\[\]:]+(/[\x21-\x7e]*)?|ssh://[A-Za-z0-9.\-]+(:[0-9]+)?)"
+)
 _ACCOUNT: Final = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,62}\$?")
 
 

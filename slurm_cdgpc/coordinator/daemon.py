@@ -71,6 +71,7 @@ from slurm_cdgpc.store import (
 )
 from slurm_cdgpc.store import Setpoint as StoredSetpoint
 from slurm_cdgpc.transport.http import NodeFailure, NodeTarget
+from slurm_cdgpc.transport.ssh import ssh_url
 
 logger = logging.getLogger(__name__)
 
@@ -97,8 +98,10 @@ class CoordinatorSettings:
     shadow: bool = False
     retention_s: float = 30 * 86400.0
     initial_budget_w: float | None = None
-    #: agents of nodes first seen in a registration listen here
+    #: agents of nodes first seen in a registration listen here (``node.transport = http``)
     agent_port: int = 8464
+    #: how the head reaches agents of nodes first seen in a registration: http or ssh
+    node_transport: str = "http"
     min_clock_fraction: float = 0.3
     controller: ControllerSettings = field(default_factory=ControllerSettings)
     estimator: EstimatorSettings = field(default_factory=EstimatorSettings)
@@ -113,6 +116,7 @@ class CoordinatorSettings:
             retention_s=config.retention.measurements_s,
             initial_budget_w=config.budget.initial_w,
             agent_port=config.node.listen_port,
+            node_transport=config.node.transport,
             min_clock_fraction=c.min_clock_fraction,
             controller=ControllerSettings(
                 mode=c.dual_mode,
@@ -271,6 +275,8 @@ class Coordinator:
         return self._clock()
 
     def agent_url(self, node: str) -> str:
+        if self.settings.node_transport == "ssh":
+            return ssh_url(node)
         return f"http://{node}:{self.settings.agent_port}"
 
     def register_node(self, name: str, url: str, gpu_type: str | None = None) -> Node:

@@ -36,6 +36,8 @@ from slurm_cdgpc.transport.auth import (
 )
 from slurm_cdgpc.transport.credentials import signer_from_config, verifier_from_config
 from slurm_cdgpc.transport.http import NodeExchanger
+from slurm_cdgpc.transport.routing import RoutingExchanger
+from slurm_cdgpc.transport.ssh import SshExchanger
 
 logger = logging.getLogger(__name__)
 
@@ -106,8 +108,10 @@ def run(config: Config) -> int:
             logger.info("store schema upgraded (migrations %s)", ", ".join(map(str, applied)))
         store = Store(engine)
         settings = CoordinatorSettings.from_config(config)
-        exchanger = NodeExchanger(
-            signer_from_config(config), timeout_s=exchange_timeout_s(config.control.interval_s)
+        timeout_s = exchange_timeout_s(config.control.interval_s)
+        exchanger = RoutingExchanger(
+            NodeExchanger(signer_from_config(config), timeout_s=timeout_s),
+            SshExchanger(timeout_s=timeout_s),
         )
         try:
             coordinator = Coordinator(store, exchanger, settings)

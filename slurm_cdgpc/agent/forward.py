@@ -1,0 +1,109 @@
+"""``cdgpc-noded exchange [--config PATH]``: the node's end of the SSH transport.
+
+The head runs this through ``ssh NODE cdgpc-noded exchange`` (`slurm_cdgpc.transport.ssh`). It
+reads one `ExchangeRequest` JSON from stdin (at most `MAX_MESSAGE_BYTES`), hands it to the agent
+running on this node (``POST /v1/exchange`` on ``node.listen_port``, on loopback when the agent
+listens on every address) signed with this node's credentials (``auth.method``: MUNGE, or the
+root-only HMAC key; the SSH session runs as root, so it can use either), and writes the agent's
+`ExchangeResponse` JSON to stdout. The agent checks the credential and the request exactly as for
+an exchange over HTTP: this program adds no way in that root on the node did not already have.
+
+On any failure it writes nothing to stdout, ``Error: <one line>`` to stderr, and exits non-zero
+(2: bad request or configuration, 1: the agent could not be reached or refused).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import socket
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import BinaryIO, Final
+
+from slurm_cdgpc.agent.protocol import (
+    MAX_MESSAGE_BYTES,
+    ExchangeRequest,
+    MessageTooLargeError,
+    check_node_name,
+)
+from slurm_cdgpc.config import Config, load_config
+from slurm_cdgpc.errors import SoftError
+from slurm_cdgpc.service import serve
+from slurm_cdgpc.transport.credentials import signer_from_config
+from slurm_cdgpc.transport.http import NodeExchanger, NodeFailure, NodeTarget
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_TIMEOUT_S: Final = 10.0
+#: where to reach an agent that listens on every address
+_WILDCARDS: Final = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}
+
+
+class AgentUnreachableError(SoftError):
+    """The local agent did not answer, or refused the request (its one-line reason)."""
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="cdgpc-noded exchange",
+        description="Forward one exchange request (stdin) to the local agent; print its answer.",
+    )
+    parser.add_argument(
+        "--config",
+        type=Path,
+        help="configuration file (default: CDGPC_CONFIG or /etc/cdgpc/cdgpc.toml)",
+    )
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=DEFAULT_TIMEOUT_S,
+        help=f"seconds to wait for the local agent (default: {DEFAULT_TIMEOUT_S:g})",
+    )
+    args = parser.parse_args(argv)
+
+    def body() -> int:
+        request = read_request(sys.stdin.buffer)
+        reply = forward(load_config(args.config), request, timeout_s=args.timeout)
+        sys.stdout.buffer.write(reply)
+        sys.stdout.buffer.flush()
+        return 0
+
+    return serve("cdgpc-noded exchange", body)
+
+
+def read_request(stream: BinaryIO, limit_bytes: int = MAX_MESSAGE_BYTES) -> ExchangeRequest:
+    """One request from ``stream``, read to its end but never past ``limit_bytes`` + 1."""
+    data = stream.read(limit_bytes + 1)
+    if len(data) > limit_bytes:
+        raise MessageTooLargeError(f"request is larger than {limit_bytes} bytes")
+    return ExchangeRequest.from_json(data)
+
+
+def agent_url(config: Config) -> str:
+    """Where this node's agent listens, as seen from this node."""
+    address = config.node.listen_address
+    host = _WILDCARDS.get(address, address)
+    if ":" in host:
+        host = f"[{host}]"
+    return f"http://{host}:{config.node.listen_port}"
+
+
+def forward(config: Config, request: ExchangeRequest, *, timeout_s: float) -> bytes:
+    """The local agent's signed answer to ``request`` (response JSON), else an error."""
+    url = agent_url(config)
+    name = check_node_name(socket.gethostname().split(".")[0] or "localhost")
+    exchanger = NodeExchanger(signer_from_config(config, timeout_s), timeout_s=timeout_s)
+    try:
+        result = exchanger.exchange({name: NodeTarget(url, request)})[name]
+    finally:
+        exchanger.close()
+    if isinstance(result, NodeFailure):
+        raise AgentUnreachableError(f"local agent: {result.reason}")
+    logger.debug("%s: interval %d answered", url, request.interval)
+    return result.to_json()
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,283 @@
+"""The SSH transport end to end: the head's `SshExchanger` → a private sshd → ``cdgpc-noded
+exchange`` → a real ``cdgpc-noded`` (simulated GPUs, HMAC) on loopback, and back."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from slurm_cdgpc.agent.protocol import ExchangeRequest, ExchangeResponse, GpuReport, Setpoint
+from slurm_cdgpc.transport.http import NodeFailure, NodeTarget
+from slurm_cdgpc.transport.ssh import SshExchanger, ssh_url
+from tests.integration import sshd_fixture
+from tests.integration.sshd_fixture import SshServer
+
+pytestmark = pytest.mark.live
+
+sshd = sshd_fixture.sshd
+
+REPO = Path(__file__).resolve().parents[2]
+TIMEOUT_S = 8.0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _write_key(path: Path) -> Path:
+    path.write_bytes(secrets.token_hex(32).encode())
+    path.chmod(0o600)
+    return path
+
+
+def _config(path: Path, key_file: Path, port: int, state_dir: Path) -> Path:
+    path.write_text(
+        f"""
+[control]
+interval = "1s"
+[lease]
+duration = "5s"
+safe_cap = 0.6
+[auth]
+method = "hmac"
+hmac_key_file = "{key_file}"
+[node]
+backend = "simulated"
+simulated_gpu_type = "A100-SXM4-80GB"
+simulated_gpu_count = 2
+state_file = "{state_dir / "node-state.json"}"
+progress_socket = "{state_dir / "progress.sock"}"
+transport = "ssh"
+listen_address = "127.0.0.1"
+listen_port = {port}
+"""
+    )
+    return path
+
+
+@dataclass(frozen=True)
+class Node:
+    """A running agent and the configs the forwarder may read (the agent's, and a wrong key)."""
+
+    config: Path
+    wrong_key_config: Path
+    log: Path
+
+
+def _wait_listening(proc: subprocess.Popen[bytes], port: int, log: Path) -> None:
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"agent exited with {proc.returncode}:\n{log.read_text(errors='replace')}")
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            time.sleep(0.05)
+    pytest.fail(f"agent did not listen within 15 s:\n{log.read_text(errors='replace')}")
+
+
+@pytest.fixture(scope="module")
+def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
+    """One ``cdgpc-noded --node-name node1`` with HMAC on 127.0.0.1; killed at the end."""
+    if os.geteuid() != 0:
+        pytest.skip("the HMAC key must be owned by root: run the live tests as root")
+    tmp = tmp_path_factory.mktemp("ssh-node")
+    port = _free_port()
+    config = _config(tmp / "cdgpc.toml", _write_key(tmp / "hmac.key"), port, tmp)
+    wrong = _config(tmp / "wrong.toml", _write_key(tmp / "other.key"), port, tmp)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CDGPC_")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    log = tmp / "agent.log"
+    argv = [sys.executable, "-m", "slurm_cdgpc.agent.main", "--config", str(config)]
+    with log.open("wb") as stderr:
+        proc = subprocess.Popen(
+            [*argv, "--node-name", "node1"],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=stderr,
+            env=env,
+            cwd=tmp,
+        )
+    try:
+        _wait_listening(proc, port, log)
+        yield Node(config, wrong, log)
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(10)
+
+
+def _forwarder(config: Path) -> list[str]:
+    """``cdgpc-noded exchange`` as the remote shell will find it: this checkout, this Python."""
+    return [
+        "/usr/bin/env",
+        f"PYTHONPATH={REPO}",
+        sys.executable,
+        "-m",
+        "slurm_cdgpc.agent.forward",
+        "--config",
+        str(config),
+    ]
+
+
+def _exchanger(
+    sshd: SshServer,
+    tmp_path: Path,
+    config: Path,
+    *,
+    ssh_path: str | None = None,
+) -> SshExchanger:
+    down_port = _free_port()  # nothing listens there
+    client_config = sshd.write_client_config(
+        tmp_path / "ssh_config",
+        {
+            "node1": {"HostName": "127.0.0.1"},
+            # a host whose key we do not know
+            "node-stranger": {"HostName": "127.0.0.1", "HostKeyAlias": "node-stranger"},
+            # a node that does not have our key in authorized_keys
+            "node-nokey": {"HostName": "127.0.0.1", "IdentityFile": str(sshd.stranger_key)},
+            "node-down": {"HostName": "127.0.0.1", "Port": str(down_port)},
+        },
+    )
+    return SshExchanger(
+        ssh_path or sshd.programs.ssh,
+        timeout_s=TIMEOUT_S,
+        config_file=client_config,
+        remote_command=_forwarder(config),
+        max_parallel=8,
+    )
+
+
+def _request(*setpoints: Setpoint, release: Sequence[int] = ()) -> ExchangeRequest:
+    return ExchangeRequest(7, time.time() + 30, setpoints, tuple(release))
+
+
+def _gpu(response: ExchangeResponse | NodeFailure, index: int) -> GpuReport:
+    assert isinstance(response, ExchangeResponse), response
+    (gpu,) = [g for g in response.gpus if g.index == index]
+    return gpu
+
+
+def test_setpoints_go_out_and_readings_come_back_over_ssh(
+    sshd: SshServer, node: Node, tmp_path: Path
+) -> None:
+    exchanger = _exchanger(sshd, tmp_path, node.config)
+    try:
+        applied = exchanger.exchange(
+            {"node1": NodeTarget(ssh_url("node1"), _request(Setpoint(0, "77", 1200)))}
+        )["node1"]
+        assert isinstance(applied, ExchangeResponse), applied
+        assert applied.node == "node1"
+        locked = _gpu(applied, 0).locked
+        assert locked is not None and locked.graphics_max_mhz == 1200
+        assert _gpu(applied, 0).job_id == "77"
+        assert _gpu(applied, 1).locked is None
+        power_w = _gpu(applied, 0).power_w
+        assert power_w is not None and power_w > 0
+        # an unsupported clock is refused by the agent, and the refusal comes back over ssh
+        refused = exchanger.exchange(
+            {"node1": NodeTarget(ssh_url("node1"), _request(Setpoint(1, "78", 1201)))}
+        )["node1"]
+        assert isinstance(refused, ExchangeResponse), refused
+        assert [(r.gpu, "1201 MHz is not supported" in r.reason) for r in refused.refused] == [
+            (1, True)
+        ]
+        released = exchanger.exchange(
+            {"node1": NodeTarget(ssh_url("node1"), _request(release=[0]))}
+        )["node1"]
+        assert _gpu(released, 0).locked is None and _gpu(released, 0).job_id is None
+    finally:
+        exchanger.close()
+
+
+def test_hosts_we_cannot_or_may_not_reach_fail_within_the_timeout(
+    sshd: SshServer, node: Node, tmp_path: Path
+) -> None:
+    exchanger = _exchanger(sshd, tmp_path, node.config)
+    names = ("node1", "node-stranger", "node-nokey", "node-down")
+    started = time.monotonic()
+    try:
+        results = exchanger.exchange({name: NodeTarget("", _request()) for name in names})
+    finally:
+        exchanger.close()
+    assert time.monotonic() - started < TIMEOUT_S
+    assert isinstance(results["node1"], ExchangeResponse), results["node1"]
+    reasons = {}
+    for name in names[1:]:
+        result = results[name]
+        assert isinstance(result, NodeFailure), result
+        assert "\n" not in result.reason
+        reasons[name] = result.reason
+    assert "Host key verification failed" in reasons["node-stranger"]
+    assert "Permission denied" in reasons["node-nokey"]
+    assert "Connection refused" in reasons["node-down"]
+    assert all("ssh failed (exit 255)" in reason for reason in reasons.values()), reasons
+
+
+def test_the_agent_still_checks_the_credential_behind_ssh(
+    sshd: SshServer, node: Node, tmp_path: Path
+) -> None:
+    # the forwarder signs with a key the agent does not know: refused, and nothing applied
+    exchanger = _exchanger(sshd, tmp_path, node.wrong_key_config)
+    try:
+        result = exchanger.exchange({"node1": NodeTarget("", _request(Setpoint(0, "9", 1200)))})
+    finally:
+        exchanger.close()
+    assert isinstance(result["node1"], NodeFailure)
+    assert "exchange failed on the node (exit 1)" in result["node1"].reason
+    assert "HTTP 401" in result["node1"].reason
+    good = _exchanger(sshd, tmp_path, node.config)
+    try:
+        after = good.exchange({"node1": NodeTarget("", _request())})["node1"]
+    finally:
+        good.close()
+    assert _gpu(after, 0).job_id != "9"
+
+
+def test_a_malicious_node_name_never_reaches_ssh(
+    sshd: SshServer, node: Node, tmp_path: Path
+) -> None:
+    calls = tmp_path / "ssh-argv.log"
+    pwned = tmp_path / "pwned"
+    wrapper = tmp_path / "ssh"
+    wrapper.write_text(
+        f'#!/bin/sh\nprintf "%s\\n" "$@" >> {calls}\nexec {sshd.programs.ssh} "$@"\n'
+    )
+    wrapper.chmod(0o755)
+    exchanger = _exchanger(sshd, tmp_path, node.config, ssh_path=str(wrapper))
+    evil = f"-oProxyCommand=touch {pwned}"
+    try:
+        results = exchanger.exchange(
+            {
+                evil: NodeTarget("", _request()),
+                "node1;touch x": NodeTarget("", _request()),
+                "node2": NodeTarget(f"ssh://{evil}", _request()),
+                "node1": NodeTarget(ssh_url("node1"), _request()),
+            }
+        )
+    finally:
+        exchanger.close()
+    assert isinstance(results["node1"], ExchangeResponse), results["node1"]
+    for name in (evil, "node1;touch x", "node2"):
+        result = results[name]
+        assert isinstance(result, NodeFailure) and "refused" in result.reason, result
+    argv_seen = calls.read_text()
+    assert "ProxyCommand" not in argv_seen and "touch" not in argv_seen
+    assert argv_seen.count("\n--\nnode1\n") == 1  # only the good node was run
+    assert not pwned.exists()
