@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import click
 
+from slurm_cdgpc.cli import bench_live
 from slurm_cdgpc.cli.output import echo_json
 from slurm_cdgpc.control.dual import MODES
 from slurm_cdgpc.model.families import FAMILIES
@@ -57,3 +58,7 @@ def controller_cmd(
             family=family,
         )
     )
+
+
+for _command in bench_live.COMMANDS:
+    bench.add_command(_command)

@@ -87,7 +87,7 @@ class HeadHttpServer(BoundedHttpServer):
         *,
         request_timeout_s: float = 10.0,
         max_body_bytes: int = MAX_BODY_BYTES,
-        max_connections: int = 64,
+        max_connections: int = 256,
     ) -> None:
         self.coordinator = coordinator
         super().__init__(

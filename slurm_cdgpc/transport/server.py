@@ -21,6 +21,9 @@ logger = logging.getLogger(__name__)
 class BoundedHttpServer(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
+    #: the listen backlog: a burst of Prologs (a large array job starting) must queue, not be
+    #: refused by the kernel (the standard library's default is 5)
+    request_queue_size = 128
 
     def __init__(
         self,

@@ -1,0 +1,252 @@
+"""``bench register``: job registrations (``POST /v1/jobs``, as the Prolog sends them) under load.
+
+A real `HeadHttpServer` over a real `Coordinator` (its control loop running, no agents: every
+node is unreachable) and a SQLite store in WAL mode runs in its own process; HMAC auth with a
+fresh key. ``concurrency`` client threads in this process, each a `HeadClient` like the Prolog's
+(one connection per request), register distinct jobs, each on its own node's GPUs, and the
+latency of every request is measured from the call to its parsed answer.
+
+Before the clients start, the server process times `Coordinator.register_job` directly, one call
+at a time, on jobs of its own (``store_register_ms_*``): the cost of the store write alone, with
+no HTTP and no contention. The Coordinator serialises registrations (one write lock, and SQLite
+has one writer), so ``1000 / store_register_ms_p50`` bounds the requests per second; when the
+measured rate is near that bound and latency grows with ``concurrency``, the store's writes
+dominate, not HTTP.
+
+The head's listener is the production one unless ``max_connections`` or ``listen_backlog`` is
+given: `HeadHttpServer` closes connections over its bound (64) at once, and socketserver's
+listen backlog is 5, so both shape what 200 simultaneous Prologs see.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import os
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from multiprocessing.synchronize import Event
+from pathlib import Path
+from typing import Any, Final
+
+import numpy as np
+
+from slurm_cdgpc.agent.protocol import ExchangeResponse
+from slurm_cdgpc.bench.exchange import (
+    load_key,
+    scratch_dir,
+    start_workers,
+    wait_for_stop,
+    worker_preamble,
+    write_key_file,
+)
+from slurm_cdgpc.coordinator.api import HeadHttpServer
+from slurm_cdgpc.coordinator.daemon import Coordinator, CoordinatorSettings
+from slurm_cdgpc.errors import CdgpcError, InputError
+from slurm_cdgpc.store import ACTIVE_STATES, Store, make_engine, upgrade
+from slurm_cdgpc.transport.auth import AccessPolicy, HmacSigner, HmacVerifier
+from slurm_cdgpc.transport.http import HeadClient, NodeFailure, NodeTarget
+
+logger = logging.getLogger(__name__)
+
+GPUS_PER_NODE: Final = 8
+#: jobs registered directly (no HTTP) to time the store write alone
+STORE_PROBES: Final = 50
+#: the Prolog's job ids start here; the probes' below
+FIRST_JOB_ID: Final = 1_000_000
+_MAX_REASONS: Final = 3
+_DEFAULT_MAX_CONNECTIONS: Final = int(
+    inspect.signature(HeadHttpServer.__init__).parameters["max_connections"].default
+)
+
+
+class _NoAgents:
+    """Every node is unreachable: the loop runs, nothing is exchanged."""
+
+    def exchange(
+        self, targets: Mapping[str, NodeTarget]
+    ) -> dict[str, ExchangeResponse | NodeFailure]:
+        return {node: NodeFailure("benchmark: no agents") for node in targets}
+
+
+@dataclass(frozen=True)
+class HeadOptions:
+    db_file: str
+    key_file: str
+    interval_s: float
+    max_connections: int | None
+    listen_backlog: int | None
+
+
+def _head_server(
+    coordinator: Coordinator, options: HeadOptions, verifier: HmacVerifier
+) -> HeadHttpServer:
+    policy = AccessPolicy(hmac_is_admin=False)
+    kwargs: dict[str, Any] = {}
+    if options.max_connections is not None:
+        kwargs["max_connections"] = options.max_connections
+    if options.listen_backlog is None:
+        return HeadHttpServer(("127.0.0.1", 0), coordinator, verifier, policy, **kwargs)
+
+    class _Backlogged(HeadHttpServer):
+        request_queue_size = options.listen_backlog  # type: ignore[assignment]
+
+    return _Backlogged(("127.0.0.1", 0), coordinator, verifier, policy, **kwargs)
+
+
+def serve_head(options: HeadOptions, conn: Connection, stop: Event, parent_pid: int) -> None:
+    """Worker: cdgpcd's API and control loop over a SQLite store until ``stop`` (spawn target)."""
+    worker_preamble()
+    engine = make_engine(f"sqlite:///{options.db_file}")
+    loop_stop = threading.Event()
+    try:
+        upgrade(engine)
+        coordinator = Coordinator(
+            Store(engine), _NoAgents(), CoordinatorSettings(interval_s=options.interval_s)
+        )
+        coordinator.start()
+        probe_s = []
+        for i in range(STORE_PROBES):
+            t0 = time.perf_counter()
+            coordinator.register_job(str(i + 1), "bench", "probe", [i % GPUS_PER_NODE])
+            probe_s.append(time.perf_counter() - t0)
+        server = _head_server(coordinator, options, HmacVerifier(load_key(Path(options.key_file))))
+    except Exception as e:  # reported to the parent, which fails with it
+        conn.send(("error", f"{type(e).__name__}: {e}"))
+        engine.dispose()
+        return
+    threads = [
+        threading.Thread(target=server.serve_forever, name="http", daemon=True),
+        threading.Thread(target=coordinator.run, args=(loop_stop,), name="loop", daemon=True),
+    ]
+    for t in threads:
+        t.start()
+    try:
+        cpu0 = time.process_time()
+        conn.send(("ready", {"port": server.port, "probe_s": probe_s}))
+        wait_for_stop(stop, parent_pid)
+        jobs = len(coordinator.store.jobs(ACTIVE_STATES)) - STORE_PROBES
+        conn.send(("done", {"jobs": jobs, "cpu_s": time.process_time() - cpu0}))
+    finally:
+        loop_stop.set()
+        server.shutdown()
+        server.server_close()
+        for t in threads:
+            t.join(timeout=5.0)
+        engine.dispose()
+
+
+@dataclass
+class _Client:
+    latencies_s: list[float]
+    errors: list[str]
+
+
+def _client(
+    client: HeadClient, node: str, job_ids: Sequence[int], start: threading.Barrier, out: _Client
+) -> None:
+    start.wait()
+    for k, job in enumerate(job_ids):
+        payload = {
+            "job_id": str(job),
+            "user": "bench",
+            "node": node,
+            "gpus": [k % GPUS_PER_NODE],
+            "gpu_type": "A100",
+        }
+        t0 = time.perf_counter()
+        try:
+            client.post("/v1/jobs", payload)
+        except CdgpcError as e:
+            out.errors.append(str(e))
+        out.latencies_s.append(time.perf_counter() - t0)
+
+
+def _ms(values_s: Sequence[float], q: float) -> float:
+    return round(1e3 * float(np.percentile(values_s, q)), 1) if len(values_s) else float("nan")
+
+
+def bench_register(
+    concurrency: int,
+    requests: int,
+    *,
+    timeout_s: float = 10.0,
+    interval_s: float = 30.0,
+    max_connections: int | None = None,
+    listen_backlog: int | None = None,
+) -> dict[str, Any]:
+    if concurrency < 1 or requests < 1:
+        raise InputError("concurrency and requests must be at least 1")
+    concurrency = min(concurrency, requests)
+    load_1m = round(os.getloadavg()[0], 2)  # other work on this machine skews every number
+    with scratch_dir("cdgpc-bench-register-", prefer_tmpfs=False) as tmp:
+        key_file = write_key_file(Path(tmp))
+        options = HeadOptions(
+            db_file=str(Path(tmp) / "head.db"),
+            key_file=str(key_file),
+            interval_s=interval_s,
+            max_connections=max_connections,
+            listen_backlog=listen_backlog,
+        )
+        with start_workers(serve_head, [(options,)], "cdgpc-bench-head") as (workers, stop, ready):
+            [head] = ready
+            url = f"http://127.0.0.1:{head['port']}"
+            signer = HmacSigner(load_key(key_file), uid=0, gid=0)
+            outs = [_Client([], []) for _ in range(concurrency)]
+            barrier = threading.Barrier(concurrency + 1)
+            threads = [
+                threading.Thread(
+                    target=_client,
+                    args=(
+                        HeadClient(url, signer, timeout_s=timeout_s),
+                        f"bench{c:05d}",
+                        range(FIRST_JOB_ID + c, FIRST_JOB_ID + requests, concurrency),
+                        barrier,
+                        outs[c],
+                    ),
+                    name=f"prolog-{c}",
+                    daemon=True,
+                )
+                for c in range(concurrency)
+            ]
+            for t in threads:
+                t.start()
+            barrier.wait()
+            cpu0, t0 = time.process_time(), time.perf_counter()
+            for t in threads:
+                t.join()
+            wall_s, client_cpu_s = time.perf_counter() - t0, time.process_time() - cpu0
+            stop.set()
+            conn = workers[0].conn
+            done = conn.recv() if conn.poll(30.0) else ("done", {})
+            server = done[1]
+    latencies_s = [x for o in outs for x in o.latencies_s]
+    errors = [e for o in outs for e in o.errors]
+    reasons: dict[str, int] = {}
+    for e in errors:
+        reasons[e[:120]] = reasons.get(e[:120], 0) + 1
+    probe_s = head["probe_s"]
+    return {
+        "concurrency": concurrency,
+        "requests": len(latencies_s),
+        "p50_ms": _ms(latencies_s, 50),
+        "p99_ms": _ms(latencies_s, 99),
+        "max_ms": _ms(latencies_s, 100),
+        "errors": len(errors),
+        "error_reasons": dict(sorted(reasons.items(), key=lambda kv: -kv[1])[:_MAX_REASONS]),
+        "requests_per_s": round(len(latencies_s) / wall_s, 1),
+        "jobs_in_store": server.get("jobs"),
+        "store_register_ms_p50": _ms(probe_s, 50),
+        "store_register_ms_p99": _ms(probe_s, 99),
+        "head_cpu_s": None if "cpu_s" not in server else round(server["cpu_s"], 2),
+        "clients_cpu_s": round(client_cpu_s, 2),
+        "wall_s": round(wall_s, 2),
+        "head_max_connections": max_connections or _DEFAULT_MAX_CONNECTIONS,
+        "head_listen_backlog": listen_backlog or HeadHttpServer.request_queue_size,
+        "store": "sqlite (WAL)",
+        "cpu_count": os.cpu_count(),
+        "load_avg_1m_at_start": load_1m,
+    }

@@ -1,0 +1,120 @@
+"""``cdgpc-admin bench exchange`` and ``bench register``: the live head and agents on loopback.
+
+Both start real servers in worker processes (stopped on exit, Ctrl-C included) and print one
+JSON object; registered on the ``bench`` group by `slurm_cdgpc.cli.bench`.
+"""
+
+from __future__ import annotations
+
+import click
+
+from slurm_cdgpc.cli.output import echo_json
+
+
+@click.command("exchange")
+@click.option("--nodes", type=click.IntRange(min=1), required=True, help="Node agents to serve.")
+@click.option("--gpus-per-node", type=click.IntRange(1, 64), default=8, show_default=True)
+@click.option(
+    "--processes",
+    type=click.IntRange(min=1),
+    default=4,
+    show_default=True,
+    help="Worker processes hosting the agents (nodes are split evenly).",
+)
+@click.option("--intervals", type=click.IntRange(min=1), default=20, show_default=True)
+@click.option(
+    "--timeout-s",
+    type=click.FloatRange(0.0, min_open=True),
+    default=2.0,
+    show_default=True,
+    help="The exchanger's per-node timeout (the round is bounded by twice this).",
+)
+@click.option(
+    "--max-workers",
+    type=click.IntRange(min=1),
+    default=64,
+    show_default=True,
+    help="The exchanger's thread pool (64 is what cdgpcd uses).",
+)
+@click.option("--json", "as_json", is_flag=True, help="Accepted for symmetry: output is JSON.")
+def exchange_cmd(
+    nodes: int,
+    gpus_per_node: int,
+    processes: int,
+    intervals: int,
+    timeout_s: float,
+    max_workers: int,
+    as_json: bool,
+) -> None:
+    """Time the head's concurrent exchange with N live agents (HMAC, simulated GPUs).
+
+    Every interval sends every node a setpoint per GPU and a lease; reports the interval's
+    wall time (p50/p99) and the nodes that did not answer in time.
+    """
+    from slurm_cdgpc.bench.exchange import bench_exchange  # noqa: PLC0415 (only when run)
+
+    echo_json(
+        bench_exchange(
+            nodes,
+            gpus_per_node=gpus_per_node,
+            processes=processes,
+            intervals=intervals,
+            timeout_s=timeout_s,
+            max_workers=max_workers,
+        )
+    )
+
+
+@click.command("register")
+@click.option(
+    "--concurrency", type=click.IntRange(min=1), required=True, help="Simultaneous Prologs."
+)
+@click.option("--requests", type=click.IntRange(min=1), default=2000, show_default=True)
+@click.option(
+    "--timeout-s",
+    type=click.FloatRange(0.0, min_open=True),
+    default=10.0,
+    show_default=True,
+    help="Each client's request timeout.",
+)
+@click.option(
+    "--max-connections",
+    type=click.IntRange(min=1),
+    default=None,
+    help="The head's connection bound (default: cdgpcd's, 64).",
+)
+@click.option(
+    "--listen-backlog",
+    type=click.IntRange(min=1),
+    default=None,
+    help="The head's listen backlog (default: cdgpcd's, socketserver's 5).",
+)
+@click.option("--json", "as_json", is_flag=True, help="Accepted for symmetry: output is JSON.")
+def register_cmd(
+    concurrency: int,
+    requests: int,
+    timeout_s: float,
+    max_connections: int | None,
+    listen_backlog: int | None,
+    as_json: bool,
+) -> None:
+    """Time job registrations (POST /v1/jobs, as the Prolog sends them) against a live cdgpcd.
+
+    The head (SQLite store in WAL mode, HMAC auth) runs in its own process; each client
+    thread registers distinct jobs, one connection per request. A refused or dropped request
+    is an error, not retried.
+    """
+    from slurm_cdgpc.bench.register import bench_register  # noqa: PLC0415 (only when run)
+
+    echo_json(
+        bench_register(
+            concurrency,
+            requests,
+            timeout_s=timeout_s,
+            max_connections=max_connections,
+            listen_backlog=listen_backlog,
+        )
+    )
+
+
+COMMANDS = (exchange_cmd, register_cmd)
