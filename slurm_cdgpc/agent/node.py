@@ -412,6 +412,18 @@ class NodeAgent:
 
     # -- shutdown -------------------------------------------------------------------------------
 
+    def release_job(self, job_id: str) -> tuple[list[int], list[Refusal]]:
+        """The job ended (its Epilog says so): reset the GPUs the head gave it, now, without
+        waiting for the head. Only GPUs this agent knows to be the job's are touched."""
+        with self._lock:
+            gpus = sorted(g for g, job in self._jobs.items() if job == job_id)
+            refused: list[Refusal] = []
+            for gpu in gpus:
+                self._release(gpu, refused)
+            self._sync_state()
+            failed = {r.gpu for r in refused}
+            return [g for g in gpus if g not in failed], refused
+
     def restore_defaults(self) -> list[tuple[int, CdgpcError]]:
         """Reset every GPU (trying all even if some fail); remove the state file if all worked."""
         with self._lock:

@@ -36,6 +36,8 @@ from slurm_cdgpc.errors import InputError
 
 VERSION: Final = 1
 MAX_MESSAGE_BYTES: Final = 1024 * 1024
+#: the Epilog asks its node's agent to reset a finished job's GPUs here (loopback only)
+RELEASE_PATH: Final = "/v1/release"
 MAX_PROGRESS_LINE_BYTES: Final = 1024
 MAX_GPUS: Final = 1024  # entries in setpoints/release/gpus/refused
 MAX_PROGRESS_ENTRIES: Final = 4096

@@ -25,10 +25,13 @@ from typing import Any, Final
 from slurm_cdgpc.agent.node import NodeAgent
 from slurm_cdgpc.agent.protocol import (
     MAX_MESSAGE_BYTES,
+    RELEASE_PATH,
     ExchangeRequest,
     MessageTooLargeError,
     ProtocolError,
     dump_json,
+    job_id,
+    load_json,
 )
 from slurm_cdgpc.transport.auth import (
     AccessPolicy,
@@ -36,6 +39,7 @@ from slurm_cdgpc.transport.auth import (
     AuthUnavailableError,
     ForbiddenError,
     Operation,
+    Principal,
     Verifier,
 )
 from slurm_cdgpc.transport.server import BoundedHttpServer
@@ -44,7 +48,8 @@ logger = logging.getLogger(__name__)
 
 EXCHANGE_PATH: Final = "/v1/exchange"
 HEALTH_PATH: Final = "/v1/health"
-_ROUTES: Final = {EXCHANGE_PATH: "POST", HEALTH_PATH: "GET"}
+_ROUTES: Final = {EXCHANGE_PATH: "POST", RELEASE_PATH: "POST", HEALTH_PATH: "GET"}
+_LOOPBACK: Final = frozenset({"127.0.0.1", "::1", "::ffff:127.0.0.1"})
 
 
 class AgentHttpServer(BoundedHttpServer):
@@ -112,6 +117,8 @@ class _Handler(BaseHTTPRequestHandler):
                 self._error(HTTPStatus.METHOD_NOT_ALLOWED, f"use {allowed}", allow=allowed)
             elif method == "GET":
                 self._send(HTTPStatus.OK, {"ok": True})
+            elif self.path == RELEASE_PATH:
+                self._release_job()
             else:
                 self._exchange()
         except (TimeoutError, ConnectionError) as e:
@@ -123,29 +130,64 @@ class _Handler(BaseHTTPRequestHandler):
 
     # -- the exchange ---------------------------------------------------------------------------
 
+    def _authorised(self, body: bytes) -> Principal | None:
+        """The sender, if its credential is valid for this request and it may act as a node;
+        otherwise None after answering 401/403/503. A refused request changes nothing."""
+        peer = self.client_address[0]
+        credentials = self.headers.get_all("Authorization") or []
+        if len(credentials) != 1:
+            self._error(HTTPStatus.UNAUTHORIZED, "exactly one Authorization header is needed")
+            return None
+        try:
+            principal = self.server.verifier.verify(credentials[0], "POST", self.path, body)
+            self.server.policy.require(principal, Operation.NODE)
+        except ForbiddenError as e:
+            logger.warning("%s: %s forbidden: %s", peer, self.path, e)
+            self._error(HTTPStatus.FORBIDDEN, str(e))
+            return None
+        except AuthError as e:
+            logger.warning("%s: %s refused: %s", peer, self.path, e)
+            self._error(HTTPStatus.UNAUTHORIZED, str(e))
+            return None
+        except AuthUnavailableError as e:
+            logger.error("%s: cannot authenticate: %s", peer, e)
+            self._error(HTTPStatus.SERVICE_UNAVAILABLE, str(e))
+            return None
+        return principal
+
+    def _release_job(self) -> None:
+        peer = self.client_address[0]
+        if peer not in _LOOPBACK:
+            self._error(HTTPStatus.FORBIDDEN, "release is only for this node's own Epilog")
+            return
+        body = self._body()
+        if body is None:
+            return
+        principal = self._authorised(body)
+        if principal is None:
+            return
+        try:
+            data = load_json(body)
+            if not isinstance(data, dict) or set(data) != {"job_id"}:
+                raise ProtocolError('release: the body must be {"job_id": "..."}')
+            job = job_id(data["job_id"])
+        except ProtocolError as e:
+            self._error(HTTPStatus.BAD_REQUEST, str(e))
+            return
+        released, refused = self.server.agent.release_job(job)
+        logger.info("job %s: Epilog (%s) released GPU(s) %s", job, principal, released or "none")
+        self._send(
+            HTTPStatus.OK,
+            {"job_id": job, "released": released, "refused": [r.to_dict() for r in refused]},
+        )
+
     def _exchange(self) -> None:
         body = self._body()
         if body is None:
             return
         peer = self.client_address[0]
-        credentials = self.headers.get_all("Authorization") or []
-        if len(credentials) != 1:
-            self._error(HTTPStatus.UNAUTHORIZED, "exactly one Authorization header is needed")
-            return
-        try:
-            principal = self.server.verifier.verify(credentials[0], "POST", self.path, body)
-            self.server.policy.require(principal, Operation.NODE)
-        except ForbiddenError as e:
-            logger.warning("%s: exchange forbidden: %s", peer, e)
-            self._error(HTTPStatus.FORBIDDEN, str(e))
-            return
-        except AuthError as e:
-            logger.warning("%s: exchange refused: %s", peer, e)
-            self._error(HTTPStatus.UNAUTHORIZED, str(e))
-            return
-        except AuthUnavailableError as e:
-            logger.error("%s: cannot authenticate: %s", peer, e)
-            self._error(HTTPStatus.SERVICE_UNAVAILABLE, str(e))
+        principal = self._authorised(body)
+        if principal is None:
             return
         try:
             request = ExchangeRequest.from_json(body)

@@ -36,6 +36,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Final
 
+from slurm_cdgpc.agent.forward import agent_url
+from slurm_cdgpc.agent.protocol import RELEASE_PATH
 from slurm_cdgpc.config import load_config
 from slurm_cdgpc.errors import CdgpcError, InputError
 from slurm_cdgpc.slurm.comment import (
@@ -201,13 +203,21 @@ def run_epilog(
     *,
     until_s: float,
     client_error: str = "",
+    release: Callable[[str], str] | None = None,
 ) -> HookOutcome:
-    """Deregister the job (or spool that); never raises `CdgpcError`."""
+    """Reset the job's GPUs here through the local agent (``release``), then deregister the job
+    (or spool that); never raises `CdgpcError`."""
     where = f"job {env.display_id} on {env.node}"
     if env.job_id != env.display_id:
         where += f" (id {env.job_id})"
     if not env.gpus:
         return HookOutcome("skipped", f"{where}: no GPUs here, nothing to deregister")
+    if release is not None:
+        # first, and whatever the head says: the GPUs must not stay capped for the next job
+        try:
+            where += f"; {release(env.job_id)}"
+        except CdgpcError as e:
+            where += f"; local reset failed ({' '.join(str(e).split())})"
     reason = client_error
     if client is not None:
         try:
@@ -261,6 +271,25 @@ def make_client(settings: HookSettings, environ: Mapping[str, str]) -> HeadClien
     )
 
 
+def make_local_release(settings: HookSettings, environ: Mapping[str, str]) -> Callable[[str], str]:
+    """Ask this node's agent to reset a finished job's GPUs now (``POST /v1/release``); the
+    config is read when the release is made, so every failure surfaces as a `CdgpcError`."""
+
+    def release(job_id: str) -> str:
+        config = load_config(settings.config_path, env=environ)
+        agent = HeadClient(
+            agent_url(config),
+            signer_from_config(config, settings.timeout_s),
+            timeout_s=settings.timeout_s,
+            peer="the local agent",
+        )
+        reply = agent.post(RELEASE_PATH, {"job_id": job_id})
+        released = reply.get("released", []) if isinstance(reply, dict) else []
+        return f"GPU(s) {released or 'none'} reset here"
+
+    return release
+
+
 def _parser(kind: str) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=f"cdgpc-{kind}", description=f"Slurm node {kind.title()} of slurm-cdgpc."
@@ -298,6 +327,8 @@ def run(
     *,
     emit: Emit,
     client_factory: Callable[[HookSettings, Mapping[str, str]], JobsClient] = make_client,
+    release_factory: Callable[[HookSettings, Mapping[str, str]], Callable[[str], str]]
+    | None = make_local_release,
 ) -> int:
     """One hook run: the exit status (0 unless strict and nothing recorded); one ``emit`` line."""
     start_s = time.monotonic()
@@ -327,7 +358,10 @@ def run(
             client_error=client_error,
         )
     else:
-        outcome = run_epilog(env, client, spool, until_s=until_s, client_error=client_error)
+        release = None if release_factory is None else release_factory(settings, environ)
+        outcome = run_epilog(
+            env, client, spool, until_s=until_s, client_error=client_error, release=release
+        )
     elapsed_ms = (time.monotonic() - start_s) * 1000.0
     emit(outcome.priority, f"{' '.join(outcome.line.split())} [{elapsed_ms:.0f} ms]")
     return 1 if settings.strict and outcome.failed else 0

@@ -189,13 +189,22 @@ class NodeExchanger:
 
 
 class HeadClient:
-    """Signed JSON requests to cdgpcd's API (``cdgpc-admin``, the Prolog and Epilog)."""
+    """Signed JSON requests to cdgpcd's API (``cdgpc-admin``, the Prolog and Epilog), or to a
+    node's own agent (``peer="the local agent"``: the Epilog's release)."""
 
-    def __init__(self, url: str, signer: Signer | None, *, timeout_s: float = 10.0) -> None:
+    def __init__(
+        self,
+        url: str,
+        signer: Signer | None,
+        *,
+        timeout_s: float = 10.0,
+        peer: str = "cdgpcd",
+    ) -> None:
         _Endpoint.parse(url)
         self.url = url.rstrip("/")
         self.signer = signer
         self.timeout_s = timeout_s
+        self.peer = peer
 
     def get(self, path: str, query: Mapping[str, object] | None = None) -> Any:
         if query:
@@ -213,11 +222,11 @@ class HeadClient:
             status, data = _request(self.url, method, path, body, self.signer, self.timeout_s)
         except (OSError, http.client.HTTPException) as e:
             raise HeadUnavailableError(
-                f"cannot reach cdgpcd at {self.url}: {_one_line(str(e) or type(e).__name__)}"
+                f"cannot reach {self.peer} at {self.url}: {_one_line(str(e) or type(e).__name__)}"
             ) from e
         if status >= 400:
-            raise HeadRefusedError(status, f"cdgpcd refused ({status}): {_error_text(data)}")
+            raise HeadRefusedError(status, f"{self.peer} refused ({status}): {_error_text(data)}")
         try:
             return load_json(data, MAX_REPLY_BYTES)
         except ProtocolError as e:
-            raise HeadUnavailableError(f"cdgpcd sent a reply that is not JSON: {e}") from e
+            raise HeadUnavailableError(f"{self.peer} sent a reply that is not JSON: {e}") from e

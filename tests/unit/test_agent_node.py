@@ -387,3 +387,18 @@ def test_bad_progress_is_refused(agent: NodeAgent, job: str, step: int, total: i
 def test_bad_lapse_action_is_refused(make_agent: AgentFactory) -> None:
     with pytest.raises(InputError, match="on_lapse"):
         make_agent(on_lapse="panic")
+
+
+def test_epilog_release_resets_only_that_jobs_gpus(
+    agent: NodeAgent, gpus: GpuSet, clock: ManualClock, state_file: Path
+) -> None:
+    agent.exchange(
+        request(clock, Setpoint(0, "7", 1200), Setpoint(1, "7", 1200), Setpoint(2, "8", 900))
+    )
+    released, refused = agent.release_job("7")
+    assert (released, refused) == ([0, 1], [])
+    assert caps(gpus) == {0: None, 1: None, 2: 900, 3: None}
+    assert json.loads(state_file.read_text())  # job 8's lock is still on record
+    assert agent.release_job("7") == ([], [])  # twice: nothing left to do
+    assert agent.release_job("999") == ([], [])  # a job this node never ran touches nothing
+    assert caps(gpus)[2] == 900
