@@ -19,8 +19,7 @@ from __future__ import annotations
 
 import logging
 from http import HTTPStatus
-from http.server import BaseHTTPRequestHandler
-from typing import Any, Final
+from typing import Final
 
 from slurm_cdgpc.agent.node import NodeAgent
 from slurm_cdgpc.agent.protocol import (
@@ -42,7 +41,7 @@ from slurm_cdgpc.transport.auth import (
     Principal,
     Verifier,
 )
-from slurm_cdgpc.transport.server import BoundedHttpServer
+from slurm_cdgpc.transport.server import BoundedHttpServer, JsonHandler
 
 logger = logging.getLogger(__name__)
 
@@ -78,35 +77,11 @@ class AgentHttpServer(BoundedHttpServer):
         )
 
 
-class _Handler(BaseHTTPRequestHandler):
+class _Handler(JsonHandler):
     server: AgentHttpServer
     server_version = "cdgpc-noded"
-    sys_version = ""
-    protocol_version = "HTTP/1.1"
-
-    def setup(self) -> None:
-        super().setup()
-        self.connection.settimeout(self.server.request_timeout_s)  # per-request socket timeout
-
-    def log_message(self, format: str, *args: Any) -> None:
-        logger.debug("%s %s", self.client_address[0], format % args)
 
     # -- routing --------------------------------------------------------------------------------
-
-    def do_GET(self) -> None:
-        self._route("GET")
-
-    def do_POST(self) -> None:
-        self._route("POST")
-
-    def do_PUT(self) -> None:
-        self._route("PUT")
-
-    def do_DELETE(self) -> None:
-        self._route("DELETE")
-
-    def do_HEAD(self) -> None:
-        self._route("HEAD")
 
     def _route(self, method: str) -> None:
         try:
@@ -240,16 +215,3 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _send(self, status: HTTPStatus, data: object, *, allow: str | None = None) -> None:
         self._send_bytes(status, dump_json(data), allow=allow)
-
-    def _send_bytes(self, status: HTTPStatus, body: bytes, *, allow: str | None = None) -> None:
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        self.send_header("Cache-Control", "no-store")
-        if allow is not None:
-            self.send_header("Allow", allow)
-        if self.close_connection:
-            self.send_header("Connection", "close")
-        self.end_headers()
-        if self.command != "HEAD":
-            self.wfile.write(body)

@@ -30,7 +30,6 @@ import math
 import re
 from collections.abc import Callable
 from http import HTTPStatus
-from http.server import BaseHTTPRequestHandler
 from typing import Any, Final
 from urllib.parse import parse_qs, urlsplit
 
@@ -54,7 +53,7 @@ from slurm_cdgpc.transport.auth import (
     Principal,
     Verifier,
 )
-from slurm_cdgpc.transport.server import BoundedHttpServer
+from slurm_cdgpc.transport.server import BoundedHttpServer, JsonHandler
 
 logger = logging.getLogger(__name__)
 
@@ -275,33 +274,9 @@ def _who(principal: Principal) -> str:
     return f"uid{principal.uid}"
 
 
-class _Handler(BaseHTTPRequestHandler):
+class _Handler(JsonHandler):
     server: HeadHttpServer
     server_version = "cdgpcd"
-    sys_version = ""
-    protocol_version = "HTTP/1.1"
-
-    def setup(self) -> None:
-        super().setup()
-        self.connection.settimeout(self.server.request_timeout_s)
-
-    def log_message(self, format: str, *args: Any) -> None:
-        logger.debug("%s %s", self.client_address[0], format % args)
-
-    def do_GET(self) -> None:
-        self._route("GET")
-
-    def do_POST(self) -> None:
-        self._route("POST")
-
-    def do_PUT(self) -> None:
-        self._route("PUT")
-
-    def do_DELETE(self) -> None:
-        self._route("DELETE")
-
-    def do_HEAD(self) -> None:
-        self._route("HEAD")
 
     # -- routing --------------------------------------------------------------------------------
 
@@ -481,21 +456,6 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _send(self, status: HTTPStatus, data: object, *, allow: str | None = None) -> None:
         self._send_bytes(status, dump_json(data), "application/json", allow=allow)
-
-    def _send_bytes(
-        self, status: HTTPStatus, body: bytes, content_type: str, *, allow: str | None = None
-    ) -> None:
-        self.send_response(status)
-        self.send_header("Content-Type", content_type)
-        self.send_header("Content-Length", str(len(body)))
-        self.send_header("Cache-Control", "no-store")
-        if allow is not None:
-            self.send_header("Allow", allow)
-        if self.close_connection:
-            self.send_header("Connection", "close")
-        self.end_headers()
-        if self.command != "HEAD":
-            self.wfile.write(body)
 
 
 class _MethodError(_HttpError):

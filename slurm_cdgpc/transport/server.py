@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import socket
 import threading
+from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -65,3 +66,57 @@ class BoundedHttpServer(ThreadingHTTPServer):
             super().process_request_thread(request, client_address)
         finally:
             self._slots.release()
+
+
+class JsonHandler(BaseHTTPRequestHandler):
+    """The request plumbing both servers share: a per-request socket timeout, debug-level
+    access logs, every method routed to `_route`, and JSON answers that never cache."""
+
+    server: BoundedHttpServer
+    sys_version = ""
+    protocol_version = "HTTP/1.1"
+
+    def setup(self) -> None:
+        super().setup()
+        self.connection.settimeout(self.server.request_timeout_s)  # per-request socket timeout
+
+    def log_message(self, format: str, *args: Any) -> None:
+        logger.debug("%s %s", self.client_address[0], format % args)
+
+    def _route(self, method: str) -> None:
+        raise NotImplementedError
+
+    def do_GET(self) -> None:
+        self._route("GET")
+
+    def do_POST(self) -> None:
+        self._route("POST")
+
+    def do_PUT(self) -> None:
+        self._route("PUT")
+
+    def do_DELETE(self) -> None:
+        self._route("DELETE")
+
+    def do_HEAD(self) -> None:
+        self._route("HEAD")
+
+    def _send_bytes(
+        self,
+        status: HTTPStatus,
+        body: bytes,
+        content_type: str = "application/json",
+        *,
+        allow: str | None = None,
+    ) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        self.send_header("Cache-Control", "no-store")
+        if allow is not None:
+            self.send_header("Allow", allow)
+        if self.close_connection:
+            self.send_header("Connection", "close")
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(body)
