@@ -33,7 +33,7 @@ import math
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import numpy.typing as npt
@@ -161,6 +161,8 @@ class SimulationResult:
     controller_s: FloatArray  # the policy's decide time
     energy_j: float  # the whole run, skipped idle gaps included
     wall_s: float
+    #: per job: the trace's class (strict, soft, best-effort; "" when the trace has none)
+    job_type: npt.NDArray[np.str_] = field(default_factory=lambda: np.zeros(0, dtype=str))
 
 
 @dataclass(frozen=True)
@@ -495,4 +497,5 @@ class Simulator:
             controller_s=np.array(c_rec),
             energy_j=energy_j,
             wall_s=time.perf_counter() - wall0,
+            job_type=np.asarray(trace.job_type, dtype=str),
         )

@@ -27,13 +27,17 @@ never ran, being larger than the fleet, misses it):
     Mean of finish − submission over finished jobs; last finish − first submission.
 ``controller_ms_p50``
     Median time of the policy's decision per interval, milliseconds.
+``by_job_type``
+    For traces that class their jobs (Chronus: strict, soft, best-effort), the deadline counts
+    above per class: ``deadline_jobs``, ``violations``, ``violations_induced``. Soft jobs are
+    judged by their first deadline, like strict ones; best-effort jobs carry none.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
@@ -73,6 +77,7 @@ class Metrics:
     mean_jct_s: float
     makespan_s: float
     controller_ms_p50: float
+    by_job_type: dict[str, dict[str, int | None]] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -144,7 +149,29 @@ def compute_metrics(result: SimulationResult, reference: SimulationResult | None
         controller_ms_p50=(
             float(1e3 * np.median(result.controller_s)) if result.controller_s.size else 0.0
         ),
+        by_job_type=_by_job_type(result, miss, None if reference is None else missed(reference)),
     )
+
+
+def _by_job_type(
+    result: SimulationResult, miss: BoolArray, reference_miss: BoolArray | None
+) -> dict[str, dict[str, int | None]]:
+    types = result.job_type
+    if types.size != result.submit_s.size or not np.any(types != ""):
+        return {}
+    has = np.isfinite(result.deadline_s)
+    out: dict[str, dict[str, int | None]] = {}
+    for name in sorted(set(types.tolist()) - {""}):
+        mine = types == name
+        out[name] = {
+            "jobs": int(mine.sum()),
+            "deadline_jobs": int(np.sum(mine & has)),
+            "violations": int(np.sum(mine & miss)),
+            "violations_induced": (
+                None if reference_miss is None else int(np.sum(mine & miss & ~reference_miss))
+            ),
+        }
+    return out
 
 
 @dataclass(frozen=True)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -92,3 +94,25 @@ def test_reference_of_another_trace_is_refused() -> None:
     other = SimulationResult(**{**r.__dict__, "submit_s": np.zeros(3)})
     with pytest.raises(InputError):
         compute_metrics(r, other)
+
+
+def test_deadline_outcomes_are_reported_per_job_class() -> None:
+    r = replace(
+        _result([100.0, 300.0, 200.0, 160.0], [1000.0], [1200.0]),
+        job_type=np.array(["strict", "soft", "best-effort", "strict"]),
+    )
+    ref = replace(
+        _result([100.0, 140.0, 200.0, 110.0], [1000.0], [1200.0], policy="max-clock"),
+        job_type=r.job_type,
+    )
+    by_type = compute_metrics(r, ref).by_job_type
+    # job 0 meets 150; job 3 (strict) misses 120 at 160 but met it at max clocks: induced;
+    # job 1 (soft) misses 150 at 300 and met it at 140: induced; job 2 has no deadline
+    assert by_type == {
+        "best-effort": {"jobs": 1, "deadline_jobs": 0, "violations": 0, "violations_induced": 0},
+        "soft": {"jobs": 1, "deadline_jobs": 1, "violations": 1, "violations_induced": 1},
+        "strict": {"jobs": 2, "deadline_jobs": 2, "violations": 1, "violations_induced": 1},
+    }
+    assert (
+        compute_metrics(_result([100.0, 300.0, 200.0, 160.0], [1000.0], [1200.0])).by_job_type == {}
+    )
