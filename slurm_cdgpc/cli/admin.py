@@ -16,6 +16,7 @@ import click
 
 from slurm_cdgpc.cli.output import echo_json, format_table
 from slurm_cdgpc.config import Config, load_config
+from slurm_cdgpc.doctor import run_checks
 from slurm_cdgpc.errors import InputError
 from slurm_cdgpc.transport.credentials import signer_from_config
 from slurm_cdgpc.transport.http import HeadClient
@@ -218,4 +219,27 @@ def db_upgrade(config_path: Path | None) -> None:
 
 
 #: what ``cdgpc-admin`` registers from this module
-COMMANDS = (budget, status, jobs, nodes, db)
+@click.command()
+@_config_option
+@_json_option
+@click.pass_context
+def doctor(ctx: click.Context, config_path: Path | None, as_json: bool) -> None:
+    """Check this node's setup and say what to fix (reads only; sets no clock).
+
+    Credentials (MUNGE or HMAC), the head, the GPUs (NVML), the privileges clock locks need, the
+    local agent, and Prolog/Epilog records waiting in the spool. Exit status 1 if any fails.
+    """
+    checks = run_checks(_config(config_path))
+    healthy = all(c.ok for c in checks)
+    if as_json:
+        echo_json({"ok": healthy, "checks": [c.as_dict() for c in checks]})
+    else:
+        for c in checks:
+            click.echo(f"{'ok ' if c.ok else 'BAD'}  {c.name:<14} {c.detail}")
+            if not c.ok and c.fix:
+                click.echo(f"     {'':<14} fix: {c.fix}")
+    if not healthy:
+        ctx.exit(1)
+
+
+COMMANDS = (budget, status, jobs, nodes, db, doctor)
