@@ -87,7 +87,7 @@ class ControlConfig:
     #: deadline pressure of jobs without a deadline
     default_pressure: float = 0.5
     #: lowest core clock the controller may choose, as a fraction of the top clock
-    min_clock_fraction: float = 0.3
+    min_clock_fraction: float = 0.5
     #: decide and record, but apply nothing
     shadow: bool = False
 

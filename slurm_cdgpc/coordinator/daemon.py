@@ -102,7 +102,7 @@ class CoordinatorSettings:
     agent_port: int = 8464
     #: how the head reaches agents of nodes first seen in a registration: http or ssh
     node_transport: str = "http"
-    min_clock_fraction: float = 0.3
+    min_clock_fraction: float = 0.5
     controller: ControllerSettings = field(default_factory=ControllerSettings)
     estimator: EstimatorSettings = field(default_factory=EstimatorSettings)
 
