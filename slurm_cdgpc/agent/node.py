@@ -4,7 +4,7 @@ No sockets and no threads here: `server` and `progress` call in from their threa
 method takes one lock), `main` calls `tick` periodically. Time comes from ``clock`` (epoch
 seconds; tests pass a `ManualClock`).
 
-Safety rules (DESIGN.md, "Node agent and safety"; research/nvml.md §6):
+Safety rules (DESIGN.md, "Safety"):
 
 - **Per-GPU, all or nothing.** A setpoint is checked against that GPU's supported clocks before
   anything changes; an unsupported clock or a failed write is refused for that GPU only (and

@@ -1,4 +1,4 @@
-"""From continuous clocks to the clocks a GPU accepts (research/paper.md §6.6).
+"""From continuous clocks to the clocks a GPU accepts (DESIGN.md, "Controller").
 
 1. Floor every job's clocks to the nearest supported level at or below the continuous optimum.
    Power is increasing in the clock, so the plan stays within budget.

@@ -1,4 +1,4 @@
-"""Lagrangian dual decomposition of the economic MPC step (research/paper.md §6).
+"""Lagrangian dual decomposition of the economic MPC step (Kang et al., IEEE TIE 2022).
 
 For H horizon steps × N jobs (H is usually 1) and prices λ_h ≥ 0, the Lagrangian
 
@@ -31,7 +31,7 @@ from slurm_cdgpc.model.rls import BoolArray
 
 MODES = ("newton", "bisection", "gradient")
 #: μ is floored at this fraction of the mean μ: a job whose time ignores the clock (b_c → 0)
-#: would otherwise make L, and so the paper's step 1/L, degenerate (research/paper.md §10.3)
+#: would otherwise make L, and so the paper's step 1/L, degenerate
 MU_FLOOR = 1e-3
 
 

@@ -3,8 +3,8 @@
 The simulated backend, the trace simulator and the model replay read GPU types from here; the NVML
 backend asks the device itself. Each value is marked where it comes from:
 
-* [measured] a device reported it (``nvidia-smi`` output in ``data/gpu-clock-tables`` or in the
-  issues cited in ``research/nvml.md`` §5.1);
+* [measured] a device reported it (``nvidia-smi`` output published with the clock tables in
+  ``tests/data/nvml`` or in public bug reports quoting ``nvidia-smi -q``);
 * [fitted] fitted to the Perseus/Zeus measurements in ``data/`` (see `slurm_cdgpc.gpu.plant`);
 * [inferred] not measured for this exact part: taken from a sibling part or a vendor figure.
 
@@ -72,7 +72,7 @@ def _table(lists: Mapping[int, tuple[int, ...]]) -> ClockTable:
 
 
 _SPECS: Final[tuple[GpuSpec, ...]] = (
-    # V100-SXM2: mem 877 and max 1530 [measured, nvml.md §5.1 a]; 7.5 MHz steps as on the measured
+    # V100-SXM2: mem 877 and max 1530 [measured a]; 7.5 MHz steps as on the measured
     # V100-PCIE list, down to 135 (the idle clock seen on V100-SXM2 [measured f]); limit 150–300 W
     # [measured a]; idle ~55 W [measured a, k]. Knee: the V100-PCIE fit (same GV100 silicon).
     GpuSpec(
@@ -149,7 +149,7 @@ _SPECS: Final[tuple[GpuSpec, ...]] = (
     # H100 SXM: mem 2619, max 1980, idle clock 345 [measured d]; 15 MHz steps down to 345
     # [inferred from the measured H100 NVL list]; limit 200–700 W [measured d, j]; idle ~79 W
     # [measured j, model not shown]. Knee [inferred: the A100/A40 fits put it at 0.66–0.78 of the
-    # max clock; 0.7 × 1980]. GetPowerUsage is a 1 s average on Hopper [research/nvml.md §2.8].
+    # max clock; 0.7 × 1980]. GetPowerUsage is a 1 s average on Hopper [NVML docs].
     GpuSpec(
         name="H100-SXM",
         clocks=_table({2619: _levels(1980, 345, 15)}),

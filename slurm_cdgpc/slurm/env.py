@@ -3,7 +3,7 @@
 The slurmd Prolog and Epilog see ``SLURM_JOB_ID``, ``SLURM_JOB_USER``/``SLURM_JOB_UID``,
 ``SLURMD_NODENAME``, ``SLURM_JOB_GPUS`` (the node's GPU indices, ``0,1``), ``CUDA_VISIBLE_DEVICES``
 and ``SLURM_JOB_COMMENT``; an array task also ``SLURM_ARRAY_JOB_ID``/``SLURM_ARRAY_TASK_ID``.
-``PATH`` is unset. See /work/shared/slurm/README.md, "Prolog / Epilog behaviour".
+``PATH`` is unset; the e2e tests (tests/integration/test_slurm_e2e.py) run against a real slurmd.
 
 Job ids: the raw ``SLURM_JOB_ID`` is registered, also for array tasks (each task has its own raw
 id; ``123_4`` is only a display form). The Epilog, ``scancel``, ``squeue --json`` (``job_id``) and

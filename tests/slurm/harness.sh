@@ -3,7 +3,7 @@
 # slurmctld + two slurmd (nodes n1, n2 on 127.0.0.1, ports 17001/17002) + munged, 4 fake GPUs per
 # node (char devices, mknod c 195 N) in gres.conf, our Prolog/Epilog (generated for $CDGPC_PYTHON
 # by `python -m slurm_cdgpc.slurm.install`) and daemon/job_submit.lua (JobSubmitPlugins=lua).
-# After shared/slurm/slurm-ci.sh, whose measurements it relies on (Debian 12, Slurm 22.05).
+# Measured on Debian 12 with Slurm 22.05.
 #
 # Usage (root):  tests/slurm/harness.sh start     install (apt) if missing, configure, start
 #                tests/slurm/harness.sh stop      stop what start started; restore /etc/slurm
