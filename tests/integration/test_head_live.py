@@ -120,6 +120,11 @@ def _config(path: Path, body: str) -> Path:
 
 @pytest.fixture
 def site(tmp_path: Path, db_url: str) -> Iterator[Site]:
+    yield from make_site(tmp_path, db_url)
+
+
+def make_site(tmp_path: Path, db_url: str) -> Iterator[Site]:
+    """Two agents running (not yet announced to any head), the head's config written."""
     secret = secrets.token_hex(32).encode()
     key_file = tmp_path / "hmac.key"
     key_file.write_bytes(secret)
