@@ -24,6 +24,8 @@ from typing import NoReturn
 
 import pytest
 
+from tests.integration.processes import stop
+
 _SEARCH_PATH = os.pathsep.join(
     [os.environ.get("PATH", ""), "/usr/sbin", "/usr/bin", "/sbin", "/bin"]
 )
@@ -100,17 +102,6 @@ def _make_key(programs: MungePrograms, path: Path) -> None:
         file.write(os.urandom(128))
 
 
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is not None:
-        return
-    proc.terminate()
-    try:
-        proc.wait(_STOP_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(_STOP_TIMEOUT_S)
-
-
 def _wait_ready(daemon: MungeDaemon, proc: subprocess.Popen[bytes]) -> None:
     """Ready when `munge --no-input` gets a credential, not merely when the socket exists."""
     deadline = time.monotonic() + _START_TIMEOUT_S
@@ -126,7 +117,7 @@ def _wait_ready(daemon: MungeDaemon, proc: subprocess.Popen[bytes]) -> None:
             if result.returncode == 0:
                 return
         time.sleep(0.05)
-    _stop(proc)
+    stop(proc, _STOP_TIMEOUT_S)
     unavailable(
         f"private munged {daemon.name!r} did not answer within {_START_TIMEOUT_S:g} s: "
         f"{daemon.log_tail()}"
@@ -189,7 +180,7 @@ def munged_factory(
         yield start
     finally:
         for proc in started:
-            _stop(proc)
+            stop(proc, _STOP_TIMEOUT_S)
         for directory in socket_dirs:
             shutil.rmtree(directory, ignore_errors=True)
 

@@ -25,6 +25,7 @@ from pathlib import Path
 import pytest
 
 from tests.integration.munge_fixture import unavailable
+from tests.integration.processes import stop
 
 _SEARCH_PATH = os.pathsep.join(
     [os.environ.get("PATH", ""), "/usr/sbin", "/usr/bin", "/sbin", "/bin"]
@@ -147,17 +148,6 @@ LogLevel VERBOSE
 """
 
 
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is not None:
-        return
-    proc.terminate()
-    try:
-        proc.wait(_STOP_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(_STOP_TIMEOUT_S)
-
-
 def _wait_ready(server: SshServer, proc: subprocess.Popen[bytes]) -> None:
     """Ready when ``ssh root@127.0.0.1 true`` succeeds with the client key, not merely listens."""
     config = server.write_client_config(server.directory / "probe_config")
@@ -172,7 +162,7 @@ def _wait_ready(server: SshServer, proc: subprocess.Popen[bytes]) -> None:
             return
         last = result.stderr.strip()
         time.sleep(0.1)
-    _stop(proc)
+    stop(proc, _STOP_TIMEOUT_S)
     unavailable(
         f"private sshd did not let the test key in within {_START_TIMEOUT_S:g} s: "
         f"{last}; {server.log_tail()}"
@@ -228,4 +218,4 @@ def sshd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SshServer]:
         _wait_ready(server, proc)
         yield server
     finally:
-        _stop(proc)
+        stop(proc, _STOP_TIMEOUT_S)

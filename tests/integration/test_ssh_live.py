@@ -19,6 +19,7 @@ from slurm_cdgpc.agent.protocol import ExchangeRequest, ExchangeResponse, GpuRep
 from slurm_cdgpc.transport.http import NodeFailure, NodeTarget
 from slurm_cdgpc.transport.ssh import SshExchanger, ssh_url
 from tests.integration import sshd_fixture
+from tests.integration.processes import stop
 from tests.integration.sshd_fixture import SshServer
 
 pytestmark = pytest.mark.live
@@ -114,13 +115,7 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
         _wait_listening(proc, port, log)
         yield Node(config, wrong, log)
     finally:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(10)
+        stop(proc, 10)
 
 
 def _forwarder(config: Path) -> list[str]:
