@@ -111,16 +111,11 @@ class RunningJobs:
                 where = ", ".join(f"{g.node}:{g.index}" for g in sorted(clash))
                 raise InputError(f"job {job.job_id}: GPU {where} already belongs to a running job")
             taken.update(job.gpus)
-        specs = [self.specs[j.gpu_type] for j in new]
         self.estimator.add_jobs(
-            JobStatics(
-                gpus=np.array([len(j.gpus) for j in new], dtype=np.int64),
-                graphics_max_mhz=np.array([s.max_graphics_mhz for s in specs], dtype=float),
-                memory_max_mhz=np.array([s.max_memory_mhz for s in specs], dtype=float),
-                knee_mhz=np.array([s.knee_mhz for s in specs]),
-                mem_mask=np.array([1.0 if s.memory_lockable else 0.0 for s in specs]),
-                idle_power_w=np.array([s.idle_power_w for s in specs]),
-                power_limit_w=np.array([s.power_limit.default_w for s in specs]),
+            JobStatics.of(
+                [self.specs[j.gpu_type] for j in new],
+                np.arange(len(new)),
+                np.array([len(j.gpus) for j in new], dtype=np.int64),
             )
         )
         for job in new:

@@ -8,7 +8,9 @@ a prior built from its GPU type and learns from every interval's measurements.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 from numpy.typing import NDArray
@@ -20,6 +22,9 @@ from slurm_cdgpc.model.families import (
     time_regressors,
 )
 from slurm_cdgpc.model.rls import BoolArray, Rls, RlsSettings, RlsUpdate
+
+if TYPE_CHECKING:
+    from slurm_cdgpc.gpu.catalog import GpuSpec
 
 #: Share of a job's iteration time that the prior assigns to the core clock, the memory clock and
 #: neither (used until the job's first measurements arrive).
@@ -54,6 +59,27 @@ class JobStatics:
 
     def __len__(self) -> int:
         return int(self.gpus.shape[0])
+
+    @staticmethod
+    def of(
+        specs: Sequence[GpuSpec], types: NDArray[np.intp], gpus: NDArray[np.int64]
+    ) -> JobStatics:
+        """Jobs on GPU types ``specs[types[n]]`` with ``gpus[n]`` GPUs each; the power limit
+        is the type's default (the TDP) until a node reports an enforced one."""
+        index = np.asarray(types, dtype=np.intp)
+
+        def per_job(values: Sequence[float]) -> FloatArray:
+            return np.asarray(values, dtype=np.float64)[index]
+
+        return JobStatics(
+            gpus=np.asarray(gpus, dtype=np.int64),
+            graphics_max_mhz=per_job([s.max_graphics_mhz for s in specs]),
+            memory_max_mhz=per_job([s.max_memory_mhz for s in specs]),
+            knee_mhz=per_job([s.knee_mhz for s in specs]),
+            mem_mask=per_job([1.0 if s.memory_lockable else 0.0 for s in specs]),
+            idle_power_w=per_job([s.idle_power_w for s in specs]),
+            power_limit_w=per_job([s.power_limit.default_w for s in specs]),
+        )
 
     @staticmethod
     def concat(parts: list[JobStatics]) -> JobStatics:

@@ -64,21 +64,7 @@ class Fleet:
         return Plant(self.specs, self.gpu_type, self.workloads)
 
     def statics(self) -> JobStatics:
-        specs = self.specs
-        t = self.gpu_type
-
-        def per_job(values: Sequence[float]) -> FloatArray:
-            return np.asarray(values, dtype=np.float64)[t]
-
-        return JobStatics(
-            gpus=self.gpus.astype(np.int64),
-            graphics_max_mhz=per_job([s.max_graphics_mhz for s in specs]),
-            memory_max_mhz=per_job([s.max_memory_mhz for s in specs]),
-            knee_mhz=per_job([s.knee_mhz for s in specs]),
-            mem_mask=per_job([1.0 if s.memory_lockable else 0.0 for s in specs]),
-            idle_power_w=per_job([s.idle_power_w for s in specs]),
-            power_limit_w=per_job([s.power_limit.default_w for s in specs]),
-        )
+        return JobStatics.of(self.specs, self.gpu_type, self.gpus)
 
     def max_power_w(self) -> float:
         """Every job at its top clocks (under the default power limits)."""

@@ -92,21 +92,6 @@ ORACLE_CLOCK_LEVELS: Final = 24
 OFFSET_GAIN: Final = 0.3
 
 
-def _statics(specs: tuple[GpuSpec, ...], gpus: IntArray, types: IntArray) -> JobStatics:
-    def per_job(values: list[float]) -> FloatArray:
-        return np.asarray(values, dtype=np.float64)[types]
-
-    return JobStatics(
-        gpus=gpus.astype(np.int64),
-        graphics_max_mhz=per_job([float(s.max_graphics_mhz) for s in specs]),
-        memory_max_mhz=per_job([float(s.max_memory_mhz) for s in specs]),
-        knee_mhz=per_job([s.knee_mhz for s in specs]),
-        mem_mask=per_job([1.0 if s.memory_lockable else 0.0 for s in specs]),
-        idle_power_w=per_job([s.idle_power_w for s in specs]),
-        power_limit_w=per_job([s.power_limit.default_w for s in specs]),
-    )
-
-
 def _limit_range(specs: tuple[GpuSpec, ...], types: IntArray) -> tuple[FloatArray, FloatArray]:
     lo = np.array([s.power_limit.min_w for s in specs])[types]
     hi = np.array([s.power_limit.max_w for s in specs])[types]
@@ -327,7 +312,9 @@ class Cdgpc(Policy):
         self.estimator.keep(view.kept)
         new = slice(len(view) - view.started, None)
         if view.started:
-            self.estimator.add_jobs(_statics(self.specs, view.job_gpus[new], view.job_type[new]))
+            self.estimator.add_jobs(
+                JobStatics.of(self.specs, view.job_type[new], view.job_gpus[new])
+            )
         planned = np.concatenate([self.planned_w[view.kept], np.full(view.started, np.nan)])
         measured = Measurements(
             view.graphics_mhz,
@@ -376,7 +363,7 @@ class UniformClock(Policy):
         est.keep(view.kept)
         new = slice(len(view) - view.started, None)
         if view.started:
-            est.add_jobs(_statics(self.specs, view.job_gpus[new], view.job_type[new]))
+            est.add_jobs(JobStatics.of(self.specs, view.job_type[new], view.job_gpus[new]))
         planned = np.concatenate([self.planned_w[view.kept], np.full(view.started, np.nan)])
         x_a, xm_a = est.normalise(view.graphics_mhz, view.memory_mhz)
         settled = est.power.count >= 3

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from slurm_cdgpc.gpu.plant import Plant, WorkloadArrays
+from slurm_cdgpc.model.estimator import JobStatics
 from slurm_cdgpc.sim.cluster import ClusterView, PlantPolicy, Policy, Setpoints, Simulator
 from slurm_cdgpc.sim.fleet import parse_fleet
 from slurm_cdgpc.sim.metrics import PolicyRun, run_policies
@@ -193,11 +194,11 @@ def test_triage_weights_hopeless_jobs_like_jobs_without_deadline() -> None:
     from slurm_cdgpc.control.discrete import ClockGrid  # noqa: PLC0415
     from slurm_cdgpc.control.empc import ControllerSettings, JobState  # noqa: PLC0415
     from slurm_cdgpc.model.estimator import JobEstimator  # noqa: PLC0415
-    from slurm_cdgpc.sim.policies import _statics, _TriageMpc  # noqa: PLC0415
+    from slurm_cdgpc.sim.policies import _TriageMpc  # noqa: PLC0415
 
     specs = parse_fleet("1x8:A100").specs
     est = JobEstimator()
-    est.add_jobs(_statics(specs, np.array([1, 1]), np.zeros(2, dtype=np.int64)))
+    est.add_jobs(JobStatics.of(specs, np.zeros(2, dtype=np.int64), np.array([1, 1])))
     one = np.ones(2)
     est.observe(one, one, np.array([300.0, 300.0]), np.array([1.0, 1.0]))  # 1 s per iteration
     t_top = est.predict_iteration_s(one, one)
