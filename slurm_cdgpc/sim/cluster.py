@@ -9,7 +9,10 @@ Every ``interval_s`` (one control interval, default 60 s), at the interval's sta
    and it makes queueing delay a pure consequence of how fast the running jobs finish, which
    is what a power policy changes). A job of g ≤ GPUs-per-node GPUs takes the first node with
    g free GPUs; a larger job takes ⌈g / n⌉ entirely free nodes, first within one node group,
-   else across groups in order (the last node holds the remainder);
+   else across groups in order (the last node holds the remainder). A job that names GPU types
+   (``gpu_type`` ``T4|P100``, as Alibaba's ``gpu_spec`` or a ``--constraint``) goes only on nodes
+   of those types among the fleet's; when the fleet has none of them (a what-if on another
+   fleet) it goes on any node, and the run logs how many jobs that was;
 3. the policy sees a `ClusterView` (what a real system knows: measurements of the last
    interval, GPU counts and types, deadlines, reported progress, the budget; never the plant)
    and returns `Setpoints` (graphics/memory clock locks and/or per-GPU power limits per job);
@@ -39,7 +42,7 @@ import numpy as np
 import numpy.typing as npt
 
 from slurm_cdgpc.errors import InputError
-from slurm_cdgpc.gpu.catalog import GpuSpec
+from slurm_cdgpc.gpu.catalog import GpuSpec, catalog_spec
 from slurm_cdgpc.gpu.plant import Plant, WorkloadArrays, draw_workloads, hardware_calibration
 from slurm_cdgpc.sim.fleet import FleetSpec
 from slurm_cdgpc.sim.traces import Trace
@@ -270,15 +273,46 @@ class Simulator:
 
     # --- placement -------------------------------------------------------------------------
 
-    def _place(self, gpus: int, free: IntArray) -> IntArray | None:
+    def allowed_nodes(self) -> tuple[BoolArray, IntArray]:
+        """Per job, the nodes it may run on (trace ``gpu_type``), as (masks, job → mask row).
+
+        One mask per distinct ``gpu_type``: a job names few types and traces repeat them.
+        """
+        names = [s.name for s in self.specs]
+        wanted, inverse = np.unique(self.trace.gpu_type, return_inverse=True)
+        masks = np.ones((len(wanted), self.node_gpus.shape[0]), dtype=bool)
+        unmatched = 0
+        for row, text in enumerate(wanted):
+            if not text:
+                continue
+            types = set()
+            for name in str(text).split("|"):
+                try:
+                    types.add(catalog_spec(name).name)
+                except InputError:
+                    continue
+            kinds = [k for k, name in enumerate(names) if name in types]
+            if kinds:
+                masks[row] = np.isin(self.node_type, kinds)
+            else:
+                unmatched += int(np.sum(inverse == row))
+        if unmatched:
+            logger.info(
+                "%d jobs ask for GPU types this fleet (%s) lacks: placed on any GPU",
+                unmatched,
+                ", ".join(names),
+            )
+        return masks, inverse.astype(np.int64).reshape(-1)
+
+    def _place(self, gpus: int, free: IntArray, allowed: BoolArray) -> IntArray | None:
         """GPUs taken on each node by first-fit, or None when the job does not fit now."""
         take = np.zeros_like(free)
-        fits = np.flatnonzero((free >= gpus) & (self.node_gpus >= gpus))
+        fits = np.flatnonzero((free >= gpus) & (self.node_gpus >= gpus) & allowed)
         if fits.size:
             take[fits[0]] = gpus
             return take
-        whole = free == self.node_gpus
-        for group in [*np.unique(self.node_group), None]:
+        whole = (free == self.node_gpus) & allowed
+        for group in [*np.unique(self.node_group[allowed]), None]:
             pick = np.flatnonzero(whole if group is None else whole & (self.node_group == group))
             if pick.size == 0:
                 continue
@@ -305,9 +339,15 @@ class Simulator:
         policy.start(self.fleet, self.budget_w, dt)
         start_s = np.full(n, np.nan)
         finish_s = np.full(n, np.nan)
-        rejected = trace.num_gpu > total_gpus
+        masks, mask_of = self.allowed_nodes()
+        allowed_gpus = (masks * self.node_gpus[None, :]).sum(axis=1)[mask_of]
+        rejected = trace.num_gpu > allowed_gpus
         if rejected.any():
-            logger.info("%d jobs need more GPUs than the fleet's %d", rejected.sum(), total_gpus)
+            logger.info(
+                "%d jobs need more GPUs than the fleet's %d (of the types they ask for)",
+                rejected.sum(),
+                total_gpus,
+            )
         free = self.node_gpus.copy()
         node_power_w = np.full(n_nodes, np.nan)
         empty_f, empty_i = np.zeros(0), np.zeros(0, dtype=np.int64)
@@ -353,7 +393,8 @@ class Simulator:
             started_rows: list[int] = []
             started_alloc: list[IntArray] = []
             while queue:
-                take = self._place(int(trace.num_gpu[queue[0]]), free)
+                head = queue[0]
+                take = self._place(int(trace.num_gpu[head]), free, masks[mask_of[head]])
                 if take is None:
                     break  # strict FIFO: the head blocks the queue
                 free -= take

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -92,6 +93,21 @@ def test_job_larger_than_the_fleet_is_rejected_and_does_not_block() -> None:
     assert result.rejected.tolist() == [True, False]
     assert np.isnan(result.finish_s[0])
     assert result.finish_s[1] == pytest.approx(60.0, abs=1e-6)
+
+
+def test_jobs_that_name_gpu_types_run_only_on_those_nodes() -> None:
+    # node 0 is A100, node 1 is V100; "v" asks for a V100 (Alibaba-style alternatives), "any" for
+    # nothing, "t4" for a type this fleet lacks: it runs anywhere rather than never
+    fleet = parse_fleet("1x8:A100-SXM4-80GB,1x8:V100-SXM2")
+    trace = replace(
+        _trace([0.0] * 4, [600.0] * 4, [2, 2, 2, 12]),
+        gpu_type=np.array(["V100|P100", "", "T4", "V100"]),
+    )
+    rec = Recorder()
+    result = Simulator(trace, fleet, fleet.max_power_w).run(rec)
+    assert rec.views[0].job_nodes.tolist() == [[0, 2], [2, 0], [2, 0]]
+    # 12 V100s do not exist: rejected, although the fleet has 16 GPUs
+    assert result.rejected.tolist() == [False, False, False, True]
 
 
 def test_view_rows_stay_aligned_when_jobs_leave() -> None:
