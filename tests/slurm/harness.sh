@@ -122,7 +122,7 @@ do_config() {
         idx=$((idx + GPUS))
     done
     write_hooks
-    for f in slurm.conf gres.conf job_submit.lua; do put_etc $f; done
+    for f in slurm.conf gres.conf cgroup.conf job_submit.lua; do put_etc $f; done
     {
         echo "$MARK"
         cat <<EOF
@@ -184,6 +184,20 @@ EOF
         done
     } >"$ETC/gres.conf"
     { echo "-- $MARK"; cat "$REPO/daemon/job_submit.lua"; } >"$ETC/job_submit.lua"
+    # Slurm >= 24.05 (Debian 13 ships 24.11) initialises a cgroup plugin in slurmd even with
+    # proctrack/linuxproc and task/none, and fails where /sys/fs/cgroup is not usable (a
+    # container, a chroot); "disabled" exists from 24.05 on and 22.05 would refuse it.
+    {
+        echo "$MARK"
+        if slurm_at_least 24 5; then echo "CgroupPlugin=disabled"; fi
+    } >"$ETC/cgroup.conf"
+}
+
+slurm_at_least() {  # slurm_at_least MAJOR MINOR: the installed slurmd is that release or newer
+    local v major minor
+    v=$(slurmd -V 2>/dev/null | awk '{print $2}')
+    major=${v%%.*}; minor=${v#*.}; minor=${minor%%.*}
+    [ -n "$major" ] && { [ "$major" -gt "$1" ] || { [ "$major" -eq "$1" ] && [ "$minor" -ge "$2" ]; }; }
 }
 
 do_stop() {
@@ -197,7 +211,7 @@ do_stop() {
         fi
         rm -f "$LAB/run/munged.pid"
     fi
-    for f in slurm.conf gres.conf job_submit.lua; do
+    for f in slurm.conf gres.conf cgroup.conf job_submit.lua; do
         if [ -f "$ETC/$f" ] && [ ! -L "$ETC/$f" ] && ours "$ETC/$f"; then
             rm -f "$ETC/$f"
         fi
