@@ -37,6 +37,7 @@ import hashlib
 import heapq
 import hmac
 import logging
+import math
 import os
 import pwd
 import re
@@ -174,6 +175,11 @@ class ReplayCache:
     `max_entries` live nonces are remembered, the one with the oldest timestamp is forgotten and
     every credential stamped at or before it is refused from then on (a "watermark"): the cache
     never lets a replay through, it only shortens the effective window under a flood.
+
+    The cache lives in memory, so a restarted service would have forgotten every nonce of the
+    last window: `refuse_signed_before` (the verifiers call it with their start time) refuses
+    credentials signed in an earlier second, so one captured before a restart is not replayable
+    after it. A sender's next request is signed anew and passes.
     """
 
     def __init__(
@@ -194,6 +200,7 @@ class ReplayCache:
         self._seen: dict[str, int] = {}  # key -> timestamp_s
         self._by_time: list[tuple[int, str]] = []  # min-heap of (timestamp_s, key), same keys
         self._watermark_s: int | None = None
+        self._not_before_s: int | None = None
         self._latest_now_s = float("-inf")
 
     def __len__(self) -> int:
@@ -213,6 +220,13 @@ class ReplayCache:
                 f"{self.max_skew_s:g} s); check the clocks (NTP)"
             )
 
+    def refuse_signed_before(self, start_s: float) -> None:
+        """Refuse credentials stamped before the second of ``start_s`` (this service's start)."""
+        with self._lock:
+            floor_s = math.floor(start_s)
+            if self._not_before_s is None or floor_s > self._not_before_s:
+                self._not_before_s = floor_s
+
     def admit(self, key: str, timestamp_s: int, now_s: float) -> None:
         """Record `key` if the credential is fresh and unseen; else raise and record nothing.
 
@@ -223,6 +237,10 @@ class ReplayCache:
             self.check_fresh(timestamp_s, now_s)
             self._latest_now_s = now_s
             self._evict_expired(now_s)
+            if self._not_before_s is not None and timestamp_s < self._not_before_s:
+                raise ExpiredCredentialError(
+                    "credential signed before this service started (a replay?); sign a new one"
+                )
             if self._watermark_s is not None and timestamp_s <= self._watermark_s:
                 raise ExpiredCredentialError(
                     "credential too old for the replay cache under the current request rate; "
@@ -490,6 +508,7 @@ class HmacVerifier:
         self._key = key
         self.replay_cache = ReplayCache() if replay_cache is None else replay_cache
         self._clock = clock
+        self.replay_cache.refuse_signed_before(clock())
 
     def verify(self, credential: str, method: str, path: str, body: bytes) -> Principal:
         token = _split_credential(credential, HMAC_SCHEME)
@@ -672,6 +691,7 @@ class MungeVerifier:
         self.replay_cache = ReplayCache() if replay_cache is None else replay_cache
         self.timeout_s = timeout_s
         self._clock = clock
+        self.replay_cache.refuse_signed_before(clock())
 
     def verify(self, credential: str, method: str, path: str, body: bytes) -> Principal:
         armored = _split_credential(credential, MUNGE_SCHEME)

@@ -1,0 +1,316 @@
+"""A real cdgpcd and a real cdgpc-noded on loopback for the attacks, and a raw HTTP client.
+
+The client speaks HTTP over a bare socket so that an attack can send exactly what a hostile
+peer would: no ``Authorization`` header or two of them, a ``Content-Length`` that lies, a
+chunked body, a credential made for another request. Every request says ``Connection: close``
+and the answer is read to the end of the stream.
+
+By default both daemons run with long intervals and leases (nothing changes on its own while
+the attacks run), so any difference between two snapshots of their state is a request's work.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from slurm_cdgpc.transport.auth import HmacKey, HmacSigner
+
+REPO = Path(__file__).resolve().parents[2]
+START_TIMEOUT_S = 30.0
+REPLY_TIMEOUT_S = 15.0
+#: the agent's simulated GPUs
+AGENT_GPUS = 2
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_for(
+    what: str, check: Callable[[], object], timeout_s: float, log: Callable[[], str]
+) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if check():
+                return
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            pytest.fail(f"{what}: not within {timeout_s:g} s\n{log()}")
+        time.sleep(0.05)
+
+
+@dataclass(frozen=True)
+class Reply:
+    status: int
+    headers: dict[str, str]
+    body: bytes
+
+    def error(self) -> str:
+        """The one-line ``{"error": ...}`` message of a refusal (fails the test otherwise)."""
+        data = json.loads(self.body)
+        assert isinstance(data, dict) and set(data) == {"error"}, self.body[:200]
+        message = data["error"]
+        assert isinstance(message, str) and message, self.body[:200]
+        assert "\n" not in message and "\r" not in message, message
+        assert "Traceback" not in message, message
+        return message
+
+    def json(self) -> Any:
+        return json.loads(self.body)
+
+
+def raw_request(
+    port: int,
+    method: str,
+    path: str,
+    body: bytes = b"",
+    *,
+    credentials: Sequence[str] = (),
+    headers: Mapping[str, str] | None = None,
+    content_length: str | None = "auto",
+    send_body: bool = True,
+    host: str = "127.0.0.1",
+) -> Reply:
+    """One request on a fresh connection, exactly as given; the answer read to the end."""
+    lines = [f"{method} {path} HTTP/1.1", f"Host: {host}:{port}", "Connection: close"]
+    lines += [f"Authorization: {c}" for c in credentials]
+    if content_length == "auto":
+        lines.append(f"Content-Length: {len(body)}")
+    elif content_length is not None:
+        lines.append(f"Content-Length: {content_length}")
+    lines += [f"{k}: {v}" for k, v in (headers or {}).items()]
+    head = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+    with socket.create_connection((host, port), timeout=REPLY_TIMEOUT_S) as sock:
+        # the server may answer and close before reading it all: then read the answer
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+            sock.sendall(head + (body if send_body else b""))
+        data = bytearray()
+        while True:
+            try:
+                chunk = sock.recv(65536)
+            except ConnectionResetError:
+                break
+            if not chunk:
+                break
+            data.extend(chunk)
+    head_bytes, _, rest = bytes(data).partition(b"\r\n\r\n")
+    status_line, *header_lines = head_bytes.decode("latin-1").split("\r\n")
+    assert status_line.startswith("HTTP/1."), f"not an HTTP answer: {bytes(data[:200])!r}"
+    reply_headers = {}
+    for line in header_lines:
+        name, _, value = line.partition(":")
+        reply_headers[name.strip().lower()] = value.strip()
+    length = int(reply_headers.get("content-length", len(rest)))
+    return Reply(int(status_line.split()[1]), reply_headers, rest[:length])
+
+
+@dataclass(frozen=True)
+class Keys:
+    secret: bytes
+    file: Path
+
+    def signer(
+        self, uid: int = 0, gid: int = 0, clock: Callable[[], float] = time.time
+    ) -> HmacSigner:
+        return HmacSigner(HmacKey(self.secret), uid=uid, gid=gid, clock=clock)
+
+
+@dataclass
+class Daemon:
+    """One running daemon: where it listens, its log, and the signer the tests trust."""
+
+    name: str
+    port: int
+    proc: subprocess.Popen[bytes]
+    log: Path
+    keys: Keys
+    home: Path
+    extra: dict[str, Any] = field(default_factory=dict)
+    host: str = "127.0.0.1"
+
+    def text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    @property
+    def signer(self) -> HmacSigner:
+        """Signs as root with the shared key: what the Prolog and the head do."""
+        return self.keys.signer()
+
+    def request(
+        self, method: str, path: str, body: bytes = b"", *, signer: HmacSigner | None = None
+    ) -> Reply:
+        """A request signed for exactly what is sent (by the trusted signer by default)."""
+        credential = (signer or self.signer).sign(method, path, body)
+        return raw_request(self.port, method, path, body, credentials=[credential], host=self.host)
+
+    def ok(self, method: str, path: str, payload: object | None = None) -> Any:
+        body = b"" if payload is None else json.dumps(payload).encode()
+        reply = self.request(method, path, body)
+        assert reply.status == 200, (reply.status, reply.body[:300], self.text()[-2000:])
+        return reply.json()
+
+
+def make_keys(directory: Path) -> Keys:
+    secret = secrets.token_hex(32).encode()
+    key_file = directory / "hmac.key"
+    key_file.write_bytes(secret)
+    key_file.chmod(0o600)
+    if key_file.stat().st_uid != 0:
+        pytest.skip("the HMAC key must be owned by root: run the live security tests as root")
+    return Keys(secret, key_file)
+
+
+def _env() -> dict[str, str]:
+    env = {
+        k: v for k, v in os.environ.items() if not k.startswith("CDGPC_") and k != "SLURM_JOB_ID"
+    }
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    return env
+
+
+def _spawn(home: Path, name: str, module: str, *args: str) -> tuple[subprocess.Popen[bytes], Path]:
+    log = home / f"{name}.log"
+    with log.open("wb") as stderr:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", module, *args],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=stderr,
+            env=_env(),
+            cwd=home,
+        )
+    return proc, log
+
+
+def _auth_section(keys: Keys, *, hmac_is_admin: bool) -> str:
+    return f"""
+[auth]
+method = "hmac"
+hmac_key_file = "{keys.file}"
+hmac_is_admin = {"true" if hmac_is_admin else "false"}
+"""
+
+
+def start_head(
+    home: Path,
+    keys: Keys,
+    *,
+    hmac_is_admin: bool,
+    name: str = "head",
+    auth: str | None = None,
+    interval: str = "600s",
+    lease: str = "1200s",
+) -> Daemon:
+    """cdgpcd on SQLite; the control interval is long so that nothing moves on its own.
+
+    ``auth`` replaces the HMAC ``[auth]`` section (MUNGE tests).
+    """
+    home.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    config = home / f"{name}.toml"
+    config.write_text(
+        f"""
+[control]
+interval = "{interval}"
+[lease]
+duration = "{lease}"
+[budget]
+initial = "10kW"
+[head]
+listen_address = "127.0.0.1"
+listen_port = {port}
+[store]
+url = "sqlite:///{home / f"{name}.db"}"
+"""
+        + (auth or _auth_section(keys, hmac_is_admin=hmac_is_admin))
+    )
+    proc, log = _spawn(home, name, "slurm_cdgpc.coordinator.main", "--config", str(config))
+    daemon = Daemon(name, port, proc, log, keys, home)
+    wait_for(
+        f"{name} answers",
+        lambda: raw_request(port, "GET", "/v1/health").status == 200,
+        START_TIMEOUT_S,
+        daemon.text,
+    )
+    return daemon
+
+
+def start_agent(
+    home: Path,
+    keys: Keys,
+    *,
+    name: str = "node1",
+    listen_address: str = "127.0.0.1",
+    auth: str | None = None,
+    progress_socket: Path | None = None,
+) -> Daemon:
+    """cdgpc-noded with simulated GPUs; its lease is an hour, so it never lapses in a test."""
+    home.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    state = home / "state.json"
+    config = home / f"{name}.toml"
+    config.write_text(
+        f"""
+[lease]
+duration = "3600s"
+[head]
+url = "http://127.0.0.1:{free_port()}"
+[node]
+backend = "simulated"
+simulated_gpu_type = "A100-SXM4-80GB"
+simulated_gpu_count = {AGENT_GPUS}
+state_file = "{state}"
+progress_socket = "{progress_socket or home / "progress.sock"}"
+listen_address = "{listen_address}"
+listen_port = {port}
+"""
+        + (auth or _auth_section(keys, hmac_is_admin=False))
+    )
+    proc, log = _spawn(
+        home, name, "slurm_cdgpc.agent.main", "--config", str(config), "--node-name", name
+    )
+    daemon = Daemon(name, port, proc, log, keys, home, {"state": state}, listen_address)
+    wait_for(
+        f"{name} answers",
+        lambda: raw_request(port, "GET", "/v1/health", host=listen_address).status == 200,
+        START_TIMEOUT_S,
+        daemon.text,
+    )
+    return daemon
+
+
+def stop_all(daemons: Sequence[Daemon]) -> None:
+    for d in daemons:
+        if d.proc.poll() is None:
+            d.proc.send_signal(signal.SIGTERM)
+    for d in daemons:
+        try:
+            d.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            d.proc.kill()
+            d.proc.wait(timeout=10)
+
+
+def running(daemons: Sequence[Daemon]) -> Iterator[Daemon]:
+    """The daemons, each checked alive (a crash under attack fails the test that caused it)."""
+    for d in daemons:
+        assert d.proc.poll() is None, f"{d.name} exited ({d.proc.returncode}):\n{d.text()[-3000:]}"
+        yield d
