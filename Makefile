@@ -24,8 +24,9 @@ test: lint
 unit: $(STAMP)
 	$(BIN)/pytest tests/unit
 
+# the daemons on loopback replaying a trace slice (root, or a running munged); plots in demo-out/
 demo: $(STAMP)
-	$(BIN)/cdgpc-admin demo
+	$(BIN)/cdgpc-admin demo --out demo-out
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache *.egg-info

@@ -1,13 +1,18 @@
-"""Admin commands of ``cdgpc-admin``: budget set|show, status, jobs, nodes, db upgrade.
+"""Admin commands of ``cdgpc-admin``: budget set|show, status, jobs, nodes, db upgrade, report.
 
-All but ``db upgrade`` talk to cdgpcd at ``head.url`` over HTTP, signed per ``auth.method``
-(MUNGE: who you are is your uid; HMAC: the root-only key, so run them as root). ``db upgrade``
-opens the store directly. Every read command takes ``--json`` (one JSON object on stdout).
+All but ``db upgrade`` and ``report`` talk to cdgpcd at ``head.url`` over HTTP, signed per
+``auth.method`` (MUNGE: who you are is your uid; HMAC: the root-only key, so run them as root).
+``db upgrade`` and ``report`` open the store directly (``store.url``, or ``report --store``).
+Every read command takes ``--json`` (one JSON object on stdout).
+
+Shell completion is click's own: ``eval "$(_CDGPC_ADMIN_COMPLETE=bash_source cdgpc-admin)"`` in
+``~/.bashrc`` (``zsh_source`` and ``fish_source`` for those shells).
 """
 
 from __future__ import annotations
 
 import datetime as dt
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -218,6 +223,61 @@ def db_upgrade(config_path: Path | None) -> None:
         click.echo(f"schema up to date at version {version}")
 
 
+_AGO = re.compile(r"[0-9]+(\.[0-9]+)?\s*[smhd]")
+
+
+def parse_since_s(text: str, now_s: float | None = None) -> float:
+    """``2h`` (that long ago), epoch seconds, or an ISO 8601 time."""
+    now = time.time() if now_s is None else now_s
+    if _AGO.fullmatch(text.strip()):
+        return now - parse_duration_s(text.strip())
+    return parse_time_s(text, now)
+
+
+@click.command()
+@click.option("--since", default=None, help="from when: 2h (that long ago), epoch s or ISO time")
+@click.option(
+    "--out",
+    "out_dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    required=True,
+    help="directory for power.png and jobs.png",
+)
+@click.option("--store", "store_url", default=None, help="database URL (default: store.url)")
+@_config_option
+@_json_option
+def report(
+    since: str | None,
+    out_dir: Path,
+    store_url: str | None,
+    config_path: Path | None,
+    as_json: bool,
+) -> None:
+    """Plot power against the budget and each job's finish against its deadline (PNG).
+
+    Read from the head's store (the decisions audit trail, the measurements, the jobs), so run
+    it where the database is reachable. Prints the run's figures too.
+    """
+    from slurm_cdgpc.demo.report import RunData, summarize, write_plots  # noqa: PLC0415
+    from slurm_cdgpc.store import Store, make_engine  # noqa: PLC0415
+
+    since_s = None if since is None else parse_since_s(since)
+    engine = make_engine(store_url or _config(config_path).store.url)
+    try:
+        data = RunData.load(Store(engine), since_s)
+    finally:
+        engine.dispose()
+    plots = write_plots(data, out_dir)
+    summary = summarize(data) | {"plots": [str(p) for p in plots]}
+    if as_json:
+        echo_json(summary)
+        return
+    for key, value in summary.items():
+        if key != "plots":
+            click.echo(f"{key.replace('_', ' ')}: {value}")
+    click.echo(f"wrote {', '.join(summary['plots'])}")
+
+
 #: what ``cdgpc-admin`` registers from this module
 @click.command()
 @_config_option
@@ -242,4 +302,4 @@ def doctor(ctx: click.Context, config_path: Path | None, as_json: bool) -> None:
         ctx.exit(1)
 
 
-COMMANDS = (budget, status, jobs, nodes, db, doctor)
+COMMANDS = (budget, status, jobs, nodes, db, doctor, report)

@@ -1,16 +1,21 @@
-"""``cdgpc-admin demo``: the control loop on a simulated cluster, live in the terminal.
+"""``cdgpc-admin demo``: the real daemons on a replayed trace, live in the terminal.
 
-Jobs with deadlines run on simulated GPUs (calibrated on real A100/H100/A40/V100 measurements);
-every interval the controller learns from the last interval's measurements, prices the budget
-and sets clocks. Half-way through, the admin lowers the budget. The table shows what an operator
-would watch: power against the budget, the price of power, and how many jobs are predicted to
-miss their deadline at the clocks they were given.
+By default (and ``make demo``): ``cdgpcd`` on a SQLite file and four ``cdgpc-noded`` with eight
+simulated GPUs each (A100 and A40, calibrated on real measurements), on loopback with HMAC (MUNGE
+where munged runs), replaying a slice of a real trace on an accelerated clock; the admin lowers
+the budget half-way; plots and a copy of the head's store go to ``--out`` (`slurm_cdgpc.demo`).
+
+``--in-process`` runs the controller alone on a synthetic fleet, in this process (no daemons,
+no sockets): the closed loop of `slurm_cdgpc.sim.closed_loop`, for a quick look at the control
+law. ``--jobs``, ``--intervals`` and ``--seed`` belong to it and imply it.
 """
 
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import click
@@ -59,44 +64,138 @@ def _at_risk(loop: ClosedLoop) -> int:
 
 
 @click.command("demo")
-@click.option("--jobs", type=click.IntRange(min=1), default=48, show_default=True)
-@click.option("--intervals", type=click.IntRange(min=2), default=40, show_default=True)
-@click.option("--interval", "interval", default="60s", show_default=True, help="Control interval.")
+@click.option("--duration", default="90s", show_default=True, help="How long the replay runs.")
+@click.option(
+    "--interval",
+    "interval",
+    default=None,
+    help="Control interval [default: 1s; --in-process: 60s, simulated].",
+)
 @click.option(
     "--speed",
     type=click.FloatRange(min=0.0),
-    default=240.0,
-    show_default=True,
-    help="Simulated seconds per wall-clock second (0: as fast as possible).",
+    default=None,
+    help="Simulated seconds per wall-clock second [default: 180; --in-process: 240, "
+    "0 there: as fast as possible].",
 )
 @click.option(
     "--budget-fraction",
     type=click.FloatRange(0.0, 1.0, min_open=True),
-    default=0.75,
-    show_default=True,
-    help="Budget as a fraction of the fleet's power at top clocks.",
+    default=None,
+    help="Budget as a fraction of the GPUs' summed TDP [default: 0.7; --in-process: 0.75 of "
+    "the fleet's power at top clocks].",
 )
 @click.option(
     "--drop-to",
     type=click.FloatRange(0.0, 1.0, min_open=True),
-    default=0.6,
-    show_default=True,
-    help="The budget fraction the admin sets half-way through.",
+    default=None,
+    help="The budget fraction the admin sets half-way through [default: 0.55; --in-process: 0.6].",
 )
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option(
+    "--out",
+    "out_dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=Path("demo-out"),
+    show_default=True,
+    help="Where the plots and a copy of the head's store go.",
+)
+@click.option("--keep-run-dir", is_flag=True, help="Keep the daemons' configs, logs and store.")
+@click.option("--in-process", "in_process", is_flag=True, help="The controller alone, no daemons.")
+@click.option("--jobs", type=click.IntRange(min=1), default=None, help="--in-process: jobs [48].")
+@click.option(
+    "--intervals", type=click.IntRange(min=2), default=None, help="--in-process: intervals [40]."
+)
+@click.option("--seed", type=int, default=None, help="--in-process: seed [0].")
 @click.option("--json", "as_json", is_flag=True, help="No table: print the summary as JSON.")
 def demo(
+    duration: str,
+    interval: str | None,
+    speed: float | None,
+    budget_fraction: float | None,
+    drop_to: float | None,
+    out_dir: Path,
+    keep_run_dir: bool,
+    in_process: bool,
+    jobs: int | None,
+    intervals: int | None,
+    seed: int | None,
+    as_json: bool,
+) -> None:
+    """Run a simulated GPU cluster under a power budget and watch the controller hold it."""
+    interval_s = None if interval is None else parse_duration_s(interval)
+    if in_process or jobs is not None or intervals is not None or seed is not None:
+        _in_process(
+            jobs=48 if jobs is None else jobs,
+            intervals=40 if intervals is None else intervals,
+            interval_s=60.0 if interval_s is None else interval_s,
+            speed=240.0 if speed is None else speed,
+            budget_fraction=0.75 if budget_fraction is None else budget_fraction,
+            drop_to=0.6 if drop_to is None else drop_to,
+            seed=0 if seed is None else seed,
+            as_json=as_json,
+        )
+        return
+    from slurm_cdgpc.demo.run import DemoSettings, Screen, run_demo  # noqa: PLC0415
+
+    settings = DemoSettings(
+        duration_s=parse_duration_s(duration),
+        speed=180.0 if speed is None else speed,
+        interval_s=1.0 if interval_s is None else interval_s,
+        lease_s=max(5.0, 5 * (1.0 if interval_s is None else interval_s)),
+        budget_fraction=0.7 if budget_fraction is None else budget_fraction,
+        drop_to=0.55 if drop_to is None else drop_to,
+        out_dir=out_dir,
+        keep_run_dir=keep_run_dir,
+    )
+    mode = "quiet" if as_json else "tty" if sys.stdout.isatty() else "lines"
+    summary = run_demo(settings, Screen(mode, click.echo))
+    if as_json:
+        echo_json(summary)
+        return
+    _print_summary(summary)
+
+
+def _print_summary(s: dict[str, Any]) -> None:
+    click.echo("")
+    rows = [
+        ("control intervals (cap binding)", f"{s['intervals']} ({s['intervals_binding']})"),
+        ("worst interval over budget", f"{s['max_power_over_budget_pct']:+.2f} %"),
+        ("power error where binding, mean abs", f"{s['power_mae_binding_pct']:.2f} %"),
+        ("budget changes applied", str(s["budget_changes_applied"])),
+        (
+            "jobs registered / finished (late)",
+            f"{s['jobs_registered']} / {s['jobs_finished']} ({s['jobs_finished_late']})",
+        ),
+        ("running, predicted to miss", str(s["jobs_running_predicted_late"])),
+        (
+            "daemons stopped",
+            f"{len(s['pids'])} ({s['processes_killed']} killed, {s['processes_left']} left)",
+        ),
+    ]
+    click.echo(format_table(("summary (from the head's store)", "value"), rows))
+    if s["plots"]:
+        click.echo(
+            "\npower.png: the cluster's GPU power against the budget, every interval; "
+            "jobs.png: each job from start to finish (predicted while it runs) against its deadline"
+        )
+        click.echo(f"plots: {', '.join(s['plots'])}; store copy: {s['store_copy']}")
+        click.echo(f"again later: cdgpc-admin report --store sqlite:///{s['store_copy']} --out DIR")
+    if s["interrupted"]:
+        click.echo("interrupted: every daemon was stopped")
+
+
+def _in_process(
+    *,
     jobs: int,
     intervals: int,
-    interval: str,
+    interval_s: float,
     speed: float,
     budget_fraction: float,
     drop_to: float,
     seed: int,
     as_json: bool,
 ) -> None:
-    """Run the controller on a simulated GPU cluster and watch it hold the budget."""
-    interval_s = parse_duration_s(interval)
+    """The controller alone on a synthetic fleet, in this process."""
     rng = np.random.default_rng(seed)
     # jobs of 10–90 minutes at top clocks, so that some finish during the run
     fleet = synthetic_fleet(jobs, rng, hours=(10 / 60, 1.5))
