@@ -5,8 +5,9 @@ node, each over a real `NodeAgent` with simulated GPUs and its own HMAC verifier
 ``cdgpc-noded`` has). The head side is the real `NodeExchanger` with real signing. Every interval
 sends every node a setpoint for each of its GPUs (alternating between two supported clocks, so
 every interval really changes the locks and rewrites each agent's state file) and a lease.
-Measured: the wall time of `NodeExchanger.exchange` per interval, and the nodes that came back
-as `NodeFailure`.
+Measured: the wall time of `NodeExchanger.exchange` per interval, the nodes that came back
+as `NodeFailure`, and the CPU the head and the agents' processes spent on it: here all of them
+share the same cores, so an interval cannot take less than their sum divided by the cores.
 
 What this does not measure: the network. All agents share this machine's cores with the head
 (on a cluster each has its own), so the numbers are pessimistic on CPU and optimistic on
@@ -56,6 +57,7 @@ DEFAULT_MAX_WORKERS: Final = 64
 LEASE_S: Final = 90.0
 TMPFS: Final = Path("/dev/shm")
 _MAX_REASONS: Final = 3
+_CLOCK_TICKS: Final = os.sysconf("SC_CLK_TCK")
 
 
 # -- processes shared by the live benchmarks ---------------------------------------------------
@@ -302,7 +304,7 @@ def bench_exchange(
         ]
         t0 = time.perf_counter()
         with start_workers(serve_agents, [(s,) for s in shards], "cdgpc-bench-agents") as (
-            _,
+            workers,
             _,
             ready,
         ):
@@ -315,9 +317,10 @@ def bench_exchange(
             exchanger = NodeExchanger(
                 HmacSigner(load_key(key_file)), timeout_s=timeout_s, max_workers=max_workers
             )
+            pids = [w.process.pid for w in workers if w.process.pid is not None]
             try:
                 measured = _run_intervals(
-                    exchanger, urls, gpus_per_node, clocks_mhz, warmup, intervals
+                    exchanger, urls, gpus_per_node, clocks_mhz, warmup, intervals, pids
                 )
             finally:
                 exchanger.close()
@@ -347,13 +350,14 @@ def _run_intervals(
     clocks_mhz: tuple[int, int],
     warmup: int,
     intervals: int,
+    agent_pids: Sequence[int] = (),
 ) -> dict[str, Any]:
     jobs = {node: str(i + 1) for i, node in enumerate(urls)}
     round_s: list[float] = []
     failures_per_interval: list[int] = []
     reasons: dict[str, int] = {}
     refused = 0
-    cpu_s = 0.0
+    cpu_s = agents_cpu_s = 0.0
     for k in range(warmup + intervals):
         clock_mhz = clocks_mhz[k % 2]
         lease_expires_s = time.time() + LEASE_S
@@ -361,6 +365,7 @@ def _run_intervals(
             node: NodeTarget(
                 url,
                 ExchangeRequest(
+                    node=node,
                     interval=k,
                     lease_expires_s=lease_expires_s,
                     setpoints=tuple(
@@ -371,15 +376,18 @@ def _run_intervals(
             )
             for node, url in urls.items()
         }
+        agents0 = _processes_cpu_s(agent_pids)
         cpu0, t0 = time.process_time(), time.perf_counter()
         results = exchanger.exchange(targets)
         elapsed_s, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+        agents_cpu = _processes_cpu_s(agent_pids) - agents0
         failed = [r.reason for r in results.values() if isinstance(r, NodeFailure)]
         logger.info("interval %d: %.1f ms, %d failure(s)", k, 1e3 * elapsed_s, len(failed))
         if k < warmup:
             continue
         round_s.append(elapsed_s)
         cpu_s += cpu
+        agents_cpu_s += agents_cpu
         failures_per_interval.append(len(failed))
         for reason in failed:
             key = _reason_kind(reason)
@@ -394,7 +402,23 @@ def _run_intervals(
         "failure_reasons": dict(sorted(reasons.items(), key=lambda kv: -kv[1])[:_MAX_REASONS]),
         "refused_setpoints": refused,
         "head_cpu_ms_per_interval": round(1e3 * cpu_s / intervals, 1),
+        "agents_cpu_ms_per_interval": (
+            round(1e3 * agents_cpu_s / intervals, 1) if agent_pids else None
+        ),
     }
+
+
+def _processes_cpu_s(pids: Sequence[int]) -> float:
+    """User + system CPU seconds of the agents' processes so far (Linux ``/proc``; 0 if
+    unreadable): with the head's, where an interval's time goes when the cores are shared."""
+    total = 0.0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        total += (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
+    return total
 
 
 def _reason_kind(reason: str) -> str:

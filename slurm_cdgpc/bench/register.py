@@ -4,18 +4,26 @@ A real `HeadHttpServer` over a real `Coordinator` (its control loop running, no 
 node is unreachable) and a SQLite store in WAL mode runs in its own process; HMAC auth with a
 fresh key. ``concurrency`` client threads in this process, each a `HeadClient` like the Prolog's
 (one connection per request), register distinct jobs, each on its own node's GPUs, and the
-latency of every request is measured from the call to its parsed answer.
+latency of every request is measured from the call to its parsed answer. The clients run as
+threads of one process, beside the head's process on the same cores: their CPU is reported
+apart (``clients_cpu_s``), and it is a fraction of the head's.
 
 Before the clients start, the server process times `Coordinator.register_job` directly, one call
-at a time, on jobs of its own (``store_register_ms_*``): the cost of the store write alone, with
-no HTTP and no contention. The Coordinator serialises registrations (one write lock, and SQLite
-has one writer), so ``1000 / store_register_ms_p50`` bounds the requests per second; when the
-measured rate is near that bound and latency grows with ``concurrency``, the store's writes
-dominate, not HTTP.
+at a time, on jobs of its own (``store_register_ms_*``): the cost of one registration's durable
+commit alone, with no HTTP and no contention. Under load, registrations that arrive while a
+commit is in progress share the next one (group commit, `slurm_cdgpc.store.group_commit`);
+``registration_batches`` and ``largest_batch`` say how they were grouped. Every request is still
+answered only after its own registration has committed.
+
+``head_cpu_ms_per_request`` is the head process's CPU (all its threads, the control loop
+included) over the requests; with the head bound by one core (the GIL), ``1000 / that`` bounds
+the requests per second, and with ``concurrency`` clients each waiting for its answer the
+latency is about ``concurrency / requests_per_s``.
 
 The head's listener is the production one unless ``max_connections`` or ``listen_backlog`` is
-given: `HeadHttpServer` closes connections over its bound (64) at once, and socketserver's
-listen backlog is 5, so both shape what 200 simultaneous Prologs see.
+given: `HeadHttpServer` closes connections over its bound (256) at once, and its listen backlog
+(1024) decides whether 200 simultaneous Prologs queue or have their SYN dropped (then they wait
+for the kernel's one-second retransmission).
 """
 
 from __future__ import annotations
@@ -128,8 +136,20 @@ def serve_head(options: HeadOptions, conn: Connection, stop: Event, parent_pid: 
         cpu0 = time.process_time()
         conn.send(("ready", {"port": server.port, "probe_s": probe_s}))
         wait_for_stop(stop, parent_pid)
+        cpu_s = time.process_time() - cpu0
         jobs = len(coordinator.store.jobs(ACTIVE_STATES)) - STORE_PROBES
-        conn.send(("done", {"jobs": jobs, "cpu_s": time.process_time() - cpu0}))
+        group = coordinator._registrations  # the group commit (the probes' batches included)
+        conn.send(
+            (
+                "done",
+                {
+                    "jobs": jobs,
+                    "cpu_s": cpu_s,
+                    "batches": group.batches - STORE_PROBES,
+                    "largest_batch": group.largest_batch,
+                },
+            )
+        )
     finally:
         loop_stop.set()
         server.shutdown()
@@ -242,7 +262,12 @@ def bench_register(
         "store_register_ms_p50": _ms(probe_s, 50),
         "store_register_ms_p99": _ms(probe_s, 99),
         "head_cpu_s": None if "cpu_s" not in server else round(server["cpu_s"], 2),
+        "head_cpu_ms_per_request": (
+            None if "cpu_s" not in server else round(1e3 * server["cpu_s"] / len(latencies_s), 3)
+        ),
         "clients_cpu_s": round(client_cpu_s, 2),
+        "registration_batches": server.get("batches"),
+        "largest_batch": server.get("largest_batch"),
         "wall_s": round(wall_s, 2),
         "head_max_connections": max_connections or _DEFAULT_MAX_CONNECTIONS,
         "head_listen_backlog": listen_backlog or HeadHttpServer.request_queue_size,

@@ -81,13 +81,13 @@ def exchange_cmd(
     "--max-connections",
     type=click.IntRange(min=1),
     default=None,
-    help="The head's connection bound (default: cdgpcd's, 64).",
+    help="The head's connection bound (default: cdgpcd's, 256).",
 )
 @click.option(
     "--listen-backlog",
     type=click.IntRange(min=1),
     default=None,
-    help="The head's listen backlog (default: cdgpcd's, socketserver's 5).",
+    help="The head's listen backlog (default: cdgpcd's, 1024).",
 )
 @click.option("--json", "as_json", is_flag=True, help="Accepted for symmetry: output is JSON.")
 def register_cmd(
@@ -101,8 +101,8 @@ def register_cmd(
     """Time job registrations (POST /v1/jobs, as the Prolog sends them) against a live cdgpcd.
 
     The head (SQLite store in WAL mode, HMAC auth) runs in its own process; each client
-    thread registers distinct jobs, one connection per request. A refused or dropped request
-    is an error, not retried.
+    thread registers distinct jobs, one connection per request, and is answered only once its
+    registration has committed. A refused or dropped request is an error, not retried.
     """
     from slurm_cdgpc.bench.register import bench_register  # noqa: PLC0415 (only when run)
 

@@ -25,10 +25,11 @@ or replayed credential), 403 (authenticated, not allowed), 404, 405, 409, 411, 4
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from http import HTTPStatus
 from typing import Any, Final
 from urllib.parse import parse_qs, urlsplit
@@ -40,7 +41,7 @@ from slurm_cdgpc.agent.protocol import (
     job_id,
     load_json,
 )
-from slurm_cdgpc.coordinator.daemon import Coordinator
+from slurm_cdgpc.coordinator.daemon import Coordinator, IntervalReport, JobView
 from slurm_cdgpc.coordinator.metrics import render_metrics
 from slurm_cdgpc.errors import InputError
 from slurm_cdgpc.store import ACTIVE_STATES, BudgetChange, DecisionRecord, Job, Node, StoreError
@@ -97,7 +98,23 @@ class HeadHttpServer(BoundedHttpServer):
             request_timeout_s=request_timeout_s,
             max_body_bytes=max_body_bytes,
             max_connections=max_connections,
+            # the head node is the admins' machine: its own clients (benchmarks, the demo's
+            # replayer) are not held to the per-host bound meant for compute nodes
+            loopback_unbounded=True,
         )
+        self._views: tuple[IntervalReport | None, dict[str, JobView]] = (None, {})
+
+    def job_views(self) -> dict[str, JobView]:
+        """The last interval's job views by id, built once per interval: a lookup per job, not a
+        scan of every job (listing thousands of jobs, or one registration, scanned them all)."""
+        report = self.coordinator.last_report
+        cached, views = self._views
+        if report is None:
+            return {}
+        if cached is not report:  # two threads may both rebuild it; either result is right
+            views = {v.job_id: v for v in report.jobs}
+            self._views = (report, views)
+        return views
 
 
 # -- body checks: each returns the typed value or raises _HttpError(400) naming the field ------
@@ -154,6 +171,21 @@ def _text(
     ):
         raise _bad(f"{name}: not a valid value: {value!r:.60}")
     return value
+
+
+def _agent_url(value: object) -> str:
+    """An agent URL whose host is a host name or an IP address: ``http://-`` or
+    ``ssh://--`` match the URL pattern but would reach an option parser, not a node."""
+    url = _text(value, "url", _URL, 512)
+    try:
+        host = urlsplit(url).hostname or ""
+        ipaddress.ip_address(host)
+    except ValueError:
+        try:
+            check_node_name(host)
+        except ProtocolError:
+            raise _bad(f"url: {url!r:.60} does not name a host") from None
+    return url
 
 
 def _gpu_list(value: object) -> list[int]:
@@ -233,11 +265,9 @@ def decision_dict(d: DecisionRecord) -> dict[str, object]:
     }
 
 
-def job_dict(job: Job, coordinator: Coordinator) -> dict[str, object]:
-    report = coordinator.last_report
-    view = (
-        None if report is None else next((v for v in report.jobs if v.job_id == job.job_id), None)
-    )
+def job_dict(job: Job, views: Mapping[str, JobView]) -> dict[str, object]:
+    """A job with what the last interval did with it (``views``: `HeadHttpServer.job_views`)."""
+    view = views.get(job.job_id)
     return {
         "job_id": job.job_id,
         "user": job.user,
@@ -301,7 +331,11 @@ class _Handler(JsonHandler):
 
     def _dispatch(self, method: str) -> None:
         parts = urlsplit(self.path)
-        path, query = parts.path, parse_qs(parts.query, max_num_fields=10)
+        try:
+            query = parse_qs(parts.query, max_num_fields=10)
+        except ValueError:
+            raise _bad("query: more than 10 fields") from None
+        path = parts.path
         c = self.server.coordinator
         if path == "/v1/health":
             self._allow(method, "GET")
@@ -348,7 +382,7 @@ class _Handler(JsonHandler):
             self._authenticate(method, body, Operation.NODE)
             d = _object(body, ("node", "url"), ("gpu_type",))
             name = _checked(_node_name, d["node"], "node")
-            url = _text(d["url"], "url", _URL, 512)
+            url = _agent_url(d["url"])
             gpu_type = None if d.get("gpu_type") is None else _text(d["gpu_type"], "gpu_type")
             self._send(HTTPStatus.OK, node_dict(c.register_node(name, url, gpu_type)))
 
@@ -361,7 +395,8 @@ class _Handler(JsonHandler):
         if path == "/v1/status":
             return status_dict(c)
         if path == "/v1/jobs":
-            return {"jobs": [job_dict(j, c) for j in c.store.jobs(ACTIVE_STATES)]}
+            views = self.server.job_views()
+            return {"jobs": [job_dict(j, views) for j in c.store.jobs(ACTIVE_STATES)]}
         if path == "/v1/nodes":
             return {"nodes": [node_dict(n) for n in c.store.nodes()]}
         if path == "/v1/budget":
@@ -410,7 +445,7 @@ class _Handler(JsonHandler):
             iterations_total=_count(d.get("iterations_total"), "iterations_total"),
         )
         logger.info("job %s: registration from %s", job, principal)
-        return job_dict(registered, self.server.coordinator)
+        return job_dict(registered, self.server.job_views())
 
     # -- authentication and the body -----------------------------------------------------------
 

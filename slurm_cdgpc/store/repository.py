@@ -9,6 +9,7 @@ The store records; it never decides.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import re
@@ -19,7 +20,18 @@ from contextvars import ContextVar
 from typing import Any, TypeVar, cast
 
 import numpy as np
-from sqlalchemy import CursorResult, Engine, delete, func, insert, select, update
+from sqlalchemy import (
+    CursorResult,
+    Engine,
+    Row,
+    Table,
+    bindparam,
+    delete,
+    func,
+    insert,
+    select,
+    update,
+)
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session, selectinload
 
@@ -27,7 +39,7 @@ from slurm_cdgpc.errors import InputError
 from slurm_cdgpc.model.estimator import JobStatics
 from slurm_cdgpc.model.families import TIME_PARAMS, power_family
 from slurm_cdgpc.store.codec import decode_f64, encode_f64, vector_length
-from slurm_cdgpc.store.engine import WRITE, translated_errors
+from slurm_cdgpc.store.engine import WRITE, StoreError, translated_errors
 from slurm_cdgpc.store.records import (
     BudgetChange,
     DecisionRecord,
@@ -65,6 +77,28 @@ _NODE = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9._-]{0,253}[A-Za-z0-9])?$")
 #: rows per statement when a list of keys goes into ``IN (…)`` (SQLite allows 32766 parameters)
 _CHUNK = 1000
 _MAX_REASON = 1000
+_JOBS: Table = cast(Table, JobRow.__table__)
+_JOB_GPUS: Table = cast(Table, JobGpuRow.__table__)
+_NODES: Table = cast(Table, NodeRow.__table__)
+#: times a batch of registrations starts over after racing another writer on a new job id
+_REGISTER_ATTEMPTS = 3
+
+
+@dataclasses.dataclass(frozen=True)
+class JobRegistration:
+    """The arguments of one `Store.register_job` call (see there), for `Store.register_jobs`."""
+
+    job_id: str
+    user: str
+    gpus: Mapping[str, Iterable[int]]
+    deadline_s: float | None = None
+    iterations_total: int | None = None
+    adopted: bool = False
+    at_s: float | None = None
+
+
+class _RegistrationRaceError(Exception):
+    """A job id that was not in the table when the batch read it was there when it wrote."""
 
 
 class Store:
@@ -101,6 +135,11 @@ class Store:
                     session.flush()
                 finally:
                     self._session.reset(token)
+
+    def in_transaction(self) -> bool:
+        """Whether this thread (context) is inside `transaction`: its writes are not durable
+        until that block ends."""
+        return self._session.get(None) is not None
 
     def _now(self, at_s: float | None) -> float:
         return self._clock() if at_s is None else _finite(at_s, "time")
@@ -178,61 +217,63 @@ class Store:
         ``at_s`` (when the Prolog ran, for spooled registrations) is not after it finished.
         Deadline and iteration count are updated when given.
         """
-        _check_job_id(job_id)
-        _check_account(user)
-        new_gpus = _gpu_rows(job_id, gpus)
-        if deadline_s is not None:
-            _finite(deadline_s, "deadline")
-        if iterations_total is not None and iterations_total < 0:
-            raise InputError(f"iterations must be ≥ 0, got {iterations_total}")
-        now = self._now(at_s)
-        state = "adopted" if adopted else "registered"
-        with self._begin(write=True) as session:
-            inserted = session.execute(
-                _upsert(session, JobRow)
-                .values(
-                    job_id=job_id,
-                    user_name=user,
-                    state=state,
-                    deadline_s=deadline_s,
-                    iterations_total=iterations_total,
-                    iterations_done=0,
-                    registered_at_s=now,
-                    finished_at_s=None,
-                )
-                .on_conflict_do_nothing(index_elements=["job_id"])
-                .returning(JobRow.job_id)
-            ).first()
-            row = session.scalars(
-                select(JobRow).where(JobRow.job_id == job_id).with_for_update()
-            ).one()
-            replace_nodes: set[str] | None = {g["node"] for g in new_gpus}
-            if inserted is None:  # the job was known
-                if row.finished_at_s is not None and now <= row.finished_at_s:
-                    # a spooled registration delivered after the run it belongs to ended
-                    logger.info("job %s: registration from before it finished ignored", job_id)
-                    session.expire(row, ["gpus"])
-                    return _job(row)
-                if row.state == "finished":
-                    logger.info("job %s: registered again after it finished (requeued)", job_id)
-                    row.state, row.user_name, row.finished_at_s = state, user, None
-                    row.registered_at_s, row.iterations_done = now, 0
-                    replace_nodes = None  # a new allocation: drop every old GPU
-                elif row.user_name != user:
-                    raise InputError(f"job {job_id} is registered to {row.user_name}, not {user}")
-                if deadline_s is not None:
-                    row.deadline_s = deadline_s
-                if iterations_total is not None:
-                    row.iterations_total = iterations_total
-            session.flush()
-            old = delete(JobGpuRow).where(JobGpuRow.job_id == job_id)
-            if replace_nodes is not None:
-                old = old.where(JobGpuRow.node.in_(replace_nodes))
-            session.execute(old.execution_options(synchronize_session=False))
-            if new_gpus:
-                session.execute(insert(JobGpuRow), new_gpus)
-            session.expire(row, ["gpus"])
-            return _job(row)
+        registration = JobRegistration(
+            job_id,
+            user,
+            gpus,
+            deadline_s=deadline_s,
+            iterations_total=iterations_total,
+            adopted=adopted,
+            at_s=at_s,
+        )
+        [outcome] = self.register_jobs([registration])
+        if isinstance(outcome, InputError):
+            raise outcome
+        return outcome
+
+    def register_jobs(self, registrations: Sequence[JobRegistration]) -> list[Job | InputError]:
+        """`register_job` for each registration, in order, in one transaction.
+
+        Each outcome is what `register_job` would have returned or raised, made alone in that
+        order: a refused registration (another user's job id, a malformed field) changes nothing
+        and is returned in its place; the others are stored. Raises `StoreError`, storing
+        nothing, if the database fails.
+
+        A fixed handful of statements per call, whatever the number of registrations: SQLAlchemy
+        Core with many parameter sets, not ORM objects, because this is the head's hottest write
+        (every Prolog of every job) and its cost per statement dwarfs the database's.
+        """
+        outcomes: list[Job | InputError | None] = [None] * len(registrations)
+        checked: list[tuple[int, JobRegistration, list[dict[str, Any]], float]] = []
+        for i, r in enumerate(registrations):
+            try:
+                _check_job_id(r.job_id)
+                _check_account(r.user)
+                new_gpus = _gpu_rows(r.job_id, r.gpus)
+                if r.deadline_s is not None:
+                    _finite(r.deadline_s, "deadline")
+                if r.iterations_total is not None and r.iterations_total < 0:
+                    raise InputError(f"iterations must be ≥ 0, got {r.iterations_total}")
+                checked.append((i, r, new_gpus, self._now(r.at_s)))
+            except InputError as e:
+                outcomes[i] = e
+        if checked:
+            with self._begin(write=True) as session:
+                session.flush()  # a joined transaction's pending ORM changes come first
+                for attempt in range(_REGISTER_ATTEMPTS):
+                    try:
+                        with session.begin_nested():
+                            _register_checked(session, checked, outcomes)
+                        break
+                    except _RegistrationRaceError:
+                        # PostgreSQL: another writer inserted one of our new job ids after we
+                        # looked; start over from the savepoint, now seeing that row
+                        logger.info("job registration raced another writer (attempt %d)", attempt)
+                else:
+                    raise StoreError("job registration kept racing another writer; try again")
+                if session.identity_map:  # rows a joined transaction loaded may be stale now
+                    session.expire_all()
+        return [o for o in outcomes if o is not None]
 
     def start_job(self, job_id: str) -> Job | None:
         """A registered job was seen running (its first measurements); None if unknown."""
@@ -352,6 +393,48 @@ class Store:
             ).one()
             return _node(row)
 
+    def add_nodes(self, nodes: Sequence[Node]) -> list[Node | InputError]:
+        """Add nodes not known yet, as given; a node already known is left as it is (a job's
+        first registration makes its node known). Per node, in order: the record, or the
+        `InputError` that refused it alone."""
+        outcomes: list[Node | InputError] = []
+        rows = []
+        for node in nodes:
+            try:
+                _check_node(node.name)
+                if node.transport not in TRANSPORTS:
+                    raise InputError(f"transport must be one of {', '.join(TRANSPORTS)}")
+                if node.gpu_count < 0:
+                    raise InputError(f"GPU count must be ≥ 0, got {node.gpu_count}")
+                if not (math.isfinite(node.worst_case_power_w) and node.worst_case_power_w >= 0):
+                    raise InputError(
+                        f"worst-case power must be ≥ 0 W, got {node.worst_case_power_w!r}"
+                    )
+            except InputError as e:
+                outcomes.append(e)
+                continue
+            outcomes.append(node)
+            rows.append(dataclasses.asdict(node))
+        if rows:
+            with self._begin(write=True) as session:
+                session.connection().execute(
+                    _upsert(session, _NODES).on_conflict_do_nothing(index_elements=["name"]), rows
+                )
+        return outcomes
+
+    def name_gpu_types(self, gpu_types: Mapping[str, str]) -> None:
+        """Record each node's GPU type (catalog name) unless the node already has one: a
+        registration may name it before the node's agent has reported."""
+        if not gpu_types:
+            return
+        with self._begin(write=True) as session:
+            session.connection().execute(
+                update(_NODES)
+                .where(_NODES.c.name == bindparam("key"), _NODES.c.gpu_type == "")
+                .values(gpu_type=bindparam("type")),
+                [{"key": name, "type": gpu_type} for name, gpu_type in gpu_types.items()],
+            )
+
     def mark_node(self, name: str, reachable: bool, at_s: float | None = None) -> Node | None:
         """An exchange with the node succeeded (``last_seen_s`` moves) or failed."""
         now = self._now(at_s)
@@ -368,6 +451,18 @@ class Store:
     def nodes(self) -> list[Node]:
         with self._begin(write=False) as session:
             return [_node(r) for r in session.scalars(select(NodeRow).order_by(NodeRow.name))]
+
+    def nodes_named(self, names: Iterable[str]) -> dict[str, Node]:
+        """The known nodes among ``names``, by name: what a registration needs, without reading
+        every node of the cluster."""
+        wanted = sorted(set(names))
+        with self._begin(write=False) as session:
+            connection = session.connection()
+            return {
+                row.name: _node(row)
+                for chunk in _chunks(wanted)
+                for row in connection.execute(select(_NODES).where(_NODES.c.name.in_(chunk)))
+            }
 
     # -- model state -----------------------------------------------------------------------
 
@@ -630,7 +725,7 @@ def _existing_jobs(session: Session, job_ids: Sequence[str]) -> set[str]:
     }
 
 
-def _upsert(session: Session, row: type[Any]) -> Any:
+def _upsert(session: Session, row: type[Any] | Table) -> Any:
     """INSERT … ON CONFLICT for this dialect (both spell it the same way)."""
     dialect = session.get_bind().dialect.name
     return (postgresql.insert if dialect == "postgresql" else sqlite.insert)(row)
@@ -669,7 +764,119 @@ def _job(row: JobRow) -> Job:
     )
 
 
-def _node(row: NodeRow) -> Node:
+def _register_checked(
+    session: Session,
+    checked: Sequence[tuple[int, JobRegistration, list[dict[str, Any]], float]],
+    outcomes: list[Job | InputError | None],
+) -> None:
+    """`Store.register_jobs` on checked registrations: read the jobs they name, apply each
+    registration in order to that picture in memory, then write what changed."""
+    connection = session.connection()
+    jobs, job_gpus = _JOBS, _JOB_GPUS
+    ids = sorted({r.job_id for _, r, _, _ in checked})
+    rows: dict[str, dict[str, Any]] = {}
+    for chunk in _chunks(ids):
+        query = select(jobs).where(jobs.c.job_id.in_(chunk)).with_for_update()
+        rows.update((row.job_id, dict(row._mapping)) for row in connection.execute(query))
+    held: dict[str, dict[str, set[int]]] = {job_id: {} for job_id in rows}
+    for chunk in _chunks(sorted(rows)):
+        query = select(job_gpus).where(job_gpus.c.job_id.in_(chunk))
+        for job_id, node, index in connection.execute(query):
+            held[job_id].setdefault(node, set()).add(index)
+    new_ids: list[str] = []
+    changed: set[str] = set()
+    for i, r, new_gpus, now in checked:
+        state = "adopted" if r.adopted else "registered"
+        row = rows.get(r.job_id)
+        if row is None:
+            row = rows[r.job_id] = {
+                "job_id": r.job_id,
+                "user_name": r.user,
+                "state": state,
+                "deadline_s": r.deadline_s,
+                "iterations_total": r.iterations_total,
+                "iterations_done": 0,
+                "registered_at_s": now,
+                "finished_at_s": None,
+            }
+            held[r.job_id] = {}
+            new_ids.append(r.job_id)
+        else:
+            if row["finished_at_s"] is not None and now <= row["finished_at_s"]:
+                # a spooled registration delivered after the run it belongs to ended
+                logger.info("job %s: registration from before it finished ignored", r.job_id)
+                outcomes[i] = _job_record(row, held[r.job_id])
+                continue
+            if row["state"] == "finished":
+                logger.info("job %s: registered again after it finished (requeued)", r.job_id)
+                row.update(
+                    state=state,
+                    user_name=r.user,
+                    finished_at_s=None,
+                    registered_at_s=now,
+                    iterations_done=0,
+                )
+                held[r.job_id] = {}  # a new allocation: drop every old GPU
+            elif row["user_name"] != r.user:
+                outcomes[i] = InputError(
+                    f"job {r.job_id} is registered to {row['user_name']}, not {r.user}"
+                )
+                continue
+            if r.deadline_s is not None:
+                row["deadline_s"] = r.deadline_s
+            if r.iterations_total is not None:
+                row["iterations_total"] = r.iterations_total
+        for g in new_gpus:  # each named node's GPU set is replaced, the others kept
+            held[r.job_id][g["node"]] = set()
+        for g in new_gpus:
+            held[r.job_id][g["node"]].add(g["gpu_index"])
+        changed.add(r.job_id)
+        outcomes[i] = _job_record(row, held[r.job_id])
+    if new_ids:
+        inserted = connection.execute(
+            _upsert(session, jobs)
+            .on_conflict_do_nothing(index_elements=["job_id"])
+            .returning(jobs.c.job_id),
+            [rows[job_id] for job_id in new_ids],
+        ).all()
+        if len(inserted) != len(new_ids):
+            raise _RegistrationRaceError()
+    known = sorted(changed.difference(new_ids))
+    if known:
+        columns = [c for c in rows[known[0]] if c != "job_id"]
+        connection.execute(
+            update(jobs)
+            .where(jobs.c.job_id == bindparam("key"))
+            .values({c: bindparam(c) for c in columns}),
+            [{"key": job_id, **{c: rows[job_id][c] for c in columns}} for job_id in known],
+        )
+        for chunk in _chunks(known):
+            connection.execute(delete(job_gpus).where(job_gpus.c.job_id.in_(chunk)))
+    gpu_rows = [
+        {"job_id": job_id, "node": node, "gpu_index": index}
+        for job_id in sorted(changed)
+        for node, indices in held[job_id].items()
+        for index in indices
+    ]
+    if gpu_rows:
+        connection.execute(insert(job_gpus), gpu_rows)
+
+
+def _job_record(values: Mapping[str, Any], held: Mapping[str, Iterable[int]]) -> Job:
+    return Job(
+        job_id=values["job_id"],
+        user=values["user_name"],
+        state=values["state"],
+        deadline_s=values["deadline_s"],
+        iterations_total=values["iterations_total"],
+        iterations_done=values["iterations_done"],
+        registered_at_s=values["registered_at_s"],
+        finished_at_s=values["finished_at_s"],
+        gpus=tuple(sorted(JobGpu(node, i) for node, indices in held.items() for i in indices)),
+    )
+
+
+def _node(row: NodeRow | Row[Any]) -> Node:
     return Node(
         name=row.name,
         url=row.url,

