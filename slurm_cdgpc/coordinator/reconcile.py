@@ -1,0 +1,115 @@
+"""The head's reconcile with Slurm: what Slurm runs is the truth about which jobs hold GPUs.
+
+Registration normally comes from the Prolog and deregistration from the Epilog. Both can be
+lost: a node crashes before its Epilog, the head is away and a node's spool is wiped, a node
+runs a Prolog without ours, or jobs were already running when the site installed slurm-cdgpc.
+Every reconcile period the head reads ``squeue --json`` and
+
+- **finishes** jobs it holds as active that Slurm no longer runs, so their GPUs are released
+  and their power stops being reserved (`Coordinator.reconcile`);
+- **adopts** jobs Slurm has been running for longer than the grace period that the head has
+  never heard of: they are registered on the nodes and GPUs ``squeue`` names, with the deadline
+  their comment asks for (or ``--deadline``, or the time limit), exactly as their Prolog would
+  have. Until then such a job draws power the controller does not plan for.
+
+The grace period keeps the two from racing the hooks: a Prolog still running, or spooled and
+about to be forwarded, registers the job itself. A job the head knows in any state (finished
+included) is never adopted again, and a job whose comment cannot be read is adopted without a
+deadline, not skipped: its GPUs draw power either way.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import tzinfo
+
+from slurm_cdgpc.coordinator.daemon import Coordinator
+from slurm_cdgpc.errors import CdgpcError
+from slurm_cdgpc.slurm.comment import CommentRequest, effective_deadline, parse_comment
+from slurm_cdgpc.slurm.squeue import SlurmJob
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ReconcileResult:
+    finished: list[str] = field(default_factory=list)
+    adopted: list[str] = field(default_factory=list)
+
+
+def _request(job: SlurmJob, tz: tzinfo | None) -> CommentRequest:
+    try:
+        return parse_comment(job.comment, tz=tz)
+    except CdgpcError as e:
+        logger.warning("job %s: adopted without a deadline: its comment: %s", job.job_id, e)
+        return CommentRequest()
+
+
+def adoptable(job: SlurmJob, *, now_s: float, grace_s: float) -> bool:
+    """Running long enough that its Prolog would have registered it, and holding GPUs."""
+    return (
+        job.state == "RUNNING"
+        and bool(job.gpus)
+        and job.start_s is not None
+        and now_s - job.start_s > grace_s
+    )
+
+
+def adopt(coordinator: Coordinator, job: SlurmJob, *, tz: tzinfo | None = None) -> list[str]:
+    """Register ``job`` on every node Slurm placed it; returns the nodes registered."""
+    request = _request(job, tz)
+    submit_s = job.submit_s if job.submit_s is not None else job.start_s
+    deadline = effective_deadline(
+        request,
+        submit_s=submit_s if submit_s is not None else 0.0,
+        slurm_deadline_s=job.deadline_s,
+        start_s=job.start_s,
+        time_limit_s=job.time_limit_s,
+    )
+    registered = []
+    for node, gpus in sorted(job.gpus.items()):
+        try:
+            coordinator.register_job(
+                job.job_id,
+                job.user,
+                node,
+                gpus,
+                deadline_s=None if deadline is None else deadline.deadline_s,
+                iterations_total=request.iterations_total,
+                adopted=True,
+            )
+        except CdgpcError as e:
+            logger.warning("job %s: cannot adopt on %s: %s", job.job_id, node, e)
+            continue
+        registered.append(node)
+    if registered:
+        logger.warning(
+            "job %s: running in Slurm but never registered (no Prolog reached the head); "
+            "adopted on %s (deadline from %s)",
+            job.job_id,
+            "; ".join(f"{n} GPUs {','.join(map(str, job.gpus[n]))}" for n in registered),
+            "nothing" if deadline is None else deadline.source,
+        )
+    return registered
+
+
+def reconcile_with_slurm(
+    coordinator: Coordinator,
+    running: Mapping[str, SlurmJob],
+    *,
+    now_s: float,
+    grace_s: float,
+    tz: tzinfo | None = None,
+) -> ReconcileResult:
+    """One reconcile pass: finish what Slurm no longer runs, adopt what it runs unregistered."""
+    finished = coordinator.reconcile(running.keys(), grace_s=grace_s)
+    adopted = [
+        job.job_id
+        for job in running.values()
+        if adoptable(job, now_s=now_s, grace_s=grace_s)
+        and coordinator.store.job(job.job_id) is None
+        and adopt(coordinator, job, tz=tz)
+    ]
+    return ReconcileResult(finished, adopted)
