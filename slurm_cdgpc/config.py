@@ -61,6 +61,20 @@ class HeadConfig:
     listen_address: str = "0.0.0.0"
     listen_port: int = 8463
     url: str = "http://localhost:8463"
+    #: how long the active head's leader lock lasts unrenewed (None: see `leader_lease`)
+    leader_lease_s: float | None = None
+    #: reconcile with ``squeue --json`` (finish jobs Slurm no longer runs, adopt unregistered
+    #: running ones), every ``reconcile_interval_s`` but never more often than every 2 intervals
+    reconcile: bool = True
+    reconcile_interval_s: float = 30.0
+
+    def leader_lease(self, interval_s: float, agent_lease_s: float) -> float:
+        """The leader lease in force: as configured, else 1.5 control intervals (renewed at
+        least once an interval, with room for a slow one), kept under the agents' lease so that
+        a standby takes over before they fall to the safe cap."""
+        if self.leader_lease_s is not None:
+            return self.leader_lease_s
+        return min(1.5 * interval_s, (interval_s + agent_lease_s) / 2)
 
 
 @dataclass(frozen=True)
@@ -409,6 +423,9 @@ _SCHEMA: dict[str, tuple[type[Any], dict[str, _Key]]] = {
             "listen_address": _Key("listen_address", _listen_address),
             "listen_port": _Key("listen_port", _integer(1, 65535)),
             "url": _Key("url", _http_url),
+            "leader_lease": _Key("leader_lease_s", _optional(_duration)),
+            "reconcile": _Key("reconcile", _boolean),
+            "reconcile_interval": _Key("reconcile_interval_s", _duration),
         },
     ),
     "store": (StoreConfig, {"url": _Key("url", _store_url)}),
@@ -525,6 +542,10 @@ def _read_file(path: Path) -> _Values:
         raise ConfigError(f"{path}: cannot read: {e.strerror or e}") from e
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path}: not valid TOML: {e}") from e
+    except UnicodeDecodeError as e:  # tomllib decodes before it parses, and says nothing of where
+        raise ConfigError(
+            f"{path}: not UTF-8 (byte 0x{e.object[e.start]:02x} at offset {e.start})"
+        ) from e
     raw: _Values = {}
     for section, table in data.items():
         if section not in _SCHEMA:
@@ -607,6 +628,13 @@ def _check(config: Config, values: _Values) -> None:
         raise ConfigError(
             f"{_origin(values, 'lease', 'duration')}: lease.duration: must be longer than "
             f"control.interval ({config.control.interval_s:g}s), got {config.lease.duration_s:g}s"
+        )
+    leader_s = config.head.leader_lease_s
+    if leader_s is not None and not config.control.interval_s < leader_s < config.lease.duration_s:
+        raise ConfigError(
+            f"{_origin(values, 'head', 'leader_lease')}: head.leader_lease: must be longer than "
+            f"control.interval ({config.control.interval_s:g}s) and shorter than lease.duration "
+            f"({config.lease.duration_s:g}s), got {leader_s:g}s"
         )
     if config.auth.method == "hmac":
         where = f"{_origin(values, 'auth', 'hmac_key_file')}: auth.hmac_key_file"

@@ -6,7 +6,9 @@ running on this node (``POST /v1/exchange`` on ``node.listen_port``, on loopback
 listens on every address) signed with this node's credentials (``auth.method``: MUNGE, or the
 root-only HMAC key; the SSH session runs as root, so it can use either), and writes the agent's
 `ExchangeResponse` JSON to stdout. The agent checks the credential and the request exactly as for
-an exchange over HTTP: this program adds no way in that root on the node did not already have.
+an exchange over HTTP: this program adds no way in that root on the node did not already have. A
+request that names another node is refused by the agent, changing nothing, and its one-line
+reason is the error printed here.
 
 On any failure it writes nothing to stdout, ``Error: <one line>`` to stderr, and exits non-zero
 (2: bad request or configuration, 1: the agent could not be reached or refused).
@@ -16,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import socket
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -26,7 +27,6 @@ from slurm_cdgpc.agent.protocol import (
     MAX_MESSAGE_BYTES,
     ExchangeRequest,
     MessageTooLargeError,
-    check_node_name,
 )
 from slurm_cdgpc.config import Config, load_config
 from slurm_cdgpc.errors import SoftError
@@ -93,7 +93,7 @@ def agent_url(config: Config) -> str:
 def forward(config: Config, request: ExchangeRequest, *, timeout_s: float) -> bytes:
     """The local agent's signed answer to ``request`` (response JSON), else an error."""
     url = agent_url(config)
-    name = check_node_name(socket.gethostname().split(".")[0] or "localhost")
+    name = request.node  # the agent refuses it unless that is its own name
     exchanger = NodeExchanger(signer_from_config(config, timeout_s), timeout_s=timeout_s)
     try:
         result = exchanger.exchange({name: NodeTarget(url, request)})[name]

@@ -23,11 +23,26 @@ Safety rules (DESIGN.md, "Safety"):
   ``P_safe / max power limit``. Power grows faster than linearly with clock above the knee, so
   this is conservative there, but idle power makes it optimistic for very low caps; operators
   who need a guarantee should size a clock fraction from measured tables.
+- **One node per request.** An exchange names the node it is for; one for another node is
+  refused (`WrongNodeError`) before anything changes, lease included. The credential binds the
+  body, so a request captured on its way to one node cannot be replayed to another.
+- **Fencing.** Every exchange carries the sending head's leader epoch
+  (`slurm_cdgpc.store.leader`). The agent keeps the highest epoch it has seen and refuses, with
+  `StaleEpochError` and before touching anything (not even the lease), a request with a lower
+  one: a head that lost the leader lock to a standby, and wakes up from a pause to push what it
+  decided before, changes nothing. A higher epoch is recorded in the state file before the
+  request is acted on, so a restarted agent still refuses the old head.
 - **State file.** Before any lock changes, the file is rewritten (temp file, fsync, rename, fsync
   of the directory) listing every lock that may exist after the change; after the change it lists
-  what is locked, and it is removed when nothing is. A setpoint whose intent cannot be recorded is
-  refused. On construction, a state file left by a crash means locks may remain: every GPU is
-  reset FIRST, then the file is removed (kept if a reset failed, so the next start retries).
+  what is locked. With nothing locked it is removed, unless a head's epoch is known: then it
+  stays with an empty lock list, to keep the epoch. A setpoint whose intent cannot be recorded is
+  refused. On construction, a state file that lists locks (or cannot be read) was left by a
+  crash and locks may remain: every GPU is reset FIRST, then the file is rewritten or removed as
+  above (kept as it is if a reset failed, so the next start retries).
+- **Measure, then act.** An exchange reads every GPU before it applies anything, so its answer
+  describes the interval that just ended: ``locked`` and ``job_id`` are what was in force during
+  it (unless a lapse or an Epilog changed them since the last exchange), ``read_s`` when it was
+  read (the head turns two energy-counter readings into the interval's mean power).
 - **Measurements are never silently trusted.** A GPU whose read fails is reported with ``error``
   and null measurements. A power reading that is NaN, infinite, ≤ 0 W or above twice the GPU's
   maximum power limit (e.g. 0xFFFFFFFF mW) is reported as ``power_w: null`` with an ``error``;
@@ -67,8 +82,10 @@ from slurm_cdgpc.gpu.device import GpuDevice, GpuReading, GpuSet, LockedClocks
 logger = logging.getLogger(__name__)
 
 STATE_VERSION: Final = 1
-#: at most this many jobs' progress is kept (the least recently updated is dropped first)
+#: at most this many (job, uid) progress reports are kept (the least recently updated goes first)
 MAX_PROGRESS_JOBS: Final = 1024
+#: at most this many of them from one uid (one user's reports never push out another's)
+MAX_PROGRESS_PER_UID: Final = 64
 #: a power reading above this multiple of the GPU's maximum power limit is garbage
 PLAUSIBLE_POWER_FACTOR: Final = 2.0
 _MAX_REASON_CHARS: Final = 300
@@ -103,6 +120,14 @@ def safe_clock_mhz(device: GpuDevice, safe_cap: SafeCap) -> int:
     return allowed[-1]
 
 
+class StaleEpochError(InputError):
+    """An exchange from a head with an older leader epoch than one already seen (HTTP 409)."""
+
+
+class WrongNodeError(InputError):
+    """An exchange that names another node: captured on its way there and replayed (HTTP 401)."""
+
+
 class NodeAgent:
     """The GPUs of one node under the head's control, with a lease watchdog and a state file."""
 
@@ -134,21 +159,30 @@ class NodeAgent:
         self._lock = threading.RLock()
         self._jobs: dict[int, str] = {}  # GPU index -> the job the head assigned it
         self._lapse_capped: set[int] = set()  # GPUs the lapse moved to the safe cap
-        self._progress: dict[str, ProgressReport] = {}
+        #: (job, reporting uid) -> its latest report; the head keeps only the owner's and root's
+        self._progress: dict[tuple[str, int], ProgressReport] = {}
         self._lapsed = False
+        self._epoch = 0  # the highest leader epoch seen (persisted in the state file)
         self.recovered_stale_state = self._recover()
         self._lease_expires_s = self._clock() + lease_duration_s
 
     # -- start-up -------------------------------------------------------------------------------
 
     def _recover(self) -> bool:
-        """Reset every GPU if a crashed agent left a state file, then remove it."""
+        """Take the leader epoch back from the state file; reset every GPU if it lists locks (a
+        crashed agent left it) or cannot be read. True if GPUs had to be reset."""
         try:
             text = self.state_file.read_text(encoding="utf-8", errors="replace")
         except FileNotFoundError:
             return False
         except OSError as e:
             text = f"<unreadable: {e.strerror or e}>"
+        locks = self._read_state(text)
+        if locks == 0:
+            logger.info(
+                "leader epoch %d known from %s; no clock locks", self._epoch, self.state_file
+            )
+            return False
         logger.warning(
             "stale state file %s found (a previous agent did not stop cleanly): "
             "resetting every GPU to default clocks first; it recorded: %s",
@@ -161,16 +195,41 @@ class NodeAgent:
         if failed:
             logger.error("keeping %s so that the next start retries the reset", self.state_file)
         else:
-            self._remove_state_file()
+            self._sync_state()
             logger.info("default clocks restored on %d GPU(s) after a crash", len(self.gpus))
         return True
+
+    def _read_state(self, text: str) -> int | None:
+        """Restore the epoch from a state file's text; the number of locks it lists (None: not
+        a state file this agent understands, so locks may remain)."""
+        try:
+            document = json.loads(text)
+        except ValueError:
+            return None
+        if not isinstance(document, dict) or not isinstance(document.get("locks"), list):
+            return None
+        epoch = document.get("epoch", 0)
+        if isinstance(epoch, int) and not isinstance(epoch, bool) and epoch >= 0:
+            self._epoch = epoch
+        else:
+            logger.warning("state file %s: epoch %r ignored", self.state_file, epoch)
+        return len(document["locks"])
 
     # -- the exchange ---------------------------------------------------------------------------
 
     def exchange(self, request: ExchangeRequest) -> ExchangeResponse:
-        """Apply the head's setpoints and releases, renew the lease, return the node's state."""
+        """Read every GPU, then apply the head's releases and setpoints and renew the lease.
+
+        The GPUs are read first so that the answer describes the interval that just ended, under
+        the clocks that were in force during it: read after a clock change, a power reading that
+        averages over the last second (Hopper) would pair mostly the old clock's power with the
+        new clock, and the head would learn a point that never happened.
+        """
         with self._lock:
             now_s = self._clock()
+            self._check_node(request)
+            self._fence(request)
+            reports = tuple(self._report(dev) for dev in self.gpus)
             refused: list[Refusal] = []
             for gpu in request.release:
                 self._release(gpu, refused)
@@ -207,10 +266,44 @@ class NodeAgent:
             return ExchangeResponse(
                 node=self.node_name,
                 time_s=now_s,
-                gpus=tuple(self._report(dev) for dev in self.gpus),
+                gpus=reports,
                 progress=tuple(self._progress.values()),
                 refused=tuple(refused),
             )
+
+    def _check_node(self, request: ExchangeRequest) -> None:
+        """Refuse, before anything changes (not even the lease), a request for another node."""
+        if request.node != self.node_name:
+            error = WrongNodeError(
+                f"exchange refused: the request is for node {request.node}, this is node "
+                f"{self.node_name}"
+            )
+            logger.warning("interval %d: %s", request.interval, error)
+            raise error
+
+    def _fence(self, request: ExchangeRequest) -> None:
+        """Refuse a head older than one already seen; record a newer one before obeying it."""
+        if request.epoch < self._epoch:
+            error = StaleEpochError(
+                f"exchange refused: leader epoch {request.epoch} is older than epoch "
+                f"{self._epoch}, already seen (another head has taken over)"
+            )
+            logger.warning("interval %d: %s", request.interval, error)
+            raise error
+        if request.epoch > self._epoch:
+            if self._epoch:
+                logger.info(
+                    "head with leader epoch %d takes over (was %d)", request.epoch, self._epoch
+                )
+            self._epoch = request.epoch
+            if not self._write_state():
+                logger.error("leader epoch %d not recorded: a restart forgets it", self._epoch)
+
+    @property
+    def epoch(self) -> int:
+        """The highest leader epoch seen."""
+        with self._lock:
+            return self._epoch
 
     def _renew(self, request: ExchangeRequest, now_s: float) -> None:
         expires_s = min(request.lease_expires_s, now_s + self.max_lease_s)
@@ -241,7 +334,8 @@ class NodeAgent:
             job = self._jobs.pop(gpu, None)
             self._lapse_capped.discard(gpu)
             if job is not None and job not in self._jobs.values():
-                self._progress.pop(job, None)
+                for key in [k for k in self._progress if k[0] == job]:
+                    del self._progress[key]
             logger.info("GPU %d: released (job %s ended), default clocks", gpu, job or "-")
         else:
             refused.append(Refusal(gpu, "reset to default clocks failed"))
@@ -306,6 +400,8 @@ class NodeAgent:
                 job_id=job,
                 error=_one_line(f"read failed: {e}"),
             )
+        stamp_s = reading.timestamp_s
+        read_s = stamp_s if math.isfinite(stamp_s) and stamp_s >= 0 else None
         power_w, energy_j, error = self._plausible(device, reading)
         return GpuReport(
             index=device.index,
@@ -322,6 +418,7 @@ class NodeAgent:
             locked=lock,
             job_id=job,
             error=error,
+            read_s=read_s,
         )
 
     def _plausible(
@@ -432,32 +529,32 @@ class NodeAgent:
                 logger.error("GPU %d: restoring default clocks failed: %s", dev.index, error)
             self._jobs.clear()
             self._lapse_capped.clear()
-            if failed:
-                self._sync_state()
-            else:
-                self._remove_state_file()
+            self._sync_state()
+            if not failed:
                 logger.info("default clocks restored on %d GPU(s)", len(self.gpus))
             return [(dev.index, error) for dev, error in failed]
 
     # -- progress -------------------------------------------------------------------------------
 
     def record_progress(self, job_id: str, step: int, total: int | None, uid: int) -> None:
-        """Keep the latest progress of ``job_id`` (reported until its GPUs are released).
+        """Keep the latest progress ``uid`` reported for ``job_id`` (until its GPUs are released).
 
-        A job's progress can only be updated by the uid that first reported it (or root); the head
-        checks that uid against the job's owner.
+        The socket is open to every local user and the agent cannot tell who owns a job, so
+        reports are kept per reporting uid (the kernel's, never the sender's word): another user
+        can neither overwrite the owner's report nor lock the owner out by reporting first. The
+        head, which knows each job's user and nodes, keeps only reports from root or the job's
+        owner on a node where the job holds GPUs (`Coordinator`).
         """
         line = ProgressLine(job_id, step, total)  # validates
         with self._lock:
-            previous = self._progress.pop(line.job_id, None)
-            if previous is not None and uid not in (0, previous.uid):
-                self._progress[line.job_id] = previous
-                raise InputError(
-                    f"job {line.job_id}: progress is reported by uid {previous.uid}, not {uid}"
-                )
-            self._progress[line.job_id] = ProgressReport(
+            key = (line.job_id, uid)
+            self._progress.pop(key, None)
+            self._progress[key] = ProgressReport(
                 line.job_id, line.step, line.total, self._clock(), uid
             )
+            own = [k for k in self._progress if k[1] == uid]
+            for old in own[: max(len(own) - MAX_PROGRESS_PER_UID, 0)]:
+                del self._progress[old]  # a user flooding job ids evicts only its own reports
             while len(self._progress) > MAX_PROGRESS_JOBS:
                 del self._progress[next(iter(self._progress))]
 
@@ -488,6 +585,7 @@ class NodeAgent:
             "node": self.node_name,
             "pid": os.getpid(),
             "written_s": self._clock(),
+            "epoch": self._epoch,
             "locks": self._state(intended),
         }
         directory = self.state_file.parent
@@ -496,8 +594,9 @@ class NodeAgent:
             fd, tmp = tempfile.mkstemp(prefix=".node-state.", dir=directory)
             try:
                 with os.fdopen(fd, "w", encoding="utf-8") as f:
-                    json.dump(document, f, indent=1)
-                    f.write("\n")
+                    # json.dumps, not json.dump: dump streams through the pure-Python encoder,
+                    # five times slower, and this runs twice per exchange on every node
+                    f.write(json.dumps(document, separators=(",", ":")) + "\n")
                     f.flush()
                     os.fsync(f.fileno())
                 os.replace(tmp, self.state_file)
@@ -512,8 +611,9 @@ class NodeAgent:
         return True
 
     def _sync_state(self) -> None:
-        """The state file lists exactly what is locked now; it is absent when nothing is."""
-        if any(dev.locked is not None for dev in self.gpus):
+        """The state file lists exactly what is locked now; it is absent when nothing is and no
+        leader epoch needs keeping."""
+        if self._epoch or any(dev.locked is not None for dev in self.gpus):
             self._write_state()
         else:
             self._remove_state_file()

@@ -17,8 +17,9 @@ Server side (in ``cdgpc-noded``): `ProgressServer` listens on the configured soc
 that every job can write), takes one JSON line per connection (`ProgressLine`, at most
 `MAX_PROGRESS_LINE_BYTES`), reads the sender's uid from the kernel (``SO_PEERCRED``; a sender
 cannot lie about it) and hands the report to a callback (`NodeAgent.record_progress`). It answers
-``ok`` or ``error: <reason>``. Connections are served on their own threads with a timeout, at
-most ``max_connections`` at once.
+``ok`` or ``error: <reason>``. Any local user may report any job id: the agent keeps each uid's
+report apart and the head counts only those of root or the job's own user, from the job's nodes.
+Connections are served on their own threads with a timeout, at most ``max_connections`` at once.
 
 The socket path: ``$CDGPC_NODE_PROGRESS_SOCKET``, else ``/run/cdgpc/progress.sock`` (the
 ``node.progress_socket`` default; the client does not read the config file).

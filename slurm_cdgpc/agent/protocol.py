@@ -8,16 +8,27 @@ that speaks a newer version is refused, never half-understood.
 
 Exchange request (head → agent, ``POST /v1/exchange``)::
 
-    {"version": 1, "interval": 42, "lease_expires_s": 1767225690.0,
+    {"version": 1, "node": "node1", "interval": 42, "lease_expires_s": 1767225690.0,
      "setpoints": [{"gpu": 0, "job_id": "123", "graphics_mhz": 1200, "memory_mhz": null}],
-     "release": [3]}
+     "release": [3], "epoch": 7}
+
+``node`` names the one node the request is for: the credential binds the body, so a request
+captured on its way to one agent and replayed to another is refused there (`NodeAgent.exchange`)
+instead of setting that node's clocks and renewing its lease.
 
 ``release`` lists GPUs whose job ended: the agent resets them to default clocks. A GPU may not be
-both set and released in one request.
+both set and released in one request. ``epoch`` (optional, absent means 0) is the sending head's
+leader epoch (`slurm_cdgpc.store.leader`): an agent refuses a request whose epoch is lower than
+the highest it has seen, so a head that lost the leader lock cannot change anything. It is
+written only when not 0, so a sender without a leader lock sends exactly what it always did.
 
-Exchange response (agent → head): per-GPU readings (measurement fields are null when the GPU could
-not be read, or when one value was implausible, and ``error`` says why), the latest progress each
-job reported, and the setpoints the agent ``refused`` (with the reason). See `ExchangeResponse`.
+Exchange response (agent → head): per-GPU readings taken BEFORE the request's setpoints and
+releases were applied, so each describes the interval that just ended, with the ``locked`` clocks
+and ``job_id`` that were in force during it and ``read_s``, the agent's monotonic time of the
+reading (the head divides energy-counter differences by it); measurement fields are null when
+the GPU could not be read, or when one value was implausible, and ``error`` says why. Then the
+latest progress each job reported (one entry per job and reporting uid), and the setpoints the
+agent ``refused`` (with the reason). See `ExchangeResponse`.
 
 This module imports only the standard library and `slurm_cdgpc.errors`: the progress client uses
 it inside training jobs.
@@ -29,7 +40,7 @@ import json
 import math
 import re
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Final
 
 from slurm_cdgpc.errors import InputError
@@ -230,27 +241,41 @@ class ExchangeRequest:
     lease_expires_s: float  # epoch seconds
     setpoints: tuple[Setpoint, ...] = ()
     release: tuple[int, ...] = ()
+    #: the sender's leader epoch, the fencing token (0: a sender without a leader lock)
+    epoch: int = 0
     version: int = VERSION
+    #: the node the request is for (the agent refuses any other: a captured request is no
+    #: good on another node)
+    node: str = field(kw_only=True)
+
+    def __post_init__(self) -> None:
+        check_node_name(self.node)
 
     def to_json(self) -> bytes:
-        return dump_json(
-            {
-                "version": self.version,
-                "interval": self.interval,
-                "lease_expires_s": self.lease_expires_s,
-                "setpoints": [s.to_dict() for s in self.setpoints],
-                "release": list(self.release),
-            }
-        )
+        data: dict[str, Any] = {
+            "version": self.version,
+            "node": self.node,
+            "interval": self.interval,
+            "lease_expires_s": self.lease_expires_s,
+            "setpoints": [s.to_dict() for s in self.setpoints],
+            "release": list(self.release),
+        }
+        if self.epoch:
+            data["epoch"] = self.epoch
+        return dump_json(data)
 
     @classmethod
     def from_json(cls, data: bytes | str) -> ExchangeRequest:
         d = _fields(
             load_json(data),
             "request",
-            ("version", "interval", "lease_expires_s", "setpoints", "release"),
+            ("version", "node", "interval", "lease_expires_s", "setpoints", "release"),
+            ("epoch",),
         )
         version = _version(d)
+        node = d["node"]
+        if not (isinstance(node, str) and _NODE_RE.fullmatch(node)):
+            raise ProtocolError(f"node: must be a host name, {_got(node)}")
         setpoints = tuple(
             Setpoint.from_dict(item, f"setpoints[{i}]")
             for i, item in enumerate(_list(d["setpoints"], "setpoints", MAX_GPUS))
@@ -271,10 +296,12 @@ class ExchangeRequest:
             raise ProtocolError(f"release: GPU {both[0]} is also given a setpoint")
         return cls(
             version=version,
+            node=node,
             interval=_int(d["interval"], "interval", 0, MAX_COUNT),
             lease_expires_s=_float(d["lease_expires_s"], "lease_expires_s", 0.0, 1e11),
             setpoints=setpoints,
             release=release,
+            epoch=_int(d.get("epoch", 0), "epoch", 0, MAX_COUNT),
         )
 
 
@@ -312,6 +339,7 @@ class LockReport:
 
 _MAX_POWER_W: Final = 1e7
 _MAX_ENERGY_J: Final = 1e18
+_MAX_READ_S: Final = 1e11
 
 
 @dataclass(frozen=True)
@@ -330,6 +358,9 @@ class GpuReport:
     locked: LockReport | None
     job_id: str | None
     error: str | None
+    #: when the GPU was read: the agent's monotonic clock in seconds (None: the read failed).
+    #: Only differences between two reports of one agent mean anything.
+    read_s: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -345,6 +376,7 @@ class GpuReport:
             "locked": None if self.locked is None else self.locked.to_dict(),
             "job_id": self.job_id,
             "error": self.error,
+            "read_s": self.read_s,
         }
 
     @classmethod
@@ -362,6 +394,7 @@ class GpuReport:
             "locked",
             "job_id",
             "error",
+            "read_s",
         )
         d = _fields(value, where, keys)
         return cls(
@@ -383,6 +416,7 @@ class GpuReport:
             else LockReport.from_dict(d["locked"], f"{where}.locked"),
             job_id=_opt_job_id(d["job_id"], f"{where}.job_id"),
             error=_opt_text(d["error"], f"{where}.error"),
+            read_s=_opt_float(d["read_s"], f"{where}.read_s", 0.0, _MAX_READ_S),
         )
 
 

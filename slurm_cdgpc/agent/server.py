@@ -9,10 +9,13 @@ Routes:
 - ``GET /v1/health``: unauthenticated, answers ``{"ok": true}`` and nothing else.
 
 Every refusal is a one-line JSON error ``{"error": "..."}`` and changes nothing: 400 bad JSON or
-schema, 401 missing/bad/replayed credential, 403 not allowed, 404 unknown path, 405 wrong method,
-411 no Content-Length, 413 body over the cap, 503 authentication backend down, 500 a bug (logged
-with its traceback). The body is authenticated before it is parsed. Each connection has a socket
-timeout, and at most `max_connections` are served at once (more are closed at once).
+schema, 401 missing/bad/replayed credential or an exchange that names another node (a request
+captured on its way there: the credential binds the body, and so the node), 403 not allowed,
+404 unknown path, 405 wrong method, 409 an exchange from a head whose leader epoch is older than
+one already seen (it lost the leader lock), 411 no Content-Length, 413 body over the cap, 503
+authentication backend down, 500 a bug (logged with its traceback). The body is authenticated
+before it is parsed. Each connection has a socket timeout, and at most `max_connections` are
+served at once (more are closed at once).
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import logging
 from http import HTTPStatus
 from typing import Final
 
-from slurm_cdgpc.agent.node import NodeAgent
+from slurm_cdgpc.agent.node import NodeAgent, StaleEpochError, WrongNodeError
 from slurm_cdgpc.agent.protocol import (
     MAX_MESSAGE_BYTES,
     RELEASE_PATH,
@@ -170,7 +173,15 @@ class _Handler(JsonHandler):
             logger.warning("%s (%s): bad exchange request: %s", peer, principal, e)
             self._error(HTTPStatus.BAD_REQUEST, str(e))
             return
-        response = self.server.agent.exchange(request)
+        try:
+            response = self.server.agent.exchange(request)
+        except StaleEpochError as e:
+            self._error(HTTPStatus.CONFLICT, str(e))
+            return
+        except WrongNodeError as e:  # a credential is good for the node the body names only
+            logger.warning("%s (%s): %s", peer, principal, e)
+            self._error(HTTPStatus.UNAUTHORIZED, str(e))
+            return
         logger.debug(
             "%s (%s): interval %d: %d setpoint(s), %d release(s), %d refused",
             peer,

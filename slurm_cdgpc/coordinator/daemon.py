@@ -7,21 +7,31 @@ Every interval k (DESIGN.md, "Components and data flow"):
    resumes where it was); finished jobs leave and their GPUs are queued for release; jobs on a
    node that did not answer the last exchange leave the optimisation (their models stay in the
    store) until it answers again.
-2. **Measure**: per-job measurements from the last exchange's GPU reports. A report counts for
-   a job only if its power is not null, it comes from an exchange after the one that carried
-   the job's first setpoint (a power reading averages over the recent past), and (outside
-   shadow mode) the agent says the GPU holds that job's setpoint; so readings from before a
-   job's first setpoint, or of a refused setpoint, never teach its model.
+2. **Measure**: per-job measurements from the last exchange's GPU reports. The agent reads
+   every GPU before it applies an exchange, so the reports describe the interval that just
+   ended. A report counts for a job only if its power is not null, the node also answered the
+   exchange before (the interval is known from both ends), the GPU held what that exchange left
+   in force for the whole interval (outside shadow mode: the job's setpoint, and the agent says
+   it holds it), and the job joined before that exchange; so readings that mix two clocks, from
+   before a job's first setpoint, or of a refused setpoint never teach its model. Its power is
+   the interval's mean from the energy counter (ΔE/Δt between the two reports) where the counter
+   rose, else the reading's own (a snapshot: on Hopper a 1 s average). Progress counts only when
+   root or the job's user sent it, from one of the job's nodes.
 3. **Solve**: `EconomicMPC.step` with the budget in force now (the store's, else the
    configuration's ``budget.initial``; none: uncapped) minus the uncontrolled power:
    GPUs of unreachable nodes at their worst case (every GPU at its maximum power limit, never
    zero), GPUs of jobs that are registered but not (yet) controlled at their enforced power
-   limit, idle GPUs at their reported power (at their limit when unreadable).
-4. **Exchange** with every known node at once: setpoints, releases of GPUs whose job ended, and
-   a lease until now + ``lease.duration``. Shadow mode sends the same exchanges with no setpoints
+   limit, idle GPUs at their latest reading (at their limit when unreadable), never the
+   interval's mean.
+4. **Exchange** with every known node at once, each request naming its node: setpoints,
+   releases of GPUs whose job ended, and a lease until now + ``lease.duration``, under this
+   head's leader epoch. The leader lock is renewed first (`Leadership.confirm`): a head that
+   cannot prove it still leads pushes nothing, and one that lost the lock stops
+   (`LeadershipLostError` ends `run`). Shadow mode sends the same exchanges with no setpoints
    and no releases: the agents keep their default clocks and the lease stays renewed (so they
    do not fall to the safe cap while the head runs), but nothing is ever capped by the head.
-5. **Persist**, in one store transaction: the decision with its setpoints (the previous
+5. **Persist** (after confirming the lock again, so a head fenced off during the exchange
+   writes nothing), in one store transaction: the decision with its setpoints (the previous
    decision's measured power filled in), every job's model, the measurements, node
    reachability, job progress; measurements older than ``retention.measurements`` are pruned
    every `PRUNE_EVERY` intervals.
@@ -42,6 +52,7 @@ from __future__ import annotations
 
 import logging
 import math
+import pwd
 import threading
 import time
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
@@ -50,7 +61,13 @@ from typing import Final, Protocol
 
 import numpy as np
 
-from slurm_cdgpc.agent.protocol import ExchangeRequest, ExchangeResponse, GpuReport
+from slurm_cdgpc.agent.protocol import (
+    ExchangeRequest,
+    ExchangeResponse,
+    GpuReport,
+    ProgressReport,
+    ProtocolError,
+)
 from slurm_cdgpc.agent.protocol import Setpoint as AgentSetpoint
 from slurm_cdgpc.config import Config
 from slurm_cdgpc.control.discrete import ClockGrid
@@ -70,6 +87,9 @@ from slurm_cdgpc.store import (
     Store,
 )
 from slurm_cdgpc.store import Setpoint as StoredSetpoint
+from slurm_cdgpc.store.group_commit import GroupCommit
+from slurm_cdgpc.store.leader import LeadershipLostError
+from slurm_cdgpc.store.repository import JobRegistration
 from slurm_cdgpc.transport.http import NodeFailure, NodeTarget
 from slurm_cdgpc.transport.ssh import ssh_url
 
@@ -89,6 +109,16 @@ class NodeTransport(Protocol):
     def exchange(
         self, targets: Mapping[str, NodeTarget]
     ) -> dict[str, ExchangeResponse | NodeFailure]: ...
+
+
+class Leadership(Protocol):
+    """The leader lock as the loop sees it (`slurm_cdgpc.store.leader.LeaderLock`, or a fake)."""
+
+    @property
+    def epoch(self) -> int: ...
+
+    def confirm(self) -> None:
+        """Renew; raise `LeadershipLostError` if another head holds the lock now."""
 
 
 @dataclass(frozen=True)
@@ -156,7 +186,9 @@ class IntervalReport:
     effective_budget_w: float | None
     uncontrolled_w: float
     predicted_power_w: float | None  # the controlled jobs, at the decided clocks
-    measured_power_w: float  # every GPU that reported a power, last exchange
+    #: every GPU that reported a power in the last exchange: the interval's mean where the energy
+    #: counter gives it, else the reading
+    measured_power_w: float
     price: float | None
     status: str  # the controller's step status, or "idle" without jobs
     solve_s: float
@@ -198,7 +230,85 @@ class _NodeState:
     gpu_type: str | None  # catalog name; None until reported or named in a registration
     worst_case_w: float
     reachable: bool | None = None  # None: not exchanged with yet
+    #: the last answer's readings (each taken before that exchange changed anything)
     reports: tuple[GpuReport, ...] = ()
+    #: the interval of the exchange that answered ``reports`` (-1: none yet)
+    reports_at: int = -1
+    #: what the last answered exchange asked of the node, and the GPUs whose setpoint it refused
+    sent: ExchangeRequest | None = None
+    refused: frozenset[int] = frozenset()
+    #: GPUs whose lock and job did not change over the interval the reports describe
+    steady: frozenset[int] = frozenset()
+    #: per GPU, the interval's mean power from the energy counter, where it can be trusted
+    mean_w: dict[int, float] = field(default_factory=dict)
+
+
+def _interval_power(
+    node: _NodeState,
+    reports: Sequence[GpuReport],
+    k: int,
+    limit_w: Callable[[str], float],
+) -> tuple[frozenset[int], dict[int, float]]:
+    """Which GPUs of ``reports`` (exchange ``k``) held one lock and job over the whole interval
+    since the node's previous answer, and, for those, the interval's mean power from the energy
+    counter.
+
+    The agent reads every GPU before it applies an exchange, so the interval between two
+    answered exchanges in a row ran under what the earlier one left in force: its setpoint
+    (unless refused), no lock after a release, otherwise the lock read then. A report whose lock
+    or job differs from that was changed in between (a lapse's safe cap, an Epilog's release, a
+    restarted agent): its readings mix two settings. The mean power is ΔE/Δt between the two
+    readings; a counter that did not rise (a driver reload resets it), a GPU that changed, or a
+    mean above twice the GPU's power limit leaves the reading's own power in place.
+    """
+    sent = node.sent
+    if node.reachable is not True or sent is None or node.reports_at != k - 1:
+        return frozenset(), {}
+    before = {r.index: r for r in node.reports}
+    points = {p.gpu: p for p in sent.setpoints if p.gpu not in node.refused}
+    released = set(sent.release) - node.refused
+    steady: set[int] = set()
+    mean_w: dict[int, float] = {}
+    for r in reports:
+        prev = before.get(r.index)
+        if prev is None or prev.uuid != r.uuid:
+            continue
+        point = points.get(r.index)
+        if point is not None:
+            held = (
+                r.locked is not None
+                and r.locked.graphics_max_mhz == point.graphics_mhz
+                and (point.memory_mhz is None or r.locked.memory_mhz == point.memory_mhz)
+                and r.job_id == point.job_id
+            )
+        elif r.index in released:
+            held = r.locked is None and r.job_id is None
+        else:
+            held = prev.locked == r.locked and prev.job_id == r.job_id
+        if not held:
+            continue
+        steady.add(r.index)
+        e0_j, e1_j, t0_s, t1_s = prev.energy_j, r.energy_j, prev.read_s, r.read_s
+        if e0_j is None or e1_j is None or t0_s is None or t1_s is None:
+            continue
+        dt_s, de_j = t1_s - t0_s, e1_j - e0_j
+        if dt_s > 0 and de_j > 0 and de_j / dt_s <= 2 * limit_w(r.name):
+            mean_w[r.index] = de_j / dt_s
+    return frozenset(steady), mean_w
+
+
+@dataclass(frozen=True)
+class _Registration:
+    """One `Coordinator.register_job` call, checked, waiting for its batch."""
+
+    job_id: str
+    user: str
+    node: str
+    gpus: tuple[int, ...]
+    spec: GpuSpec | None
+    deadline_s: float | None
+    iterations_total: int | None
+    adopted: bool = False
 
 
 class Coordinator:
@@ -211,9 +321,12 @@ class Coordinator:
         settings: CoordinatorSettings | None = None,
         clock: Callable[[], float] = time.time,
         specs: Mapping[str, GpuSpec] = CATALOG,
+        leader: Leadership | None = None,
     ) -> None:
         self.store = store
         self.transport = transport
+        #: None: the only head, with no lock to hold (epoch 0)
+        self.leader = leader
         self.settings = settings or CoordinatorSettings()
         self._clock = clock
         self.specs = specs
@@ -233,9 +346,16 @@ class Coordinator:
         self._releases: dict[str, set[int]] = {}
         self._sampled_at = -1  # interval of the exchange that produced the node reports
         self._planned_w: dict[str, float] = {}  # last decision's planned power per job
+        #: the plan in force over the interval the node reports describe: the decision before
+        #: the last (the agents read before they apply), what their power is judged against
+        self._planned_reported_w: dict[str, float] = {}
         self._last_decision: tuple[int, tuple[GpuRef, ...]] | None = None
         self._waiting_logged: set[str] = set()
         self._write_lock = threading.Lock()  # API writes that read-then-write the store
+        self._registrations = GroupCommit(self._register_batch)
+        self._typed_nodes: dict[str, str] = {}  # committed nodes with a GPU type (registration)
+        self._uids: dict[str, int | None] = {}  # job user -> uid on this host
+        self._spoof_logged: set[tuple[str, str, int]] = set()  # refused progress, logged once
 
     # -- start-up ----------------------------------------------------------------------------
 
@@ -307,41 +427,29 @@ class Coordinator:
         gpu_type: str | None = None,
         deadline_s: float | None = None,
         iterations_total: int | None = None,
+        adopted: bool = False,
     ) -> Job:
-        """Record a job's GPUs on one node (idempotent; a multi-node job calls once per node)."""
+        """Record a job's GPUs on one node (idempotent; a multi-node job calls once per node).
+        ``adopted``: found running in Slurm without a registration (`reconcile`), not from a
+        Prolog.
+
+        Registrations that arrive together commit together (`GroupCommit`): a burst of Prologs
+        pays one durable commit, not one each. This returns only once the registration is
+        committed; a registration refused on its own (another user's job id) fails alone.
+        """
         if not gpus:
             raise InputError(f"job {job_id}: no GPUs on node {node}")
         spec = None if gpu_type is None else catalog_spec(gpu_type)
-        with self._write_lock:
-            known = {n.name: n for n in self.store.nodes()}.get(node)
-            if known is None:
-                limit_w = spec.power_limit.max_w if spec else 0.0
-                self.store.upsert_node(
-                    node,
-                    self.agent_url(node),
-                    gpu_count=0,
-                    gpu_type=spec.name if spec else "",
-                    worst_case_power_w=limit_w * (max(gpus) + 1),
-                    reachable=False,
-                )
-            elif spec is not None and not known.gpu_type:
-                self.register_node(node, known.url, spec.name)
-            elif spec is not None and known.gpu_type != spec.name:
-                logger.warning(
-                    "job %s: registration names %s GPUs, node %s reports %s: using %s",
-                    job_id,
-                    spec.name,
-                    node,
-                    known.gpu_type,
-                    known.gpu_type,
-                )
-            job = self.store.register_job(
-                job_id,
-                user,
-                {node: gpus},
-                deadline_s=deadline_s,
-                iterations_total=iterations_total,
-            )
+        registration = _Registration(
+            job_id, user, node, tuple(gpus), spec, deadline_s, iterations_total, adopted
+        )
+        if self.store.in_transaction():  # the caller's transaction commits it, not a batch
+            [outcome] = self._register_batch([registration])
+            if isinstance(outcome, Exception):
+                raise outcome
+            job = outcome
+        else:
+            job = self._registrations.submit(registration)
         logger.info(
             "job %s: registered by %s on %s GPU(s) %s (deadline %s, %s iterations)",
             job_id,
@@ -352,6 +460,94 @@ class Coordinator:
             iterations_total,
         )
         return job
+
+    def _register_batch(self, batch: Sequence[_Registration]) -> list[Job | Exception]:
+        """Register ``batch`` in one transaction; a refusal (`InputError`) is returned in place of
+        its job and changes nothing of it. Raises, committing nothing, if the store fails."""
+        outcomes: list[Job | Exception | None] = [None] * len(batch)
+        with self._write_lock:
+            with self.store.transaction():
+                refused, typed = self._register_nodes(batch)
+                accepted = [i for i, r in enumerate(batch) if r.node not in refused]
+                for i, r in enumerate(batch):
+                    if r.node in refused:
+                        outcomes[i] = refused[r.node]
+                registered = self.store.register_jobs(
+                    [
+                        JobRegistration(
+                            batch[i].job_id,
+                            batch[i].user,
+                            {batch[i].node: batch[i].gpus},
+                            deadline_s=batch[i].deadline_s,
+                            iterations_total=batch[i].iterations_total,
+                            adopted=batch[i].adopted,
+                        )
+                        for i in accepted
+                    ]
+                )
+                for i, outcome in zip(accepted, registered, strict=True):
+                    outcomes[i] = outcome
+            if not self.store.in_transaction():  # committed: later batches may rely on it
+                self._typed_nodes.update(typed)
+        return [o for o in outcomes if o is not None]
+
+    def _register_nodes(
+        self, batch: Sequence[_Registration]
+    ) -> tuple[dict[str, InputError], dict[str, str]]:
+        """Make the batch's nodes known (the agent URL by convention) and name the GPU type of
+        those that have none yet. Returns the nodes the store refused (with why), and the nodes
+        now known with a GPU type: a node never loses its type, so a later batch on them needs
+        no read at all (`_typed_nodes`)."""
+        unseen = {r.node for r in batch if r.node not in self._typed_nodes}
+        known = self.store.nodes_named(unseen) if unseen else {}
+        typed = {name: node.gpu_type for name, node in known.items() if node.gpu_type}
+        new: dict[str, Node] = {}
+        named: dict[str, str] = {}
+        for r in batch:
+            node, spec = known.get(r.node), r.spec
+            if r.node in unseen and node is None and r.node not in new:
+                limit_w = spec.power_limit.max_w if spec else 0.0
+                new[r.node] = Node(
+                    name=r.node,
+                    url=self.agent_url(r.node),
+                    transport="http",
+                    last_seen_s=None,
+                    reachable=False,
+                    gpu_count=0,
+                    gpu_type=spec.name if spec else "",
+                    worst_case_power_w=limit_w * (max(r.gpus) + 1),
+                )
+                continue
+            if spec is None:
+                continue
+            gpu_type = self._typed_nodes.get(r.node) or typed.get(r.node) or named.get(r.node)
+            if r.node in new:
+                gpu_type = gpu_type or new[r.node].gpu_type
+            if not gpu_type:
+                named[r.node] = spec.name
+                logger.info("node %s: GPU type %s named by job %s", r.node, spec.name, r.job_id)
+            elif gpu_type != spec.name:
+                logger.warning(
+                    "job %s: registration names %s GPUs, node %s reports %s: using %s",
+                    r.job_id,
+                    spec.name,
+                    r.node,
+                    gpu_type,
+                    gpu_type,
+                )
+        added = self.store.add_nodes(list(new.values()))
+        refused = {
+            name: outcome
+            for name, outcome in zip(new, added, strict=True)
+            if isinstance(outcome, InputError)
+        }
+        typed.update(
+            (n.name, n.gpu_type) for n in new.values() if n.gpu_type and n.name not in refused
+        )
+        named = {name: gpu_type for name, gpu_type in named.items() if name not in refused}
+        self.store.name_gpu_types(named)
+        typed.update(named)
+        return refused, typed
 
     def reconcile(self, slurm_running: Collection[str], grace_s: float) -> list[str]:
         """Deregister active jobs that Slurm no longer runs: their Epilog never reached us (a
@@ -402,6 +598,8 @@ class Coordinator:
         while not stop.is_set():
             try:
                 self.run_interval()
+            except LeadershipLostError:
+                raise
             except CdgpcError as e:
                 logger.error("interval %d failed: %s", self.interval, e)
                 self.interval += 1
@@ -439,6 +637,8 @@ class Coordinator:
                 measured=measured,
             )
         setpoints = self._setpoints(decision)
+        if self.leader is not None:
+            self.leader.confirm()  # renewed before every push; a failure pushes nothing
         responses = self._exchange(k, now_s, setpoints)
         report = self._persist(k, now_s, budget_w, uncontrolled_w, decision, responses, setpoints)
         self.last_report = report
@@ -526,7 +726,9 @@ class Coordinator:
     # -- 2. measure ----------------------------------------------------------------------------
 
     def _trusted(self) -> dict[str, list[GpuSample]]:
-        """Per job, the samples of the last exchange that may teach its model."""
+        """Per job, the samples of the last exchange that may teach its model: GPUs that held
+        the job's lock (outside shadow mode: the agent says it holds the job's setpoint) for the
+        whole interval the readings describe, with the interval's mean power where known."""
         out: dict[str, list[GpuSample]] = {}
         owner = {g: j.job_id for j in self.running.jobs for g in j.gpus}
         for name, node in self._nodes.items():
@@ -535,22 +737,24 @@ class Coordinator:
             for r in node.reports:
                 ref = GpuRef(name, r.index)
                 job_id = owner.get(ref)
-                if job_id is None or r.power_w is None:
-                    continue
+                power_w = node.mean_w.get(r.index, r.power_w)
+                if job_id is None or power_w is None or r.index not in node.steady:
+                    continue  # no job, no power, or a lock that changed during the interval
                 if r.sm_clock_mhz is None or r.memory_clock_mhz is None:
                     continue
                 if self._added_at.get(job_id, self.interval) >= self._sampled_at:
-                    continue  # read before, or as, its first setpoint was applied
+                    continue  # read before its first setpoint held for a whole interval
                 if not self.settings.shadow and r.job_id != job_id:
                     continue  # the agent does not hold this job's setpoint (yet, or refused)
                 out.setdefault(job_id, []).append(
-                    GpuSample(ref, r.power_w, r.sm_clock_mhz, r.memory_clock_mhz, r.throttle or 0)
+                    GpuSample(ref, power_w, r.sm_clock_mhz, r.memory_clock_mhz, r.throttle or 0)
                 )
         return out
 
     def _measurements(self) -> Measurements:
         samples = [s for per_job in self._trusted().values() for s in per_job]
-        planned = np.array([self._planned_w.get(j.job_id, np.nan) for j in self.running.jobs])
+        plan = self._planned_reported_w
+        planned = np.array([plan.get(j.job_id, np.nan) for j in self.running.jobs])
         return self.running.measurements(samples, planned)
 
     # -- 3. uncontrolled power -----------------------------------------------------------------
@@ -599,6 +803,7 @@ class Coordinator:
         self, k: int, now_s: float, setpoints: Mapping[str, list[AgentSetpoint]]
     ) -> dict[str, ExchangeResponse | NodeFailure]:
         lease_s = now_s + self.settings.lease_s
+        epoch = 0 if self.leader is None else self.leader.epoch
         targets: dict[str, NodeTarget] = {}
         for name, node in self._nodes.items():
             points = tuple(setpoints.get(name, ()))
@@ -606,7 +811,12 @@ class Coordinator:
             release: tuple[int, ...] = ()
             if not self.settings.shadow:
                 release = tuple(sorted(self._releases.get(name, set()) - taken))
-            targets[name] = NodeTarget(node.url, ExchangeRequest(k, lease_s, points, release))
+            try:
+                request = ExchangeRequest(k, lease_s, points, release, epoch=epoch, node=name)
+            except ProtocolError as e:  # no agent could take it: counted as unreachable
+                logger.error("node %s: no exchange possible: %s", name, e)
+                continue
+            targets[name] = NodeTarget(node.url, request)
         if not targets:
             return {}
         responses = self.transport.exchange(targets)
@@ -617,12 +827,17 @@ class Coordinator:
                     logger.warning("node %s: unreachable: %s", name, result.reason)
                 node.reachable = False
                 node.reports = ()
+                node.steady, node.mean_w = frozenset(), {}
                 continue
             if node.reachable is False:
                 logger.info("node %s: reachable again", name)
+            sent = targets[name].request
+            node.steady, node.mean_w = _interval_power(node, result.gpus, k, self._limit_w)
             node.reachable = True
             node.reports = result.gpus
-            sent = targets[name].request
+            node.reports_at = k
+            node.sent = sent
+            node.refused = frozenset(r.gpu for r in result.refused)
             self._releases.pop(name, None)
             if sent.release:
                 logger.info("node %s: released GPU(s) %s", name, ",".join(map(str, sent.release)))
@@ -631,10 +846,45 @@ class Coordinator:
                 logger.warning(
                     "job %s: node %s refused GPU %d: %s", job, name, refusal.gpu, refusal.reason
                 )
-            for p in result.progress:
+            for p in self._allowed_progress(name, result):
                 self.running.record_progress(p.job_id, p.step, p.time_s)
         self._sampled_at = k
         return responses
+
+    def _allowed_progress(self, node: str, result: ExchangeResponse) -> list[ProgressReport]:
+        """The progress reports of ``result`` that count: sent by root or the job's owner (the
+        agent relays any local user's, with the uid the kernel gave it), from a node where the
+        job holds GPUs. Slurm clusters share uids, so the job's user name maps to one here."""
+        allowed: list[ProgressReport] = []
+        for p in result.progress:
+            job = self._known.get(p.job_id)
+            if job is None:
+                continue
+            if node in job.nodes and p.uid in (0, self._uid(job.user)):
+                allowed.append(p)
+            elif (p.job_id, node, p.uid) not in self._spoof_logged:
+                self._spoof_logged.add((p.job_id, node, p.uid))
+                logger.warning(
+                    "job %s: progress from uid %d on node %s ignored: only root or the job's "
+                    "user %s on the job's node(s) may report it",
+                    p.job_id,
+                    p.uid,
+                    node,
+                    job.user,
+                )
+        return allowed
+
+    def _uid(self, user: str) -> int | None:
+        """The uid of ``user`` on this host (None: unknown here; then only root may report)."""
+        if user not in self._uids:
+            try:
+                self._uids[user] = pwd.getpwnam(user).pw_uid
+            except KeyError:
+                logger.warning(
+                    "user %s is unknown on the head: only root may report progress", user
+                )
+                self._uids[user] = None
+        return self._uids[user]
 
     # -- 5. persist ----------------------------------------------------------------------------
 
@@ -650,16 +900,18 @@ class Coordinator:
     ) -> IntervalReport:
         jobs = self.running.jobs
         power_by_gpu = {
-            GpuRef(name, r.index): r.power_w
+            GpuRef(name, r.index): power_w
             for name, node in self._nodes.items()
             for r in node.reports
-            if r.power_w is not None
+            if (power_w := node.mean_w.get(r.index, r.power_w)) is not None
         }
         owner = {
             GpuRef(g.node, g.gpu_index): j.job_id for j in self._known.values() for g in j.gpus
         }
         trusted = self._trusted()
         try:
+            if self.leader is not None:
+                self.leader.confirm()  # fenced off during the exchange: record nothing
             with self.store.transaction():
                 self._persist_nodes(responses, now_s)
                 self._persist_progress(responses, trusted)
@@ -708,12 +960,16 @@ class Coordinator:
                 )
                 if k % PRUNE_EVERY == 0:
                     self.store.prune_measurements(self.settings.retention_s, now_s=now_s)
+        except LeadershipLostError:
+            raise
         except CdgpcError as e:
             logger.error("interval %d: not recorded in the store: %s", k, e)
-        if decision is not None:
-            self._planned_w = {
-                j.job_id: float(decision.planned_power_w[i]) for i, j in enumerate(jobs)
-            }
+        self._planned_reported_w = self._planned_w  # what this exchange's reports measured
+        self._planned_w = (
+            {}
+            if decision is None
+            else {j.job_id: float(decision.planned_power_w[i]) for i, j in enumerate(jobs)}
+        )
         views = self._job_views(decision, power_by_gpu)
         reachable = sum(1 for n in self._nodes.values() if n.reachable is True)
         return IntervalReport(
@@ -787,11 +1043,11 @@ class Coordinator:
                 self._started.add(job_id)
                 if self._known[job_id].state == "registered":
                     self.store.start_job(job_id)
-        for result in responses.values():
+        for name, result in responses.items():
             if isinstance(result, NodeFailure):
                 continue
-            for p in result.progress:
-                if p.job_id in self._known and self._progress_done.get(p.job_id) != p.step:
+            for p in self._allowed_progress(name, result):
+                if self._progress_done.get(p.job_id) != p.step:
                     self._progress_done[p.job_id] = p.step
                     self.store.record_progress(p.job_id, p.step, p.total)
 

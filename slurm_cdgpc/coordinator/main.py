@@ -2,15 +2,25 @@
 
 Start-up, in this order: load the config; open the store and bring its schema up to date; build
 the signer (outgoing exchanges) and the verifier and access policy (the API) from ``[auth]``;
-resume the `Coordinator` from the store (jobs, models, budget, interval count); start the HTTP
-API on ``head.listen_address:listen_port``; then run the control loop on the main thread, one
-interval every ``control.interval``.
+take the leader lock (`slurm_cdgpc.store.leader`), waiting for it as a standby while another
+head holds it; resume the `Coordinator` from the store (jobs, models, budget, interval count);
+start the HTTP API on ``head.listen_address:listen_port``; then run the control loop on the
+main thread, one interval every ``control.interval``.
 
-SIGTERM, SIGINT and SIGHUP stop it after the interval in progress: the API closes, exit status 0.
-The agents are not told: their lease lapses and they fall to the safe cap (DESIGN.md, "Node
-agent and safety"), which is what keeps the cluster within budget without a head. Logs go to
-stderr, one line per event (journald adds time stamps); ``CDGPC_DEBUG=1`` logs at debug level
-and shows tracebacks.
+Standby heads: every cdgpcd on one store contends for the lock; there is nothing to configure
+but ``head.leader_lease``. A standby tries every tenth of the leader lease and neither listens
+nor pushes until it holds the lock (a load balancer's health check then finds the active head).
+The active head renews the lock before every push; when it finds it lost (it was paused or cut
+off from the database for longer than the lease, and a standby took over) it pushes nothing
+more and exits with status 1, and systemd starts it again as a standby. With one head the lock
+is simply always free, except after a crash: the restarted head waits for the dead one's lease
+to run out (``head.leader_lease``, well under the agents' lease).
+
+SIGTERM, SIGINT and SIGHUP stop it after the interval in progress: the API closes, the leader
+lock is released (a standby takes over at its next try), exit status 0. The agents are not told:
+their lease lapses and they fall to the safe cap (DESIGN.md, "Node agent and safety"), which is
+what keeps the cluster within budget without a head. Logs go to stderr, one line per event
+(journald adds time stamps); ``CDGPC_DEBUG=1`` logs at debug level and shows tracebacks.
 """
 
 from __future__ import annotations
@@ -19,6 +29,7 @@ import argparse
 import logging
 import signal
 import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from types import FrameType
@@ -27,10 +38,12 @@ from typing import Final
 from slurm_cdgpc.config import Config, load_config
 from slurm_cdgpc.coordinator.api import HeadHttpServer
 from slurm_cdgpc.coordinator.daemon import Coordinator, CoordinatorSettings
-from slurm_cdgpc.errors import FatalError, InputError
+from slurm_cdgpc.coordinator.reconcile import reconcile_with_slurm
+from slurm_cdgpc.errors import CdgpcError, FatalError, InputError
 from slurm_cdgpc.service import serve
 from slurm_cdgpc.slurm.squeue import SQUEUE, SqueueError, running_jobs
-from slurm_cdgpc.store import Store, make_engine, upgrade
+from slurm_cdgpc.store import Store, StoreError, make_engine, upgrade
+from slurm_cdgpc.store.leader import LeaderLock, LeadershipLostError, default_holder
 from slurm_cdgpc.transport.auth import (
     AccessPolicy,
 )
@@ -43,8 +56,8 @@ logger = logging.getLogger(__name__)
 
 #: the longest an exchange with one node may take, whatever the interval
 MAX_EXCHANGE_TIMEOUT_S: Final = 10.0
-#: how often the head asks Slurm which jobs still run (at least two control intervals)
-RECONCILE_PERIOD_S: Final = 30.0
+#: a standby tries to take the leader lock this many times per leader lease
+STANDBY_TRIES_PER_LEASE: Final = 10
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -113,16 +126,65 @@ def run(config: Config) -> int:
             NodeExchanger(signer_from_config(config), timeout_s=timeout_s),
             SshExchanger(timeout_s=timeout_s),
         )
+        leader = LeaderLock(
+            engine,
+            default_holder(),
+            config.head.leader_lease(config.control.interval_s, config.lease.duration_s),
+        )
         try:
-            coordinator = Coordinator(store, exchanger, settings)
-            coordinator.start()
-            _serve(config, coordinator, stop)
+            coordinator = Coordinator(store, exchanger, settings, leader=leader)
+            if not wait_for_leadership(leader, stop):
+                logger.info("cdgpcd stopped as a standby")
+                return 0
+            try:
+                coordinator.start()
+                _serve(config, coordinator, stop)
+            except LeadershipLostError:
+                logger.error("another head is active: stopping without pushing again")
+                raise
+            finally:
+                _release(leader)
         finally:
             exchanger.close()
     finally:
         engine.dispose()
     logger.info("cdgpcd stopped; the agents fall to the safe cap when their lease lapses")
     return 0
+
+
+def wait_for_leadership(leader: LeaderLock, stop: threading.Event) -> bool:
+    """Take the leader lock, waiting as a standby while another head holds it; False if
+    ``stop`` was set first. Says once who holds it, and again whenever that changes."""
+    period_s = max(leader.lease_s / STANDBY_TRIES_PER_LEASE, 0.05)
+    said = ""
+    while not stop.is_set():
+        try:
+            if leader.try_acquire():
+                logger.info(
+                    "leader lock taken as %s (epoch %d, lease %gs): this head is active",
+                    leader.holder,
+                    leader.epoch,
+                    leader.lease_s,
+                )
+                return True
+            state = leader.state()
+            news = (
+                f"standby: {state.holder or 'nobody'} holds the leader lock (epoch {state.epoch})"
+            )
+        except StoreError as e:
+            news = f"standby: cannot reach the leader lock: {e}"
+        if news != said:
+            logger.info("%s; trying every %gs", news, period_s)
+            said = news
+        stop.wait(period_s)
+    return False
+
+
+def _release(leader: LeaderLock) -> None:
+    try:
+        leader.release()
+    except StoreError as e:
+        logger.warning("leader lock not released (a standby waits for its lease): %s", e)
 
 
 def _serve(config: Config, coordinator: Coordinator, stop: threading.Event) -> None:
@@ -135,8 +197,11 @@ def _serve(config: Config, coordinator: Coordinator, stop: threading.Event) -> N
         raise FatalError(f"cannot listen on {address[0]}:{address[1]}: {e.strerror or e}") from e
     thread = threading.Thread(target=server.serve_forever, name="http", daemon=True)
     thread.start()
-    if SQUEUE.exists():
-        period_s = max(RECONCILE_PERIOD_S, 2 * config.control.interval_s)
+    if not config.head.reconcile:
+        logger.info("head.reconcile = false: no reconcile with Slurm")
+    elif SQUEUE.exists():
+        # at least two control intervals: squeue may take seconds on a busy controller
+        period_s = max(config.head.reconcile_interval_s, 2 * config.control.interval_s)
         threading.Thread(
             target=_reconcile_until,
             args=(coordinator, stop, period_s),
@@ -147,12 +212,13 @@ def _serve(config: Config, coordinator: Coordinator, stop: threading.Event) -> N
         logger.info("%s not found: no reconcile with Slurm", SQUEUE)
     try:
         logger.info(
-            "cdgpcd listening on %s:%d (%s auth), interval %gs, lease %gs%s",
+            "cdgpcd listening on %s:%d (%s auth), interval %gs, lease %gs, leader epoch %d%s",
             address[0],
             server.port,
             config.auth.method,
             config.control.interval_s,
             config.lease.duration_s,
+            coordinator.leader.epoch if coordinator.leader is not None else 0,
             ", SHADOW MODE: nothing is applied" if config.control.shadow else "",
         )
         coordinator.run(stop)
@@ -163,15 +229,19 @@ def _serve(config: Config, coordinator: Coordinator, stop: threading.Event) -> N
 
 
 def _reconcile_until(coordinator: Coordinator, stop: threading.Event, period_s: float) -> None:
-    """Every ``period_s``, drop jobs Slurm no longer runs (off the control thread: squeue may
-    take seconds on a busy controller)."""
+    """Every ``period_s``, finish jobs Slurm no longer runs and adopt running jobs that never
+    registered (`slurm_cdgpc.coordinator.reconcile`), off the control thread: squeue may take
+    seconds on a busy controller. The grace period is one reconcile period."""
     while not stop.wait(period_s):
         try:
             running = running_jobs()
         except SqueueError as e:
             logger.warning("reconcile skipped: %s", e)
             continue
-        coordinator.reconcile(running.keys(), grace_s=period_s)
+        try:
+            reconcile_with_slurm(coordinator, running, now_s=time.time(), grace_s=period_s)
+        except CdgpcError as e:
+            logger.warning("reconcile failed, next try in %gs: %s", period_s, e)
 
 
 if __name__ == "__main__":

@@ -197,6 +197,8 @@ class LocalCluster:
         head = (
             f'[head]\nlisten_address = "127.0.0.1"\nlisten_port = {self.head_port}\n'
             f'url = "{self.head_url}"\n'
+            # the demo's jobs are not this machine's Slurm's: no reconcile with squeue
+            "reconcile = false\n"
             f'[store]\nurl = "{self.store_url}"\n'
             f'[budget]\ninitial = "{self.initial_budget_w:.0f}W"\n'
         )
@@ -256,15 +258,11 @@ class LocalCluster:
                 ["--config", str(node.config_path), "--node-name", node.spec.name],
                 env,
             )
-        # the demo's jobs are not this machine's Slurm's: if squeue is installed, the head must
-        # not reconcile with it (it would deregister every job). An empty SLURM_CONF makes
-        # squeue fail at once (a missing one makes it retry for a minute), and the head then
-        # skips the reconcile with a warning in its log.
         head = self._spawn(
             "cdgpcd",
             "slurm_cdgpc.coordinator.main",
             ["--config", str(self.head_config_path)],
-            self.child_env({"SLURM_CONF": os.devnull}),
+            self.child_env(),
         )
         on_step(f"started cdgpcd and {len(self.nodes)} cdgpc-noded; waiting for them to listen")
         unsigned = HeadClient(self.head_url, None, timeout_s=2.0)

@@ -1,17 +1,19 @@
 """What a run did, from the head's store alone: the summary figures and two PNG plots.
 
 Used by ``cdgpc-admin demo`` at the end of a run and by ``cdgpc-admin report`` on any store.
-Cluster power at interval k is the sum of every GPU's power the head recorded at k (the
-measurements written in the same transaction as decision k: readings taken as decision k's clocks
-were applied), compared with the budget decision k was made for. A job's predicted finish is its
-recorded finish once its Epilog ran; for a job still running it is the last interval's time plus
-its remaining iterations at its average pace so far (``iterations_done`` since registration).
+Cluster power under decision k is the sum of every GPU's power the head recorded at the next
+interval (the agents read their GPUs before they apply a decision, so the measurements written
+with decision k + 1 describe the interval decision k's clocks ran), compared with the budget
+decision k was made for. A job's predicted finish is its recorded finish once its Epilog ran;
+for a job still running it is the last interval's time plus its remaining iterations at its
+average pace so far (``iterations_done`` since registration).
 
 matplotlib is imported lazily, with the Agg backend (the ``report`` extra).
 """
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections import defaultdict
 from collections.abc import Sequence
@@ -64,10 +66,12 @@ class RunData:
     def over_budget_pct(self) -> list[tuple[DecisionRecord, float, float]]:
         """(decision, cluster power, % over its budget) for every decision with both."""
         out = []
+        times = sorted(self.power_w)
         for d in self.decisions:
-            power_w = self.power_w.get(d.time_s)
-            if power_w is None or not math.isfinite(d.budget_w) or d.budget_w <= 0:
+            after = bisect.bisect_right(times, d.time_s)  # the next interval's readings
+            if after == len(times) or not math.isfinite(d.budget_w) or d.budget_w <= 0:
                 continue
+            power_w = self.power_w[times[after]]
             out.append((d, power_w, 100.0 * (power_w - d.budget_w) / d.budget_w))
         return out
 

@@ -219,3 +219,26 @@ class SetpointRow(Base):
     predicted_power_w: Mapped[float] = mapped_column(Double)
 
     decision: Mapped[DecisionRow] = relationship(back_populates="setpoints")
+
+
+class LeaderRow(Base):
+    """The leader lock of the active ``cdgpcd`` (one row; `slurm_cdgpc.store.leader`).
+
+    ``epoch`` is the fencing token: it rises at every change of holder (to the database's clock
+    in milliseconds, or by one), every exchange carries it, and an agent refuses one older than
+    the newest it has seen.
+    """
+
+    __tablename__ = "leader"
+    __table_args__ = (
+        CheckConstraint("id = 1", name="leader_one_row"),
+        CheckConstraint("epoch >= 0", name="leader_epoch"),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
+    #: who holds it (``host:pid``); '' when free
+    holder: Mapped[str] = mapped_column(String(255))
+    epoch: Mapped[int] = mapped_column(BigInteger)
+    acquired_at_s: Mapped[float] = mapped_column(Double)
+    #: on the database's clock
+    expires_at_s: Mapped[float] = mapped_column(Double)

@@ -68,10 +68,16 @@ class Agent:
             conn.close()
 
     def exchange(self, *setpoints: Setpoint, lease_s: float = 30.0) -> ExchangeResponse:
-        body = ExchangeRequest(1, time.time() + lease_s, setpoints).to_json()
+        """One exchange; its readings were taken before its setpoints applied."""
+        body = ExchangeRequest(1, time.time() + lease_s, setpoints, node="node1").to_json()
         status, data = self.post(body, self.signer.sign("POST", EXCHANGE, body))
         assert status == 200, data
         return ExchangeResponse.from_json(data)
+
+    def settle(self, *setpoints: Setpoint, lease_s: float = 30.0) -> ExchangeResponse:
+        """An exchange, then an empty one whose readings show what the first left in force."""
+        self.exchange(*setpoints, lease_s=lease_s)
+        return self.exchange(lease_s=lease_s)
 
     def stderr(self) -> str:
         return self.log.read_text(errors="replace")
@@ -173,13 +179,14 @@ def test_authenticated_exchange_applies_clocks_and_reports(
     start_agent: Callable[[], Agent],
 ) -> None:
     agent = start_agent()
-    response = agent.exchange(Setpoint(0, "77", 1200), Setpoint(1, "78", 1201))
-    assert response.node == "node1"
-    assert _cap(response, 0) == 1200 and _gpu(response, 0).job_id == "77"
-    assert _cap(response, 1) is None
-    assert [(r.gpu, "1201 MHz is not supported" in r.reason) for r in response.refused] == [
+    applied = agent.exchange(Setpoint(0, "77", 1200), Setpoint(1, "78", 1201))
+    assert applied.node == "node1"
+    assert [(r.gpu, "1201 MHz is not supported" in r.reason) for r in applied.refused] == [
         (1, True)
     ]
+    response = agent.exchange()  # read before anything changes: what the last one left
+    assert _cap(response, 0) == 1200 and _gpu(response, 0).job_id == "77"
+    assert _cap(response, 1) is None
     g = _gpu(response, 0)
     assert g.error is None and g.power_w is not None and g.power_w > 0
     state = json.loads(agent.state_file.read_text())
@@ -209,15 +216,17 @@ def test_authenticated_exchange_applies_clocks_and_reports(
 
 def test_bad_requests_are_refused_and_change_nothing(start_agent: Callable[[], Agent]) -> None:
     agent = start_agent()
-    assert _cap(agent.exchange(Setpoint(0, "5", 1200)), 0) == 1200
+    assert _cap(agent.settle(Setpoint(0, "5", 1200)), 0) == 1200
     assert agent.get("/v1/health") == (200, b'{"ok":true}')
     assert agent.get(EXCHANGE)[0] == 405
     assert agent.get("/v1/nothing")[0] == 404
 
-    attack = ExchangeRequest(1, time.time() + 30, (Setpoint(0, "5", 600),)).to_json()
+    attack = ExchangeRequest(1, time.time() + 30, (Setpoint(0, "5", 600),), node="node1").to_json()
     forged = HmacSigner(HmacKey(secrets.token_bytes(32)), uid=0, gid=0)
     valid = agent.signer.sign("POST", EXCHANGE, attack)
-    other_body = ExchangeRequest(1, time.time() + 30, (Setpoint(0, "5", 1005),)).to_json()
+    other_body = ExchangeRequest(
+        1, time.time() + 30, (Setpoint(0, "5", 1005),), node="node1"
+    ).to_json()
     cases = {
         "no credential": agent.post(attack),
         "forged key": agent.post(attack, forged.sign("POST", EXCHANGE, attack)),
@@ -237,10 +246,17 @@ def test_bad_requests_are_refused_and_change_nothing(start_agent: Callable[[], A
     }
     assert b"replay" in cases["replay"][1]
     assert _cap(agent.exchange(), 0) == 600  # only the one valid use applied
-    assert _cap(agent.exchange(Setpoint(0, "5", 1200)), 0) == 1200
+    assert _cap(agent.settle(Setpoint(0, "5", 1200)), 0) == 1200
 
     bad_json = json.dumps(
-        {"version": 1, "interval": -1, "lease_expires_s": 1e9, "setpoints": [], "release": []}
+        {
+            "version": 1,
+            "node": "node1",
+            "interval": -1,
+            "lease_expires_s": 1e9,
+            "setpoints": [],
+            "release": [],
+        }
     ).encode()
     status, data = agent.post(bad_json, agent.signer.sign("POST", EXCHANGE, bad_json))
     assert status == 400 and b"interval" in data and b"\n" not in data
@@ -253,6 +269,23 @@ def test_bad_requests_are_refused_and_change_nothing(start_agent: Callable[[], A
         assert raw.recv(100).startswith(b"HTTP/1.1 411")
     assert _cap(agent.exchange(), 0) == 1200
     assert agent.proc.poll() is None
+
+
+def test_a_request_for_another_node_is_refused_and_changes_nothing(
+    start_agent: Callable[[], Agent],
+) -> None:
+    """A request signed for node2 (captured on its way there) is no good on node1."""
+    agent = start_agent()
+    assert _cap(agent.settle(Setpoint(0, "5", 1200)), 0) == 1200
+    before = agent.state_file.read_text()
+    body = ExchangeRequest(1, time.time() + 30, (Setpoint(0, "5", 600),), node="node2").to_json()
+    status, data = agent.post(body, agent.signer.sign("POST", EXCHANGE, body))
+    assert status == 401
+    assert json.loads(data) == {
+        "error": "exchange refused: the request is for node node2, this is node node1"
+    }
+    assert agent.state_file.read_text() == before
+    assert _cap(agent.exchange(), 0) == 1200
 
 
 def test_kill9_then_restart_restores_defaults_first(start_agent: Callable[[], Agent]) -> None:
@@ -285,12 +318,14 @@ def test_sigterm_restores_defaults_and_exits_0(start_agent: Callable[[], Agent])
 
 def test_lease_expiry_moves_gpus_to_the_safe_cap(start_agent: Callable[[], Agent]) -> None:
     agent = start_agent()
-    assert _cap(agent.exchange(Setpoint(0, "4", 1410), lease_s=0.8), 0) == 1410
+    assert _cap(agent.settle(Setpoint(0, "4", 1410), lease_s=0.8), 0) == 1410
     deadline = time.monotonic() + 5
     while "lease lapsed" not in agent.stderr():
         assert time.monotonic() < deadline, agent.stderr()
         time.sleep(0.1)
-    response = agent.exchange()  # control is back, but GPU 0's job got no new setpoint
+    lapsed = agent.exchange()  # control is back, but GPU 0's job got no new setpoint
+    assert [_cap(lapsed, i) for i in (0, 1)] == [SAFE_MHZ, SAFE_MHZ]  # the lapse capped both
+    response = agent.exchange()
     assert _cap(response, 0) == SAFE_MHZ
     assert _cap(response, 1) is None  # idle: capped by the lapse only, back to defaults
-    assert _cap(agent.exchange(Setpoint(0, "4", 1410)), 0) == 1410
+    assert _cap(agent.settle(Setpoint(0, "4", 1410)), 0) == 1410

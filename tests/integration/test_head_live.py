@@ -8,6 +8,7 @@ restarted head resumes the job with its learned model.
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import secrets
@@ -18,6 +19,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -113,6 +115,17 @@ class Site:
         return "\n".join(f"== {p.log.name}\n{p.text()[-3000:]}" for p in self.procs)
 
 
+def _agent_healthy(port: int) -> bool:
+    """The agent's ``GET /v1/health`` answers ``{"ok": true}`` (unauthenticated)."""
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
+    try:
+        connection.request("GET", "/v1/health")
+        response = connection.getresponse()
+        return response.status == 200 and json.loads(response.read()) == {"ok": True}
+    finally:
+        connection.close()
+
+
 def _config(path: Path, body: str) -> Path:
     path.write_text(body)
     return path
@@ -182,7 +195,8 @@ listen_port = {port}
         agent = s.start(
             "slurm_cdgpc.agent.main", "--config", str(config), "--node-name", node, name=node
         )
-        _wait("agent listens", lambda a=agent: "listening on" in a.text(), 20, agent.text)
+        # its HTTP endpoint, not its log: the progress socket logs "listening on" first
+        _wait("agent answers", partial(_agent_healthy, port), 20, agent.text)
     yield s
     for p in s.procs:
         if p.proc.poll() is None:

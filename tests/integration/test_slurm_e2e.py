@@ -35,6 +35,8 @@ HARNESS = REPO / "tests" / "slurm" / "harness.sh"
 NODES = ("n1", "n2")
 INTERVAL_S = 0.5
 LEASE_S = 3.0
+#: the head's reconcile with squeue (and its grace period)
+RECONCILE_S = 2.0
 
 
 def _free_port() -> int:
@@ -166,6 +168,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     head_config = tmp / "head.toml"
     head_config.write_text(
         common + f'[head]\nlisten_address = "127.0.0.1"\nlisten_port = {head_port}\n'
+        f'reconcile_interval = "{RECONCILE_S}s"\n'
         f'[store]\nurl = "sqlite:///{tmp / "cdgpc.db"}"\n'
     )
     hooks_config = tmp / "hooks.toml"
@@ -310,6 +313,35 @@ def test_head_down_job_starts_and_spool_arrives(slurm: Cluster) -> None:
     assert seen["deadline_s"] == 1893456000.0
     subprocess.run(["scancel", job], check=True)
     wait("scancel deregisters", lambda: job not in slurm.jobs(), 15, slurm.logs)
+
+
+def test_a_running_job_whose_registration_was_lost_is_adopted(slurm: Cluster) -> None:
+    slurm.stop("head")
+    job = slurm.sbatch(
+        "--comment=project x deadline=2030-01-01T00:00Z iters=700",
+        "--gres=gpu:2",
+        "--wrap",
+        "sleep 60",
+    )
+    wait("job running without a head", lambda: _running(slurm, job), 15, slurm.logs)
+    wait(
+        "Prolog spooled",
+        lambda: any(j == job for j, _ in slurm.hook_times("prolog")),
+        5,
+        slurm.logs,
+    )
+    for record in (slurm.lab / "spool").iterdir():
+        record.unlink()  # the node lost its spool: only Slurm knows the job now
+    slurm.start_head()
+    seen = wait("job adopted by the reconcile", lambda: slurm.jobs().get(job), 20, slurm.logs)
+    assert seen["state"] == "adopted"
+    assert seen["deadline_s"] == 1893456000.0 and seen["iterations_total"] == 700
+    [node] = {g["node"] for g in seen["gpus"]}
+    assert sorted(g["index"] for g in seen["gpus"]) == [0, 1]
+    wait("clocks applied", lambda: set(slurm.locks(node)) == {0, 1}, 10, slurm.logs)
+    subprocess.run(["scancel", job], check=True)
+    wait("scancel deregisters", lambda: job not in slurm.jobs(), 15, slurm.logs)
+    wait("GPUs released", lambda: slurm.locks(node) == {}, 10, slurm.logs)
 
 
 def test_two_node_job_registers_both_nodes(slurm: Cluster) -> None:

@@ -10,7 +10,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
@@ -160,7 +160,7 @@ def _exchanger(
 
 
 def _request(*setpoints: Setpoint, release: Sequence[int] = ()) -> ExchangeRequest:
-    return ExchangeRequest(7, time.time() + 30, setpoints, tuple(release))
+    return ExchangeRequest(7, time.time() + 30, setpoints, tuple(release), node="node1")
 
 
 def _gpu(response: ExchangeResponse | NodeFailure, index: int) -> GpuReport:
@@ -174,9 +174,10 @@ def test_setpoints_go_out_and_readings_come_back_over_ssh(
 ) -> None:
     exchanger = _exchanger(sshd, tmp_path, node.config)
     try:
-        applied = exchanger.exchange(
-            {"node1": NodeTarget(ssh_url("node1"), _request(Setpoint(0, "77", 1200)))}
-        )["node1"]
+        target = {"node1": NodeTarget(ssh_url("node1"), _request(Setpoint(0, "77", 1200)))}
+        exchanger.exchange(target)
+        # an agent reads before it applies: the next answer shows what this one left in force
+        applied = exchanger.exchange({"node1": NodeTarget(ssh_url("node1"), _request())})["node1"]
         assert isinstance(applied, ExchangeResponse), applied
         assert applied.node == "node1"
         locked = _gpu(applied, 0).locked
@@ -193,10 +194,16 @@ def test_setpoints_go_out_and_readings_come_back_over_ssh(
         assert [(r.gpu, "1201 MHz is not supported" in r.reason) for r in refused.refused] == [
             (1, True)
         ]
-        released = exchanger.exchange(
-            {"node1": NodeTarget(ssh_url("node1"), _request(release=[0]))}
-        )["node1"]
+        exchanger.exchange({"node1": NodeTarget(ssh_url("node1"), _request(release=[0]))})
+        released = exchanger.exchange({"node1": NodeTarget(ssh_url("node1"), _request())})["node1"]
         assert _gpu(released, 0).locked is None and _gpu(released, 0).job_id is None
+        # a request for another node is refused by the agent behind ssh, changing nothing
+        other = replace(_request(Setpoint(0, "77", 600)), node="node2")
+        wrong = exchanger.exchange({"node1": NodeTarget(ssh_url("node1"), other)})["node1"]
+        assert isinstance(wrong, NodeFailure)
+        assert "HTTP 401" in wrong.reason and "for node node2, this is node node1" in wrong.reason
+        after = exchanger.exchange({"node1": NodeTarget(ssh_url("node1"), _request())})["node1"]
+        assert _gpu(after, 0).locked is None
     finally:
         exchanger.close()
 

@@ -288,11 +288,6 @@ def test_fuzz_config_loader(scratch: Path) -> None:
         run_env()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="config.py _read_file catches OSError and TOMLDecodeError but not the "
-    "UnicodeDecodeError tomllib raises on bytes that are not UTF-8",
-)
 def test_a_config_file_that_is_not_utf8_is_a_config_error(scratch: Path) -> None:
     with pytest.raises(CdgpcError, match=r"cdgpc\.toml"):
         _load(scratch / "cdgpc.toml", b'[control]\ninterval = "\x80"\n')
@@ -391,6 +386,8 @@ def test_fuzz_trace_loaders(scratch: Path) -> None:
 _exchange_like = st.fixed_dictionaries(
     {
         "version": st.sampled_from([1, 2, True, "1"]) | json_values,
+        # this agent's name, or no host name at all (another node's name is a 401, not a 400)
+        "node": st.sampled_from(["node1", "", "../etc", "a b", 1, None, True, ["node1"]]),
         "interval": st.integers(min_value=-5, max_value=2**60) | json_values,
         "lease_expires_s": st.floats() | st.integers() | json_values,
         "setpoints": st.lists(
@@ -512,7 +509,7 @@ def _agent_state(agent: Daemon) -> object:
 
 
 def _renew(agent: Daemon) -> None:
-    lease = {"version": 1, "interval": 1, "lease_expires_s": time.time() + 3600}
+    lease = {"version": 1, "node": "node1", "interval": 1, "lease_expires_s": time.time() + 3600}
     agent.ok("POST", "/v1/exchange", {**lease, "setpoints": [], "release": []})
 
 

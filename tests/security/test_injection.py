@@ -147,11 +147,6 @@ def test_hostile_agent_urls_are_refused_or_inert(head: Daemon, canary: Path) -> 
 
 
 @pytest.mark.live
-@pytest.mark.xfail(
-    strict=True,
-    reason="POST /v1/nodes checks an agent URL with a pattern that admits hosts such as '-', "
-    "'--' and '..' (coordinator/api.py _URL); the transports refuse or cannot use them",
-)
 def test_the_head_refuses_agent_urls_whose_host_is_not_a_host_name(head: Daemon) -> None:
     for url in ("ssh://-", "ssh://--", "http://-", "http://../../etc"):
         body = json.dumps({"node": "node1", "url": url}).encode()
@@ -184,7 +179,7 @@ def fake_ssh(tmp_path: Path) -> tuple[Path, Path]:
 
 
 def _target(url: str) -> NodeTarget:
-    return NodeTarget(url, ExchangeRequest(interval=1, lease_expires_s=1.0))
+    return NodeTarget(url, ExchangeRequest(interval=1, lease_expires_s=1.0, node="node1"))
 
 
 def test_the_ssh_transport_never_starts_ssh_for_a_hostile_host(

@@ -71,6 +71,7 @@ class MungeSite:
 def _exchange(job: str, gpu: int) -> dict[str, object]:
     return {
         "version": 1,
+        "node": "node1",
         "interval": 1,
         "lease_expires_s": time.time() + 3600,
         "setpoints": [{"gpu": gpu, "job_id": job, "graphics_mhz": 1200}],

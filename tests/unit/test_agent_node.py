@@ -10,7 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from slurm_cdgpc.agent.node import NodeAgent, safe_clock_mhz
+from slurm_cdgpc.agent.node import (
+    MAX_PROGRESS_PER_UID,
+    NodeAgent,
+    StaleEpochError,
+    WrongNodeError,
+    safe_clock_mhz,
+)
 from slurm_cdgpc.agent.protocol import ExchangeRequest, ExchangeResponse, GpuReport, Setpoint
 from slurm_cdgpc.config import SafeCap
 from slurm_cdgpc.errors import InputError
@@ -73,12 +79,16 @@ def request(
     release: tuple[int, ...] = (),
     lease_s: float = LEASE_S,
     interval: int = 1,
+    epoch: int = 0,
+    node: str = "gpu01",
 ) -> ExchangeRequest:
     return ExchangeRequest(
         interval=interval,
         lease_expires_s=clock() + lease_s,
         setpoints=setpoints,
         release=release,
+        epoch=epoch,
+        node=node,
     )
 
 
@@ -97,11 +107,15 @@ def report(response: ExchangeResponse, index: int) -> GpuReport:
 def test_setpoints_are_applied_to_the_right_gpus(
     agent: NodeAgent, gpus: GpuSet, clock: ManualClock
 ) -> None:
-    response = agent.exchange(
+    applied = agent.exchange(
         request(clock, Setpoint(1, "101", 1200), Setpoint(3, "102_7", 900, 1593))
     )
     assert caps(gpus) == {0: None, 1: 1200, 2: None, 3: 900}
-    assert response.refused == ()
+    assert applied.refused == ()
+    # its readings were taken before the setpoints applied: the interval that ended, unlocked
+    assert [(g.job_id, g.locked) for g in applied.gpus] == [(None, None)] * 4
+    clock.advance(1.0)
+    response = agent.exchange(request(clock))
     assert response.node == "gpu01"
     assert report(response, 1).job_id == "101"
     assert report(response, 3).job_id == "102_7"
@@ -143,7 +157,9 @@ def test_failed_write_is_reported_and_other_gpus_are_applied(
     assert caps(gpus) == {0: 1110, 1: 1110, 2: None, 3: 1110}
     assert [r.gpu for r in response.refused] == [2]
     assert "injected fault" in response.refused[0].reason
-    assert report(response, 2).job_id is None  # never claimed as applied
+    after = agent.exchange(request(clock))
+    assert report(after, 2).job_id is None  # never claimed as applied
+    assert report(after, 1).job_id == "101"
 
 
 def test_released_gpu_is_reset_and_its_progress_dropped(
@@ -154,7 +170,8 @@ def test_released_gpu_is_reset_and_its_progress_dropped(
     agent.record_progress("6", 3, None, uid=1001)
     response = agent.exchange(request(clock, Setpoint(1, "6", 1005), release=(0,)))
     assert caps(gpus) == {0: None, 1: 1005, 2: None, 3: None}
-    assert report(response, 0).job_id is None
+    assert report(response, 0).job_id == "5"  # read before the release: job 5 ran until now
+    assert report(agent.exchange(request(clock)), 0).job_id is None
     assert [(p.job_id, p.step, p.total, p.uid) for p in response.progress] == [("6", 3, None, 1001)]
 
 
@@ -232,7 +249,7 @@ def test_on_lapse_reset_and_keep(
         node_name="n",
         on_lapse="keep",
     )
-    keep.exchange(request(clock, Setpoint(0, "1", 900)))
+    keep.exchange(request(clock, Setpoint(0, "1", 900), node="n"))
     clock.advance(LEASE_S + 1)
     assert keep.tick().lapsed
     assert caps(gpus)[0] == 900
@@ -252,10 +269,12 @@ def test_gpu_whose_read_fails_is_reported_not_fatal(
     agent: NodeAgent, gpus: GpuSet, clock: ManualClock
 ) -> None:
     sim(gpus, 1).fail_reads = True
-    response = agent.exchange(request(clock, Setpoint(1, "3", 1005)))
+    agent.exchange(request(clock, Setpoint(1, "3", 1005)))
+    response = agent.exchange(request(clock))
     bad = report(response, 1)
     assert bad.error is not None and "fell off the bus" in bad.error
     assert bad.power_w is None and bad.energy_j is None and bad.sm_clock_mhz is None
+    assert bad.read_s is None
     assert bad.locked is not None and bad.locked.graphics_max_mhz == 1005
     assert all(report(response, i).error is None for i in (0, 2, 3))
 
@@ -275,6 +294,124 @@ def test_garbage_power_is_never_trusted(agent: NodeAgent, gpus: GpuSet, clock: M
     assert (
         ExchangeResponse.from_json(agent.exchange(request(clock)).to_json()).gpus[0].power_w is None
     )
+
+
+def test_on_hopper_each_reading_describes_the_interval_that_ended(
+    tmp_path: Path, clock: ManualClock
+) -> None:
+    """An H100 reports power averaged over the last second. Read right after a clock change,
+    as the agent used to, that reading still is the old clock's power next to the new clock;
+    read before the change, it is the power of the clock reported with it, and the energy
+    counter's difference over the interval is the interval's true mean power."""
+    h100 = simulated_gpus("H100-SXM", 1, seed=3, time_source=clock)
+    gpu = sim(h100, 0)
+    gpu.attach("resnet50")
+    agent = NodeAgent(
+        h100, SafeCap(clock_fraction=0.6), tmp_path / "s.json", clock, node_name="gpu01"
+    )
+    previous: GpuReport | None = None
+    after_errors, before_errors, mean_errors = [], [], []
+    for interval, mhz in enumerate((1980, 1005, 1755, 1200, 1500, 990, 1950), start=1):
+        clock.advance(1.0)
+        drawn_w = gpu.true_power_w  # constant since the last exchange
+        now = report(agent.exchange(request(clock, Setpoint(0, "7", mhz), interval=interval)), 0)
+        then = gpu.read()  # what the agent used to report: read after applying the new clock
+        assert then.sm_clock_mhz == mhz or interval == 1
+        after_errors.append(abs(then.power_w - gpu.true_power_w) / gpu.true_power_w)
+        assert now.power_w is not None and now.energy_j is not None and now.read_s is not None
+        if previous is not None:
+            assert now.locked is not None and now.job_id == "7"
+            before_errors.append(abs(now.power_w - drawn_w) / drawn_w)
+            assert previous.energy_j is not None and previous.read_s is not None
+            mean_w = (now.energy_j - previous.energy_j) / (now.read_s - previous.read_s)
+            mean_errors.append(abs(mean_w - drawn_w) / drawn_w)
+        previous = now
+    # the first lock (1980 MHz) is the default clock; every later change reads ≥ 10 % off
+    assert min(after_errors[1:]) > 0.10
+    assert max(before_errors) < 0.04  # the reading's 1 % noise, no more
+    assert max(mean_errors) < 1e-9
+
+
+# -- fencing: the leader epoch ------------------------------------------------------------------
+
+
+def test_an_older_leader_epoch_is_refused_and_changes_nothing(
+    agent: NodeAgent, gpus: GpuSet, clock: ManualClock, state_file: Path
+) -> None:
+    agent.exchange(request(clock, Setpoint(0, "1", 1005), Setpoint(1, "2", 1005), epoch=3))
+    lease_s = agent.lease_expires_s
+    clock.advance(10.0)
+    # the head that held epoch 2 wakes up and pushes what it decided before it was paused
+    stale = request(clock, Setpoint(0, "1", 600), release=(1,), lease_s=LEASE_S, epoch=2)
+    with pytest.raises(StaleEpochError, match="leader epoch 2 is older than epoch 3") as info:
+        agent.exchange(stale)
+    assert isinstance(info.value, InputError) and "\n" not in str(info.value)
+    assert caps(gpus) == {0: 1005, 1: 1005, 2: None, 3: None}  # neither set nor released
+    assert agent.lease_expires_s == lease_s  # nor did it renew the lease
+    assert agent.epoch == 3 and json.loads(state_file.read_text())["epoch"] == 3
+    # so the lease still lapses on time: a stale head cannot keep the node from its safe cap
+    clock.advance(LEASE_S)
+    assert agent.tick().lapsed
+    assert caps(gpus) == {0: SAFE_MHZ, 1: SAFE_MHZ, 2: SAFE_MHZ, 3: SAFE_MHZ}
+
+
+def test_the_same_or_a_newer_epoch_is_obeyed_and_remembered(
+    agent: NodeAgent, gpus: GpuSet, clock: ManualClock
+) -> None:
+    agent.exchange(request(clock, Setpoint(0, "1", 1005), epoch=3))
+    agent.exchange(request(clock, Setpoint(0, "1", 900), epoch=3))
+    assert caps(gpus)[0] == 900
+    agent.exchange(request(clock, Setpoint(0, "1", 1200), epoch=5))  # a standby took over
+    assert caps(gpus)[0] == 1200 and agent.epoch == 5
+    for old in (0, 3, 4):
+        with pytest.raises(StaleEpochError):
+            agent.exchange(request(clock, Setpoint(0, "1", 600), epoch=old))
+    assert caps(gpus)[0] == 1200
+
+
+def test_the_epoch_outlives_a_clean_restart_of_the_agent(
+    gpus: GpuSet, clock: ManualClock, state_file: Path, make_agent: AgentFactory
+) -> None:
+    first = make_agent()
+    first.exchange(request(clock, Setpoint(0, "1", 1005), epoch=4))
+    first.restore_defaults()  # SIGTERM: every GPU back to defaults, but the epoch is kept
+    assert json.loads(state_file.read_text()) | {"pid": 0, "written_s": 0} == {
+        "version": 1,
+        "node": "gpu01",
+        "pid": 0,
+        "written_s": 0,
+        "epoch": 4,
+        "locks": [],
+    }
+    second = make_agent()
+    assert not second.recovered_stale_state  # an empty lock list is no crash
+    assert second.epoch == 4
+    with pytest.raises(StaleEpochError):
+        second.exchange(request(clock, Setpoint(0, "1", 600), epoch=3))
+    assert caps(gpus) == {0: None, 1: None, 2: None, 3: None}
+
+
+def test_the_epoch_outlives_a_crash_of_the_agent(
+    gpus: GpuSet, clock: ManualClock, state_file: Path, make_agent: AgentFactory
+) -> None:
+    make_agent().exchange(request(clock, Setpoint(0, "1", 1005), epoch=6))
+    # the agent "crashes" with GPU 0 locked; the next one resets it and still knows epoch 6
+    second = make_agent()
+    assert second.recovered_stale_state
+    assert caps(gpus)[0] is None
+    assert second.epoch == 6 and json.loads(state_file.read_text())["locks"] == []
+    with pytest.raises(StaleEpochError):
+        second.exchange(request(clock, Setpoint(0, "1", 600), epoch=5))
+
+
+def test_a_new_epoch_is_recorded_before_anything_is_applied(
+    agent: NodeAgent, gpus: GpuSet, clock: ManualClock, state_file: Path
+) -> None:
+    """Even an exchange that sets nothing moves the epoch on, durably: the old head is fenced
+    off from the first contact with the new one."""
+    agent.exchange(request(clock, epoch=2))
+    assert caps(gpus) == {0: None, 1: None, 2: None, 3: None}
+    assert json.loads(state_file.read_text())["epoch"] == 2
 
 
 # -- state file, recovery, shutdown ------------------------------------------------------------
@@ -358,6 +495,28 @@ def test_restore_defaults_tries_every_gpu(
     assert not state_file.exists()
 
 
+# -- one node per request ----------------------------------------------------------------------
+
+
+def test_a_request_for_another_node_is_refused_and_changes_nothing(
+    agent: NodeAgent, gpus: GpuSet, clock: ManualClock, state_file: Path
+) -> None:
+    """A request captured on its way to gpu02 and replayed here (its credential binds the body,
+    so the node name too) sets no clock, releases nothing, renews no lease, raises no epoch."""
+    agent.exchange(request(clock, Setpoint(0, "1", 1005), Setpoint(1, "2", 1005), epoch=3))
+    lease_s, before = agent.lease_expires_s, state_file.read_text()
+    clock.advance(10.0)
+    captured = request(clock, Setpoint(0, "1", 600), release=(1,), epoch=4, node="gpu02")
+    with pytest.raises(WrongNodeError, match="for node gpu02, this is node gpu01") as info:
+        agent.exchange(captured)
+    assert isinstance(info.value, InputError) and "\n" not in str(info.value)
+    assert caps(gpus) == {0: 1005, 1: 1005, 2: None, 3: None}
+    assert agent.lease_expires_s == lease_s and agent.epoch == 3
+    assert state_file.read_text() == before
+    clock.advance(LEASE_S)
+    assert agent.tick().lapsed  # so the replay could not keep this node from its safe cap
+
+
 # -- progress ----------------------------------------------------------------------------------
 
 
@@ -369,11 +528,29 @@ def test_progress_keeps_the_latest_per_job(agent: NodeAgent, clock: ManualClock)
     assert (p.job_id, p.step, p.total, p.uid, p.time_s) == ("12", 4, 10, 1000, clock())
 
 
-def test_progress_of_a_job_belongs_to_its_first_reporter(agent: NodeAgent) -> None:
-    agent.record_progress("12", 1, None, uid=1000)
-    with pytest.raises(InputError, match="uid 1000, not 1001"):
-        agent.record_progress("12", 99, None, uid=1001)
-    agent.record_progress("12", 2, None, uid=0)  # root may
+def test_another_user_can_neither_overwrite_nor_lock_out_a_jobs_progress(
+    agent: NodeAgent, clock: ManualClock
+) -> None:
+    """Each uid's report is kept apart (the head keeps root's and the owner's only): a user who
+    reports another's job first does not own it, and cannot overwrite the owner's report."""
+    agent.record_progress("12", 999, None, uid=65534)  # first, and not the owner
+    agent.record_progress("12", 5, 100, uid=1000)
+    clock.advance(1)
+    agent.record_progress("12", 998, None, uid=65534)
+    agent.record_progress("12", 7, 100, uid=0)
+    reports = {p.uid: p.step for p in agent.exchange(request(clock)).progress}
+    assert reports == {1000: 5, 65534: 998, 0: 7}
+
+
+def test_one_user_flooding_job_ids_keeps_only_its_own_latest(
+    agent: NodeAgent, clock: ManualClock
+) -> None:
+    agent.record_progress("12", 5, None, uid=1000)
+    for job in range(1, MAX_PROGRESS_PER_UID + 50):
+        agent.record_progress(str(job + 100), 1, None, uid=65534)
+    progress = agent.exchange(request(clock)).progress
+    assert [(p.job_id, p.step) for p in progress if p.uid == 1000] == [("12", 5)]
+    assert sum(p.uid == 65534 for p in progress) == MAX_PROGRESS_PER_UID
 
 
 @pytest.mark.parametrize(

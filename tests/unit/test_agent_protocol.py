@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -29,6 +30,7 @@ REQUEST = ExchangeRequest(
     lease_expires_s=1_767_225_690.5,
     setpoints=(Setpoint(0, "123", 1200), Setpoint(3, "124_7", 900, 7251)),
     release=(1, 2),
+    node="gpu01",
 )
 RESPONSE = ExchangeResponse(
     node="gpu01",
@@ -47,6 +49,7 @@ RESPONSE = ExchangeResponse(
             locked=LockReport(210, 1200, None),
             job_id="123",
             error=None,
+            read_s=81_234.125,
         ),
         GpuReport(
             index=1,
@@ -73,8 +76,25 @@ def test_request_round_trip() -> None:
     assert ExchangeRequest.from_json(REQUEST.to_json().decode()) == REQUEST
 
 
+def test_leader_epoch_round_trips_and_is_left_out_when_zero() -> None:
+    """A head with a leader lock sends its epoch; a sender without one sends the version 1
+    message it always did, and an agent reads a missing epoch as 0."""
+    fenced = replace(REQUEST, epoch=7)
+    assert json.loads(fenced.to_json())["epoch"] == 7
+    assert ExchangeRequest.from_json(fenced.to_json()) == fenced
+    assert "epoch" not in json.loads(REQUEST.to_json())
+    assert ExchangeRequest.from_json(REQUEST.to_json()).epoch == 0
+
+
 def test_response_round_trip() -> None:
     assert ExchangeResponse.from_json(RESPONSE.to_json()) == RESPONSE
+
+
+def test_a_request_names_its_node_and_a_constructor_without_one_is_refused() -> None:
+    """The node is part of the signed body: without it a request would be good on any node."""
+    assert json.loads(REQUEST.to_json())["node"] == "gpu01"
+    with pytest.raises(ProtocolError, match="node name must be a host name"):
+        replace(REQUEST, node="not a host")
 
 
 def test_progress_line_round_trip() -> None:
@@ -110,6 +130,9 @@ BAD_REQUESTS: list[tuple[str, object, str]] = [
     ("deep nesting", b"[" * 100_000 + b"]" * 100_000, "nested too deeply"),
     ("unknown field", _request(extra=1), "request: unknown field 'extra'"),
     ("missing field", _request(release=_DROP), "request: missing field 'release'"),
+    ("no node", _request(node=_DROP), "request: missing field 'node'"),
+    ("node not a name", _request(node="../etc"), "node: must be a host name"),
+    ("node a number", _request(node=1), "node: must be a host name"),
     ("version 2", _request(version=2), "version: this agent speaks version 1"),
     ("version true", _request(version=True), "version"),
     ("negative interval", _request(interval=-1), "interval: must be an integer"),
@@ -145,6 +168,10 @@ BAD_REQUESTS: list[tuple[str, object, str]] = [
         "setpoints[1].gpu: GPU 1 is listed twice",
     ),
     ("too many setpoints", _request(setpoints=[{}] * 2000), "setpoints: at most 1024 entries"),
+    ("negative epoch", _request(epoch=-1), "epoch: must be an integer"),
+    ("bool epoch", _request(epoch=True), "epoch: must be an integer"),
+    ("float epoch", _request(epoch=2.0), "epoch: must be an integer"),
+    ("string epoch", _request(epoch="3"), "epoch: must be an integer"),
     ("huge integer", b'{"version": 1, "interval": ' + b"9" * 5000 + b"}", "not valid JSON"),
 ]
 
@@ -180,6 +207,8 @@ def test_oversized_message_is_refused_before_parsing() -> None:
         ("error", "two\nlines"),
         ("uuid", ""),
         ("locked", {"graphics_min_mhz": 1}),
+        ("read_s", -1.0),
+        ("read_s", "now"),
     ],
 )
 def test_bad_responses_are_refused(field: str, value: object) -> None:
@@ -211,7 +240,16 @@ _json = st.recursive(
         st.lists(children, max_size=4)
         | st.dictionaries(
             st.sampled_from(
-                ["version", "interval", "lease_expires_s", "setpoints", "release", "gpu", "x"]
+                [
+                    "version",
+                    "node",
+                    "interval",
+                    "lease_expires_s",
+                    "setpoints",
+                    "release",
+                    "gpu",
+                    "x",
+                ]
             )
             | st.text(max_size=5),
             children,
@@ -248,5 +286,7 @@ def test_fuzzed_requests_raise_only_input_errors(data: bytes) -> None:
     st.floats(0, 1e10, allow_nan=False),
 )
 def test_valid_requests_round_trip(setpoints: list[Setpoint], lease_s: float) -> None:
-    req = ExchangeRequest(interval=3, lease_expires_s=lease_s, setpoints=tuple(setpoints))
+    req = ExchangeRequest(
+        interval=3, lease_expires_s=lease_s, setpoints=tuple(setpoints), node="gpu01"
+    )
     assert ExchangeRequest.from_json(req.to_json()) == req

@@ -41,6 +41,7 @@ def served(tmp_path: Path) -> Iterator[tuple[AgentHttpServer, NodeAgent]]:
             interval=1,
             lease_expires_s=clock() + 60,
             setpoints=(Setpoint(0, "41", 1200), Setpoint(1, "42", 1200)),
+            node="n1",
         )
     )
     try:

@@ -30,7 +30,9 @@ def test_bench_controller_prints_one_json_object_with_the_promised_keys() -> Non
 
 
 def test_demo_holds_the_budget_and_applies_the_budget_change() -> None:
-    code, out = _run("demo", "--in-process", "--jobs", "16", "--intervals", "12", "--speed", "0", "--json")
+    code, out = _run(
+        "demo", "--in-process", "--jobs", "16", "--intervals", "12", "--speed", "0", "--json"
+    )
     assert code == 0, out
     summary = json.loads(out)
     assert summary["intervals"] == 12

@@ -50,11 +50,12 @@ def _store(path: Path) -> str:
                 setpoints=[Setpoint("11", 1200, 1593, p1), Setpoint("12", 1100, 1593, p2)],
                 time_s=clock[0],
             )
+            read_s = clock[0] + 30.0  # read at the next interval, before its clocks applied
             store.record_measurements(
                 [
-                    Measurement(clock[0], "n1", 0, p1, "11"),
-                    Measurement(clock[0], "n2", 0, p2 / 2, "12"),
-                    Measurement(clock[0], "n2", 1, p2 / 2, "12"),
+                    Measurement(read_s, "n1", 0, p1, "11"),
+                    Measurement(read_s, "n2", 0, p2 / 2, "12"),
+                    Measurement(read_s, "n2", 1, p2 / 2, "12"),
                 ]
             )
             store.record_progress("11", 100 * (k + 1), 800)

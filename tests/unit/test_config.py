@@ -285,6 +285,12 @@ def test_unreadable_or_malformed_files(tmp_path: Path) -> None:
     assert error_of(path=broken, env={}).startswith(f"{broken}: not valid TOML: ")
 
 
+def test_a_file_that_is_not_utf8_is_one_line_naming_it(tmp_path: Path) -> None:
+    latin1 = tmp_path / "cdgpc.toml"
+    latin1.write_bytes(b'[control]\ninterval = "30s" # d\xe9faut\n')
+    assert error_of(path=latin1, env={}) == f"{latin1}: not UTF-8 (byte 0xe9 at offset 30)"
+
+
 def test_the_lease_must_outlast_the_interval() -> None:
     message = error_of(env={"CDGPC_CONTROL_INTERVAL": "2m", "CDGPC_LEASE_DURATION": "90s"})
     assert message == (

@@ -28,7 +28,7 @@ class Recorder:
 
 
 def _target(url: str) -> NodeTarget:
-    return NodeTarget(url, ExchangeRequest(version=1, interval=0, lease_expires_s=1.0))
+    return NodeTarget(url, ExchangeRequest(version=1, interval=0, lease_expires_s=1.0, node="n1"))
 
 
 def test_each_node_goes_over_the_transport_its_url_names() -> None:

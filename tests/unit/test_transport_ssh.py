@@ -25,7 +25,7 @@ from slurm_cdgpc.transport.http import NodeFailure, NodeTarget
 from slurm_cdgpc.transport.ssh import SshExchanger, ssh_url
 
 REPO = Path(__file__).resolve().parents[2]
-REQUEST = ExchangeRequest(3, 1_767_225_690.0, (Setpoint(0, "123", 1200),), (1,))
+REQUEST = ExchangeRequest(3, 1_767_225_690.0, (Setpoint(0, "123", 1200),), (1,), node="node1")
 RESPONSE = ExchangeResponse(node="node1", time_s=1_767_225_600.0)
 
 

@@ -1,0 +1,247 @@
+"""Two cdgpcd processes on one PostgreSQL store, two agents: the standby takes over, no split brain.
+
+The active head is killed (``kill -9``) ten times in a row, each time by the head that took over
+last, and a fresh standby is started in its place. The takeover time of each kill runs from the
+instant just before the kill to the instant the test sees that every agent has accepted an
+exchange carrying the new leader's epoch (the agents' state files, polled every 10 ms; the poll
+can only overstate it). The claim: within two control intervals, plus slack for a loaded machine.
+
+A leader paused (SIGSTOP) past its leader lease loses the lock to the standby. What it would
+push if it had been paused right after its last successful check, its old epoch, is refused by
+every agent (409) and changes no clock; woken (SIGCONT), it finds the lock gone, logs it and
+exits non-zero without pushing again, while the new leader carries on.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from slurm_cdgpc.agent.protocol import ExchangeRequest, Setpoint
+from slurm_cdgpc.errors import CdgpcError
+from slurm_cdgpc.transport.http import EXCHANGE_PATH, HeadClient, HeadRefusedError
+from tests.evidence import record
+from tests.integration import conftest as databases
+from tests.integration.test_head_live import (
+    INTERVAL_S,
+    LEASE_S,
+    Proc,
+    Site,
+    _free_port,
+    _job,
+    _wait,
+    make_site,
+)
+
+pytestmark = [pytest.mark.faults, pytest.mark.live, pytest.mark.postgres]
+
+postgres_database = databases.postgres_database
+postgres_url = databases.postgres_url
+
+KILLS = 10
+#: the leader lease the heads run with: the default, 1.5 control intervals (< LEASE_S)
+LEADER_LEASE_S = 1.5 * INTERVAL_S
+#: what a loaded 2-core machine may add to a takeover (process wake-up, store, exchange)
+SLACK_S = 0.5
+NODES = ("node1", "node2")
+
+
+@pytest.fixture
+def site(tmp_path: Path, postgres_url: str) -> Iterator[Site]:
+    yield from make_site(tmp_path, postgres_url)
+
+
+class Heads:
+    """Head processes on the site's store, each on its own port (config ``head-<name>.toml``)."""
+
+    def __init__(self, site: Site) -> None:
+        self.site = site
+        self.text = site.head_config.read_text()
+        self.ports: dict[str, int] = {}
+
+    def start(self, name: str) -> Proc:
+        """Start head ``name`` and return once it is active or waiting as a standby."""
+        port = self.ports.setdefault(name, _free_port())
+        config = self.site.tmp_path / f"head-{name}.toml"
+        config.write_text(re.sub(r"(?m)^listen_port = \d+$", f"listen_port = {port}", self.text))
+        proc = self.site.start(
+            "slurm_cdgpc.coordinator.main", "--config", str(config), name=f"head-{name}"
+        )
+        _wait(
+            f"head {name} active or standing by",
+            lambda: "standby:" in proc.text() or "leader lock taken" in proc.text(),
+            20,
+            self.site.logs,
+        )
+        return proc
+
+    def client(self, name: str) -> HeadClient:
+        return HeadClient(f"http://127.0.0.1:{self.ports[name]}", self.site.signer)
+
+
+def _epochs(site: Site) -> dict[str, int]:
+    """The leader epoch each agent has accepted (from its state file)."""
+    return {
+        node: int(json.loads((site.tmp_path / node / "state.json").read_text())["epoch"])
+        for node in NODES
+    }
+
+
+def _all_above(site: Site, epoch: int) -> bool:
+    try:
+        return min(_epochs(site).values()) > epoch
+    except (OSError, ValueError, KeyError):
+        return False
+
+
+def _first_seen_above(site: Site, epoch: int, timeout_s: float) -> float:
+    """When (``time.monotonic``) every agent had accepted an epoch above ``epoch``, polled every
+    10 ms."""
+    deadline = time.monotonic() + timeout_s
+    while not _all_above(site, epoch):
+        if time.monotonic() > deadline:
+            pytest.fail(f"no epoch above {epoch} within {timeout_s:g} s\n{site.logs()}")
+        time.sleep(0.01)
+    return time.monotonic()
+
+
+def _settled_epoch(site: Site) -> int:
+    """The epoch every agent follows (waiting until they agree)."""
+    found: list[int] = []
+
+    def agreed() -> bool:
+        epochs = set(_epochs(site).values())
+        found[:] = epochs
+        return len(epochs) == 1
+
+    _wait("every agent follows the same head", agreed, 10, site.logs)
+    return found[0]
+
+
+def _leader(procs: dict[str, Proc], epoch: int, site: Site) -> str:
+    """The head that took the lock at ``epoch``."""
+    names = [name for name, p in procs.items() if f"(epoch {epoch}, lease" in p.text()]
+    if len(names) != 1:
+        pytest.fail(f"epoch {epoch} taken by {names or 'no head'}\n{site.logs()}")
+    return names[0]
+
+
+def _running_job(heads: Heads, name: str) -> None:
+    client = heads.client(name)
+    _wait("the active head answers", lambda: client.get("/v1/health"), 20, heads.site.logs)
+    for node, port in heads.site.agent_ports.items():
+        client.post("/v1/nodes", {"node": node, "url": f"http://127.0.0.1:{port}"})
+    client.post("/v1/budget", {"budget_w": 5000.0, "reason": "standby test"})
+    client.post("/v1/jobs", {"job_id": "9", "user": "root", "node": "node1", "gpus": [0]})
+    _wait("job 9 running", lambda: _job(client, "9")["state"] == "running", 10, heads.site.logs)
+    _wait("every agent follows a leader", lambda: _all_above(heads.site, 0), 5, heads.site.logs)
+
+
+def test_kill_9_of_the_active_head_ten_times_the_standby_takes_over_each_time(
+    site: Site,
+) -> None:
+    heads = Heads(site)
+    procs = {"a": heads.start("a")}
+    assert "leader lock taken" in procs["a"].text()
+    procs["b"] = heads.start("b")
+    assert "standby:" in procs["b"].text()
+    _running_job(heads, "a")
+
+    takeovers: list[float] = []
+    epochs: list[int] = []
+    for kill in range(KILLS):
+        epochs.append(_settled_epoch(site))
+        active = _leader(procs, epochs[-1], site)
+        standby = "b" if active == "a" else "a"
+        if procs[standby].proc.poll() is not None:
+            # it lost the lock to the other one, which a loaded machine can make too slow to
+            # renew in time, and stopped: start it again before the kill
+            procs[standby] = heads.start(standby)
+        assert "standby:" in procs[standby].text()
+        killed_s = time.monotonic()
+        procs[active].proc.kill()
+        takeovers.append(_first_seen_above(site, epochs[-1], 10) - killed_s)
+        procs[active].proc.wait(timeout=10)
+        assert _leader(procs, _settled_epoch(site), site) == standby
+        # the new leader resumed the job from the store, and controls it
+        client = heads.client(standby)
+        _wait(
+            f"kill {kill + 1}: job 9 controlled by the new leader",
+            lambda c=client: _job(c, "9")["controlled"],
+            10,
+            site.logs,
+        )
+        assert 0 in site.locks("node1")
+        procs[active] = heads.start(active)  # the killed one's replacement stands by
+
+    record(
+        "takeover",
+        "standby-postgresql",
+        kills=KILLS,
+        takeover_s=[round(t, 3) for t in takeovers],
+        interval_s=INTERVAL_S,
+        leader_lease_s=LEADER_LEASE_S,
+    )
+    assert len(takeovers) == KILLS
+    assert max(takeovers) <= 2 * INTERVAL_S + SLACK_S, takeovers
+    assert epochs == sorted(set(epochs))  # a new, higher epoch at every takeover
+
+
+def test_a_paused_leader_that_wakes_up_after_a_takeover_changes_nothing(site: Site) -> None:
+    heads = Heads(site)
+    old = heads.start("a")
+    new = heads.start("b")
+    _running_job(heads, "a")
+    old_epoch = max(_epochs(site).values())
+
+    old.proc.send_signal(signal.SIGSTOP)  # paused, not dead: it still believes it leads
+    try:
+        _wait(
+            "the standby takes over",
+            lambda: _all_above(site, old_epoch),
+            LEADER_LEASE_S + 10,
+            site.logs,
+        )
+        new_epoch = min(_epochs(site).values())
+        client = heads.client("b")
+        _wait("job 9 controlled by b", lambda: _job(client, "9")["controlled"], 10, site.logs)
+        locks = {node: site.locks(node) for node in NODES}
+
+        # what the old leader would push had it been paused right after its last check: its
+        # epoch, a lower clock for job 9 and a release; signed with the cluster's key all the same
+        for node, port in site.agent_ports.items():
+            stale = ExchangeRequest(
+                interval=10**6,
+                lease_expires_s=time.time() + LEASE_S,
+                setpoints=(Setpoint(0, "9", 600),) if node == "node1" else (),
+                release=(1,),
+                epoch=old_epoch,
+                node=node,
+            )
+            agent = HeadClient(f"http://127.0.0.1:{port}", site.signer, peer=node)
+            with pytest.raises(HeadRefusedError) as refused:
+                agent.post(EXCHANGE_PATH, json.loads(stale.to_json()))
+            assert refused.value.status == 409
+            assert f"leader epoch {old_epoch} is older than epoch {new_epoch}" in str(refused.value)
+        assert {node: site.locks(node) for node in NODES} == locks
+    finally:
+        old.proc.send_signal(signal.SIGCONT)
+
+    # woken, it renews before pushing, finds the lock gone, and stops with an error
+    assert old.proc.wait(timeout=10) == 1
+    assert f"lost the leader lock (epoch {old_epoch})" in old.text()
+    assert f"holds it at epoch {new_epoch}" in old.text()
+    time.sleep(3 * INTERVAL_S)  # the new leader carries on; the agents never went back
+    assert new.proc.poll() is None and "lost the leader lock" not in new.text()
+    assert _epochs(site) == dict.fromkeys(NODES, new_epoch)
+    try:
+        assert _job(client, "9")["controlled"]
+    except CdgpcError as e:
+        pytest.fail(f"the new leader stopped answering: {e}\n{site.logs()}")
+    assert 0 in site.locks("node1")
