@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: test demo lint unit clean
+.PHONY: test demo lint unit soak clean
 
 # (Re)install when the package metadata changes; the editable install picks up code edits.
 $(STAMP): setup.cfg pyproject.toml
@@ -27,6 +27,11 @@ unit: $(STAMP)
 # the daemons on loopback replaying a trace slice (root, or a running munged); plots in demo-out/
 demo: $(STAMP)
 	$(BIN)/cdgpc-admin demo --out demo-out
+
+# the full load and soak run (make test runs a short one): 1,000 simulated nodes, 8,000 GPUs,
+# job churn for 30 simulated minutes (about 6 minutes here); JSON on stdout
+soak: $(STAMP)
+	$(BIN)/cdgpc-admin bench soak --nodes 1000 --gpus-per-node 8 --minutes 30 --accel 6 --json
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache *.egg-info

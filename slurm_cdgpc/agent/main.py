@@ -14,13 +14,16 @@ SIGTERM, SIGINT and SIGHUP stop it: the listener and the progress socket close, 
 reset to default clocks, the state file is removed, exit status 0 (1 if a GPU could not be reset;
 systemd's ExecStopPost then resets the clocks with nvidia-smi). Logs go to stderr, one line per
 event (journald adds the time stamps). ``CDGPC_DEBUG=1`` logs at debug level and shows
-tracebacks.
+tracebacks. With ``node.backend = simulated`` only, ``CDGPC_SIMULATED_FAULTS`` names a file of
+GPU faults to inject (clock writes failing, garbage power; `slurm_cdgpc.gpu.simulated.FaultFile`):
+the fault tests' hook, logged as a warning at start.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import socket
 import sys
@@ -51,6 +54,9 @@ from slurm_cdgpc.transport.http import HeadClient
 logger = logging.getLogger(__name__)
 
 TICK_PERIOD_S: Final = 0.5
+#: fault tests only: a `slurm_cdgpc.gpu.simulated.FaultFile` the simulated GPUs obey (never
+#: read with ``node.backend = nvml``; not a configuration key, so no config file can set it)
+SIMULATED_FAULTS_ENV: Final = "CDGPC_SIMULATED_FAULTS"
 #: how often registrations a Prolog or Epilog spooled while the head was away are sent on
 SPOOL_FORWARD_PERIOD_S: Final = 30.0
 
@@ -80,10 +86,23 @@ def open_gpus(config: Config, node_name: str) -> GpuSet:
     """The node's GPUs, from the configured backend."""
     node = config.node
     if node.backend == "simulated":
-        from slurm_cdgpc.gpu.simulated import simulated_gpus  # noqa: PLC0415 - numpy only here
+        # numpy only here; jobs run on the GPUs when CDGPC_SIMULATED_JOBS is set (the demo)
+        from slurm_cdgpc.gpu.workloads import simulated_node  # noqa: PLC0415
 
         seed = zlib.crc32(node_name.encode())  # distinct UUIDs per simulated node
-        return simulated_gpus(node.simulated_gpu_type, node.simulated_gpu_count, seed=seed)
+        gpus = simulated_node(
+            node.simulated_gpu_type,
+            node.simulated_gpu_count,
+            seed=seed,
+            progress_socket=node.progress_socket,
+        )
+        faults_file = os.environ.get(SIMULATED_FAULTS_ENV, "").strip()
+        if faults_file:
+            from slurm_cdgpc.gpu.simulated import install_faults  # noqa: PLC0415
+
+            install_faults(gpus, Path(faults_file))
+            logger.warning("simulated GPU faults follow %s (fault tests only)", faults_file)
+        return gpus
     from slurm_cdgpc.gpu.nvml import open_nvml_gpus  # noqa: PLC0415 - pynvml only here
 
     return open_nvml_gpus()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from slurm_cdgpc.cli import bench_faults, bench_live
+from slurm_cdgpc.cli import bench_faults, bench_live, bench_soak
 from slurm_cdgpc.cli.output import echo_json
 from slurm_cdgpc.control.dual import MODES
 from slurm_cdgpc.model.families import FAMILIES
@@ -63,3 +63,4 @@ def controller_cmd(
 for _command in bench_live.COMMANDS:
     bench.add_command(_command)
 bench.add_command(bench_faults.faults_cmd)
+bench.add_command(bench_soak.soak_cmd)

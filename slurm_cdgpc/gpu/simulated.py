@@ -16,15 +16,23 @@ Fault hooks for fault tests, plain attributes that may be flipped at any time:
 ``fail_clock_writes`` (lock and reset raise `GpuError`, nothing changes), ``fail_reads`` (`read`
 raises `GpuLostError`) and ``report_garbage_power`` (`read` reports NaN, 0 W, −1 W and
 4 294 967.295 W = 0xFFFFFFFF mW in turn, while the energy counter stays true).
+
+A process that cannot reach those attributes (a running ``cdgpc-noded``) takes them from a
+`FaultFile` (`install_faults`): the fault tests start the agent with ``CDGPC_SIMULATED_FAULTS``
+naming one, and rewrite it to inject or heal a fault while the agent runs. It is never read
+unless that variable is set, and only by the simulated backend: no NVML GPU can be made to fail.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Final
 
 import numpy as np
@@ -53,6 +61,12 @@ from slurm_cdgpc.gpu.plant import (
 logger = logging.getLogger(__name__)
 
 _GARBAGE_POWER_W: Final = (float("nan"), 0.0, -1.0, 4_294_967.295)
+#: what a `FaultFile` line may inject, and the `SimulatedGpu` attribute each one sets
+FAULT_MODES: Final[Mapping[str, str]] = {
+    "fail_clock_writes": "fail_clock_writes",
+    "fail_reads": "fail_reads",
+    "garbage_power": "report_garbage_power",
+}
 
 
 class ManualClock:
@@ -68,6 +82,92 @@ class ManualClock:
         if not dt_s >= 0:
             raise InputError(f"time cannot go backwards (advance by {dt_s} s)")
         self.now_s += dt_s
+
+
+class FaultFile:
+    """Faults to inject into simulated GPUs, from a text file re-read whenever it changes.
+
+    One rule a line, ``<GPU index or *> <mode>``, with ``mode`` one of `FAULT_MODES`; ``#``
+    starts a comment; a missing or empty file injects nothing. Rewriting the file (atomically:
+    write a temporary file, rename it) injects or heals a fault while the process runs, with no
+    signal and no API. A malformed file is an `InputError` when first read; a malformed rewrite
+    later is logged and the previous rules stay (the running agent must not fall over for it).
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self._lock = threading.Lock()
+        self._seen: tuple[int, int, int] | None = None
+        self._rules: dict[int | None, frozenset[str]] = {}
+        self._load(first=True)
+
+    def modes(self, index: int) -> frozenset[str]:
+        """The fault modes GPU ``index`` suffers now (the file is checked on every call)."""
+        with self._lock:
+            self._load(first=False)
+            return self._rules.get(index, frozenset()) | self._rules.get(None, frozenset())
+
+    def _load(self, *, first: bool) -> None:
+        try:
+            st = os.stat(self.path)
+            seen = (st.st_ino, st.st_mtime_ns, st.st_size)
+        except FileNotFoundError:
+            seen = (0, 0, 0)
+        except OSError as e:
+            if first:
+                raise InputError(f"simulated faults file {self.path}: {e.strerror or e}") from e
+            return  # unreadable for now: the rules in force stay
+        if seen == self._seen:
+            return
+        self._seen = seen
+        try:
+            text = "" if seen == (0, 0, 0) else self.path.read_text(encoding="utf-8")
+            rules = parse_faults(text)
+        except (OSError, UnicodeDecodeError, InputError) as e:
+            if first:
+                raise InputError(f"simulated faults file {self.path}: {e}") from None
+            logger.error("simulated faults file %s: %s; keeping the previous faults", self.path, e)
+            return
+        if rules != self._rules:
+            logger.warning("simulated faults now %s", _describe(rules))
+        self._rules = rules
+
+
+def parse_faults(text: str) -> dict[int | None, frozenset[str]]:
+    """GPU index (None: every GPU) → fault modes, from a `FaultFile`'s text."""
+    rules: dict[int | None, set[str]] = {}
+    for number, raw in enumerate(text.splitlines(), start=1):
+        words = raw.split("#", 1)[0].split()
+        if not words:
+            continue
+        if len(words) != 2 or words[1] not in FAULT_MODES:
+            raise InputError(
+                f"line {number}: expected '<GPU index or *> <mode>' with a mode among "
+                f"{', '.join(FAULT_MODES)}, got {raw.strip()!r:.60}"
+            )
+        where, mode = words
+        if where != "*" and not where.isdigit():
+            raise InputError(f"line {number}: not a GPU index or '*': {where!r:.20}")
+        rules.setdefault(None if where == "*" else int(where), set()).add(mode)
+    return {index: frozenset(modes) for index, modes in rules.items()}
+
+
+def _describe(rules: Mapping[int | None, frozenset[str]]) -> str:
+    if not rules:
+        return "none"
+    return "; ".join(
+        f"{'every GPU' if index is None else f'GPU {index}'}: {', '.join(sorted(modes))}"
+        for index, modes in sorted(rules.items(), key=lambda kv: -1 if kv[0] is None else kv[0])
+    )
+
+
+def install_faults(gpus: GpuSet, path: Path) -> FaultFile:
+    """Let the rules of the file at ``path`` drive the fault hooks of every simulated GPU."""
+    faults = FaultFile(path)
+    for device in gpus:
+        if isinstance(device, SimulatedGpu):
+            device.faults = faults
+    return faults
 
 
 class SimulatedGpu(GpuDevice):
@@ -92,6 +192,8 @@ class SimulatedGpu(GpuDevice):
         self.fail_clock_writes = False
         self.fail_reads = False
         self.report_garbage_power = False
+        #: when set, the hooks above follow this file instead (`install_faults`)
+        self.faults: FaultFile | None = None
         self.clock_writes = 0  # driver calls that changed a lock (idempotent calls make none)
         self._garbage = 0
         self._locked: LockedClocks | None = None
@@ -118,6 +220,7 @@ class SimulatedGpu(GpuDevice):
         return self._locked
 
     def set_locked_clocks(self, graphics_mhz: int, memory_mhz: int | None = None) -> None:
+        self._follow_faults()
         self.spec.clocks.check(graphics_mhz, memory_mhz)  # UnsupportedClockError, no change
         memory = memory_mhz if self.spec.memory_lockable else None
         lowest = self.spec.clocks.graphics_for(memory)[-1]
@@ -135,6 +238,7 @@ class SimulatedGpu(GpuDevice):
         )
 
     def reset_locked_clocks(self) -> None:
+        self._follow_faults()
         if self._locked is None:
             return
         self._write("reset clocks")
@@ -143,6 +247,7 @@ class SimulatedGpu(GpuDevice):
         self._refresh()
 
     def read(self) -> GpuReading:
+        self._follow_faults()
         if self.fail_reads:
             raise GpuLostError(f"simulated GPU {self.index} fell off the bus")
         now = self._advance()
@@ -228,6 +333,13 @@ class SimulatedGpu(GpuDevice):
         return None if self._truth is None else float(self._truth.iteration_time_s[0])
 
     # --- internals -----------------------------------------------------------------------------
+
+    def _follow_faults(self) -> None:
+        if self.faults is None:
+            return
+        modes = self.faults.modes(self.index)
+        for mode, attribute in FAULT_MODES.items():
+            setattr(self, attribute, mode in modes)
 
     def _write(self, what: str) -> None:
         if self.fail_clock_writes:

@@ -1,8 +1,19 @@
-"""Faults injected into real processes on loopback: a frozen head, a frozen node agent.
+"""Faults injected into real processes: the head, the agents, the network, the GPUs, the clock.
 
-The invariants: the cluster never stays above its budget longer than a lease; a head that is
-away leaves every GPU at the safe cap, not at full speed; a node that does not answer is counted
-at its worst case, never at zero; and control comes back without a person.
+Every test runs the same small cluster (`tests.faults.cluster`: cdgpcd, two cdgpc-noded on
+loopback or in network namespaces, training jobs on four simulated A100s under a 1200 W budget),
+injects one fault while control is established, registers jobs during the fault the way the
+Prolog and Epilog do (spooling what the head does not take), heals it, and checks the invariants
+on an independent power meter:
+
+- the cluster's true power is never above the budget by more than the guard band for longer
+  than one lease;
+- every registration sent reaches the store (directly, or through the spool once the head is back);
+- no GPU stays locked once its job has ended;
+- the daemons recover without a person: nothing is restarted by hand except a process the test
+  killed, and control of both jobs comes back.
+
+Database faults are in ``test_store_faults.py``; the wall-clock jumps in ``test_clock_faults.py``.
 """
 
 from __future__ import annotations
@@ -14,90 +25,302 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.test_head_live import (
+from tests.faults.cluster import (
     INTERVAL_S,
+    JOBS,
     LEASE_S,
     SAFE_MHZ,
-    Site,
-    _job,
-    _wait,
-    make_site,
+    SLACK_S,
+    Cluster,
+    make_cluster,
+    registrar,
 )
+from tests.integration.test_head_live import _wait
 
 pytestmark = [pytest.mark.faults, pytest.mark.live]
 
+#: node2's three A100s at their maximum power limit: how the head must count it when it is away
+NODE2_WORST_W = 3 * 400.0
+
 
 @pytest.fixture
-def site(tmp_path: Path) -> Iterator[Site]:
-    yield from make_site(tmp_path, f"sqlite:///{tmp_path / 'cdgpc.db'}")
+def cluster(tmp_path: Path) -> Iterator[Cluster]:
+    yield from make_cluster(tmp_path, f"sqlite:///{tmp_path / 'cdgpc.db'}")
 
 
-def _running_job(site: Site) -> None:
-    client = site.client()
-    for node, port in site.agent_ports.items():
-        client.post("/v1/nodes", {"node": node, "url": f"http://127.0.0.1:{port}"})
-    client.post("/v1/budget", {"budget_w": 5000.0, "reason": "fault test"})
-    client.post("/v1/jobs", {"job_id": "9", "user": "root", "node": "node1", "gpus": [0]})
-    _wait("job 9 running", lambda: _job(client, "9")["state"] == "running", 8, site.logs)
+@pytest.fixture
+def netns_cluster(tmp_path: Path) -> Iterator[Cluster]:
+    yield from make_cluster(tmp_path, f"sqlite:///{tmp_path / 'cdgpc.db'}", netns=True)
 
 
-def test_a_frozen_head_leaves_every_gpu_at_the_safe_cap_and_takes_over_again(site: Site) -> None:
-    head = site.start_head()
-    _running_job(site)
-    controlled_mhz = site.locks("node1")[0]
-    assert controlled_mhz > SAFE_MHZ  # a generous budget: the job runs near its top clock
+def _all_at_safe_cap(cluster: Cluster, nodes: tuple[str, ...] = ("node1", "node2")) -> bool:
+    return all(
+        len(locks := cluster.locks(n)) == 3 and max(locks.values()) <= SAFE_MHZ for n in nodes
+    )
+
+
+def _counted_at_worst_case(cluster: Cluster) -> bool:
+    last = cluster.status()["last_interval"]
+    return bool(last["nodes_unreachable"] == 1 and last["uncontrolled_w"] >= NODE2_WORST_W)
+
+
+def test_head_killed_and_restarted(cluster: Cluster) -> None:
+    head = cluster.start_head()
+    meter = cluster.establish()
+    jobs = registrar(cluster)
+    jobs.register(2)
+
+    head.proc.kill()
+    head.proc.wait(timeout=10)
+    killed_s = time.monotonic()
+    jobs.register(3)  # the head is gone: spooled
+    assert len(jobs.spool.pending()) == 6
+    _wait("every GPU at the safe cap", lambda: _all_at_safe_cap(cluster), LEASE_S + 4, cluster.logs)
+    assert time.monotonic() - killed_s < LEASE_S + SLACK_S
+
+    cluster.start_head()
+    jobs.flush()
+    _wait(
+        "both jobs controlled again",
+        lambda: all(cluster.controlled(n) for n in JOBS),
+        10,
+        cluster.logs,
+    )
+    _wait(
+        "the lapse's caps lifted",
+        lambda: all(cluster.locks(n).get(2) is None for n in JOBS),
+        5,
+        cluster.logs,
+    )
+    cluster.finish("head-sigkill", meter, jobs)
+
+
+def test_head_frozen_past_the_lease(cluster: Cluster) -> None:
+    head = cluster.start_head()
+    meter = cluster.establish()
+    jobs = registrar(cluster)
 
     head.proc.send_signal(signal.SIGSTOP)  # frozen, not dead: its socket stays open
     frozen_s = time.monotonic()
-    _wait(
-        "safe cap on every GPU",
-        lambda: all(site.locks(n) == {0: SAFE_MHZ, 1: SAFE_MHZ} for n in ("node1", "node2")),
-        LEASE_S + 3,
-        site.logs,
-    )
-    assert time.monotonic() - frozen_s < LEASE_S + 2.5
+    jobs.register(2)  # the first times out and is spooled; the rest queue behind it
+    _wait("every GPU at the safe cap", lambda: _all_at_safe_cap(cluster), LEASE_S + 5, cluster.logs)
+    assert time.monotonic() - frozen_s < LEASE_S + jobs_timeout_s() + SLACK_S
 
     head.proc.send_signal(signal.SIGCONT)
+    jobs.flush()
     _wait(
-        "the job's own clock is back",
-        lambda: site.locks("node1").get(0, SAFE_MHZ) > SAFE_MHZ,
-        5,
-        site.logs,
+        "both jobs controlled again",
+        lambda: all(cluster.controlled(n) for n in JOBS),
+        10,
+        cluster.logs,
     )
-    _wait("idle GPUs uncapped", lambda: site.locks("node2") == {}, 5, site.logs)
+    cluster.finish("head-sigstop", meter, jobs)
 
 
-def test_a_frozen_agent_is_counted_at_its_worst_case_then_taken_back(site: Site) -> None:
-    site.start_head()
-    _running_job(site)
-    client = site.client()
-    node2 = next(p for p in site.procs if p.log.name.startswith("node2"))
-    baseline_w = client.get("/v1/status")["last_interval"]["uncontrolled_w"]
+def jobs_timeout_s() -> float:
+    return 2.0  # Registrar's request timeout: the first request to a frozen head waits that long
 
-    node2.proc.send_signal(signal.SIGSTOP)
+
+def test_agent_killed_and_restarted(cluster: Cluster) -> None:
+    cluster.start_head()
+    meter = cluster.establish()
+    jobs = registrar(cluster)
+    node2 = cluster.nodes["node2"]
+    assert node2.proc is not None
+    locked = cluster.locks("node2")
+
+    node2.proc.proc.kill()
+    node2.proc.proc.wait(timeout=10)
+    jobs.register(2)
     _wait(
-        "node2 unreachable",
-        lambda: client.get("/v1/status")["last_interval"]["nodes_unreachable"] == 1,
+        "node2 counted at its worst case", lambda: _counted_at_worst_case(cluster), 10, cluster.logs
+    )
+    assert cluster.locks("node2") == locked  # the crash left the locks (and the state file)
+
+    restarted = cluster.start_agent("node2")
+    assert "stale state file" in restarted.text()
+    _wait("job 102 controlled again", lambda: cluster.controlled("node2"), 10, cluster.logs)
+    jobs.register(2)
+    cluster.finish("agent-sigkill", meter, jobs)
+
+
+def test_agent_frozen_is_counted_at_its_worst_case(cluster: Cluster) -> None:
+    cluster.start_head()
+    meter = cluster.establish()
+    jobs = registrar(cluster)
+    node2 = cluster.nodes["node2"]
+    assert node2.proc is not None
+
+    node2.proc.proc.send_signal(signal.SIGSTOP)
+    _wait(
+        "node2 counted at its worst case (3 × 400 W, never 0 or a stale reading)",
+        lambda: _counted_at_worst_case(cluster),
         10 * INTERVAL_S + 5,
-        site.logs,
+        cluster.logs,
     )
-    # from the next interval on, its two idle A100s count at their maximum power limit
-    # (2 × 400 W) instead of the ≈ 60 W each they drew: never at zero, never at a stale reading
-    assert baseline_w < 400.0
-    _wait(
-        "node2 counted at its worst case",
-        lambda: client.get("/v1/status")["last_interval"]["uncontrolled_w"] >= 2 * 400.0,
-        3 * INTERVAL_S + 2,
-        site.logs,
-    )
-    [node] = [n for n in client.get("/v1/nodes")["nodes"] if n["name"] == "node2"]
-    assert node["reachable"] is False
-
-    node2.proc.send_signal(signal.SIGCONT)
+    jobs.register(2)
+    node2.proc.proc.send_signal(signal.SIGCONT)
     _wait(
         "node2 reachable again",
-        lambda: client.get("/v1/status")["last_interval"]["nodes_unreachable"] == 0,
+        lambda: cluster.status()["last_interval"]["nodes_unreachable"] == 0,
         10,
-        site.logs,
+        cluster.logs,
     )
-    assert site.locks("node1")[0] > 0  # the job stayed under control throughout
+    _wait("job 102 controlled again", lambda: cluster.controlled("node2"), 10, cluster.logs)
+    cluster.finish("agent-sigstop", meter, jobs)
+
+
+def test_agent_partitioned_from_the_head(netns_cluster: Cluster) -> None:
+    cluster = netns_cluster
+    cluster.start_head()
+    meter = cluster.establish()
+    jobs = registrar(cluster)
+    node2 = cluster.nodes["node2"]
+    assert node2.netns is not None and node2.proc is not None
+
+    node2.netns.cut()
+    cut_s = time.monotonic()
+    _wait(
+        "node2 counted at its worst case", lambda: _counted_at_worst_case(cluster), 10, cluster.logs
+    )
+    _wait(
+        "node2's agent at the safe cap on its own",
+        lambda: _all_at_safe_cap(cluster, ("node2",)),
+        LEASE_S + 5,
+        cluster.logs,
+    )
+    assert time.monotonic() - cut_s < LEASE_S + SLACK_S
+    jobs.register(3)  # node1 and the head are fine: taken at once
+    assert not jobs.spool.pending()
+    assert cluster.controlled("node1")
+
+    node2.netns.heal()
+    proc = node2.proc
+    _wait(
+        "node2 takes the head's setpoints again",
+        lambda: "controls the clocks again" in proc.text(),
+        10,
+        cluster.logs,
+    )
+    _wait("job 102 controlled again", lambda: cluster.controlled("node2"), 10, cluster.logs)
+    cluster.finish("agent-partition", meter, jobs)
+
+
+def test_agent_answering_slowly(cluster: Cluster) -> None:
+    head = cluster.start_head()
+    meter = cluster.establish()
+    jobs = registrar(cluster)
+    node2 = cluster.nodes["node2"]
+    assert node2.proc is not None
+    slow = node2.proc.proc
+
+    start = cluster.status()["last_interval"]["interval"]
+    started_s = time.monotonic()
+    seen_worst = False
+    # the agent runs 0.2 s of every 1.7 s: most exchanges outlast the per-node timeout (0.15 s)
+    for _ in range(4):
+        slow.send_signal(signal.SIGSTOP)
+        time.sleep(1.5)
+        seen_worst = seen_worst or _counted_at_worst_case(cluster)
+        slow.send_signal(signal.SIGCONT)
+        time.sleep(0.2)
+    elapsed_s = time.monotonic() - started_s
+    intervals = cluster.status()["last_interval"]["interval"] - start
+    jobs.register(2)
+    # the per-node timeout holds the interval: the head kept its pace (half of it, at least,
+    # on a loaded machine); waiting for the slow node would make one interval per 1.7 s cycle,
+    # under 30 % of it
+    assert intervals >= 0.5 * elapsed_s / INTERVAL_S, (intervals, elapsed_s, head.text()[-3000:])
+    assert seen_worst, "the slow node was never counted at its worst case"
+    _wait("job 102 controlled again", lambda: cluster.controlled("node2"), 10, cluster.logs)
+    cluster.finish("agent-slow", meter, jobs)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="cdgpcd keeps planning a GPU whose setpoint the agent refused as if it held the new "
+    "clock: the refused GPU's real draw is not counted (Coordinator._exchange only logs refusals)",
+)
+def test_clock_writes_failing_on_one_gpu(cluster: Cluster) -> None:
+    cluster.start_head()
+    meter = cluster.establish(budget_w=1400.0)
+    jobs = registrar(cluster)
+    time.sleep(6 * INTERVAL_S)  # let the models settle at the generous budget
+    high_mhz = cluster.locks("node1")[1]
+
+    cluster.set_faults("node1", "1 fail_clock_writes\n")
+    cluster.client().post("/v1/budget", {"budget_w": 1000.0, "reason": "cut under a fault"})
+    meter.budget_w = 1000.0
+    proc = cluster.nodes["node1"].proc
+    assert proc is not None
+    _wait("the refusal is logged", lambda: "setpoint refused" in proc.text(), 5, cluster.logs)
+    assert cluster.locks("node1")[1] == high_mhz  # the write failed: the GPU kept its clock
+    jobs.register(2)
+    time.sleep(LEASE_S + 4 * INTERVAL_S)  # long enough for an overshoot to outlast a lease
+
+    cluster.set_faults("node1", "")
+    _wait(
+        "GPU 1 follows the head again",
+        lambda: cluster.locks("node1")[1] < high_mhz,
+        5,
+        cluster.logs,
+    )
+    cluster.finish("gpu-clock-writes-fail", meter, jobs)
+
+
+def test_gpus_reporting_garbage_power(cluster: Cluster) -> None:
+    # node1's GPU 0 (job 101's) and node2's idle GPU 2 report NaN, 0, −1 W and 0xFFFFFFFF mW
+    cluster.set_faults("node1", "0 garbage_power\n")
+    cluster.set_faults("node2", "2 garbage_power\n")
+    cluster.start_head()
+    # node2's GPU 2 counts at 400 W instead of its 60: a budget that leaves the jobs room
+    meter = cluster.establish(budget_w=1500.0)
+    jobs = registrar(cluster)
+    jobs.register(2)
+    time.sleep(8 * INTERVAL_S)
+
+    status = cluster.status()["last_interval"]
+    # node2's GPU 2 has no believable reading: counted at its limit (400 W), never at 0 or −1 W;
+    # node1's idle GPU 2 at its reading (≈ 60 W)
+    assert status["uncontrolled_w"] >= 400.0 + 50.0, status
+    assert 0 < status["measured_power_w"] < 3 * 400.0 + 200.0, status
+    # job 101 learned from GPU 1 alone: its prediction is close to what its GPUs truly draw
+    job = cluster.job("101")
+    assert job is not None and job["controlled"] and job["predicted_power_w"] is not None
+    true_w = 2 * meter._plant.busy_w(cluster.locks("node1").get(0))
+    assert abs(job["predicted_power_w"] - true_w) < 0.15 * true_w, (job, true_w)
+    cluster.finish("gpu-garbage-power", meter, jobs)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="cdgpcd drops a release the agent refused (Coordinator._exchange pops the node's "
+    "releases after any answer), so a GPU whose reset failed stays locked after its job ended",
+)
+def test_release_refused_while_clock_writes_fail(cluster: Cluster) -> None:
+    cluster.start_head()
+    meter = cluster.establish()
+    jobs = registrar(cluster)
+    jobs.register(1)
+    assert cluster.locks("node1").get(1)
+
+    cluster.set_faults("node1", "1 fail_clock_writes\n")
+    cluster.client().delete("/v1/jobs/101")  # the job ends while GPU 1 cannot be reset
+    proc = cluster.nodes["node1"].proc
+    assert proc is not None
+    _wait(
+        "the failed reset is logged",
+        lambda: "reset to default clocks failed" in proc.text(),
+        5,
+        cluster.logs,
+    )
+    time.sleep(4 * INTERVAL_S)
+    cluster.set_faults("node1", "")  # the GPU works again: the release must still happen
+    with cluster.failure_recorded("gpu-release-refused", meter, jobs, {"node1": (0, 1)}):
+        _wait(
+            "job 101's GPUs unlocked",
+            lambda: not {0, 1} & set(cluster.locks("node1")),
+            6,
+            cluster.logs,
+        )
+    cluster.finish("gpu-release-refused", meter, jobs)

@@ -1,0 +1,640 @@
+"""A small live cluster for fault tests: cdgpcd, two cdgpc-noded with busy GPUs, and a power meter.
+
+Each node has three simulated A100s; a training job (bert) runs on GPUs 0 and 1 of each node
+(the agents' `slurm_cdgpc.gpu.workloads` launch directory) and GPU 2 idles, so power really
+depends on the clocks the head chooses. Jobs 101 (node1) and 102 (node2) are registered on the
+busy GPUs; every fault test registers short jobs on node1's GPU 2 during the fault, the way the
+Prolog and Epilog do (the real spool takes what the head refuses), and checks each one reached
+the store.
+
+The meter (`PowerMeter`) is independent of the head and the agents' reports: every 50 ms it reads
+each agent's state file (the locks that exist, written before and after every clock change) and
+computes the power the GPUs draw at those locks with the calibrated plant, the same physics the
+agents' simulated GPUs run. A head that is frozen, dead or cut off cannot hide power from it,
+and an agent reporting garbage cannot either.
+
+Optionally each agent runs in a network namespace of its own (``ip netns``), reached over a veth
+pair, so that a test can cut a node off the network without touching the processes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from slurm_cdgpc.errors import CdgpcError
+from slurm_cdgpc.gpu.catalog import catalog_spec
+from slurm_cdgpc.gpu.simulated import SimulatedGpu
+from slurm_cdgpc.slurm.spool import Spool
+from slurm_cdgpc.store import Store, make_engine
+from slurm_cdgpc.transport.auth import HmacKey, HmacSigner
+from slurm_cdgpc.transport.http import HeadClient, HeadRefusedError
+from tests.evidence import record
+from tests.integration.processes import stop
+from tests.integration.test_head_live import Proc, _free_port, _wait
+
+REPO = Path(__file__).resolve().parents[2]
+INTERVAL_S = 0.5
+LEASE_S = 2.0
+GUARD_BAND = 0.003  # control.guard_band's default
+GPU_TYPE = "A100-SXM4-80GB"
+GPUS_PER_NODE = 3
+BUSY_GPUS = (0, 1)
+CHURN_GPU = 2
+WORKLOAD = "bert"
+SAFE_MHZ = 840  # highest A100 level ≤ 0.6 · 1410 MHz
+#: 4 busy GPUs draw ≈ 1470 W at top clocks, ≈ 1030 W (with the idle ones) at the safe cap
+BUDGET_W = 1200.0
+NODES = ("node1", "node2")
+JOBS = {"node1": "101", "node2": "102"}
+#: refusals the Prolog spools rather than drops (slurm_cdgpc.slurm.hooks): they may heal
+RETRYABLE = frozenset({401, 403, 408, 429})
+#: what a loaded 2-core machine may add to a deadline (process wake-up, an interval in flight)
+SLACK_S = 1.5
+
+
+def _in_ci() -> bool:
+    return os.environ.get("CI") == "true"
+
+
+def unavailable(reason: str) -> None:
+    """Skip locally, fail under CI=true (where everything a fault test needs is installed)."""
+    if _in_ci():
+        pytest.fail(f"CI=true but {reason}")
+    pytest.skip(reason)
+
+
+# -- network namespaces ------------------------------------------------------------------------
+
+
+def _ip(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=10, check=False)
+
+
+@dataclass
+class Netns:
+    """One namespace ``name`` holding ``inner`` (address ``address``), linked to ``outer`` here."""
+
+    name: str
+    outer: str
+    inner: str
+    address: str
+
+    @property
+    def prefix(self) -> list[str]:
+        return ["ip", "netns", "exec", self.name]
+
+    def cut(self) -> None:
+        """Partition: the link goes down on the head's side; packets to the node go nowhere."""
+        self._check(_ip("link", "set", self.outer, "down"))
+
+    def heal(self) -> None:
+        self._check(_ip("link", "set", self.outer, "up"))
+
+    def destroy(self) -> None:
+        _ip("netns", "del", self.name)
+        _ip("link", "del", self.outer)
+
+    def _check(self, done: subprocess.CompletedProcess[str]) -> None:
+        if done.returncode != 0:
+            raise AssertionError(f"ip: {done.stderr.strip()}")
+
+
+def make_netns(index: int) -> Netns:
+    """A namespace with a veth pair on 10.213.<n>.0/30 (the node at .2, this side at .1)."""
+    if os.geteuid() != 0:
+        unavailable("network namespaces need root")
+    tag = f"{os.getpid() % 100000}x{index}"
+    subnet = 1 + (os.getpid() * 7 + index) % 250
+    ns = Netns(f"cdgpc{tag}", f"cdo{tag}", f"cdi{tag}", f"10.213.{subnet}.2")
+    steps = [
+        ("netns", "add", ns.name),
+        ("link", "add", ns.outer, "type", "veth", "peer", "name", ns.inner),
+        ("link", "set", ns.inner, "netns", ns.name),
+        ("addr", "add", f"10.213.{subnet}.1/30", "dev", ns.outer),
+        ("link", "set", ns.outer, "up"),
+        ("netns", "exec", ns.name, "ip", "addr", "add", f"{ns.address}/30", "dev", ns.inner),
+        ("netns", "exec", ns.name, "ip", "link", "set", ns.inner, "up"),
+        ("netns", "exec", ns.name, "ip", "link", "set", "lo", "up"),
+    ]
+    for step in steps:
+        done = _ip(*step)
+        if done.returncode != 0:
+            ns.destroy()
+            unavailable(
+                f"cannot build a network namespace (ip {' '.join(step)}): "
+                f"{done.stderr.strip()} (needs iproute2 and CAP_NET_ADMIN)"
+            )
+    return ns
+
+
+# -- the true power --------------------------------------------------------------------------
+
+
+class _Plant:
+    """Power of one A100 running the test's workload (or idling) under a clock cap, no noise."""
+
+    def __init__(self) -> None:
+        self._gpu = SimulatedGpu(catalog_spec(GPU_TYPE))
+        self._gpu.attach(WORKLOAD)
+        self._busy: dict[int | None, float] = {}
+        self.idle_w = self._gpu.spec.idle_power_w
+
+    def busy_w(self, cap_mhz: int | None) -> float:
+        if cap_mhz not in self._busy:
+            if cap_mhz is None:
+                self._gpu.reset_locked_clocks()
+            else:
+                self._gpu.set_locked_clocks(cap_mhz)
+            self._busy[cap_mhz] = self._gpu.true_power_w
+        return self._busy[cap_mhz]
+
+
+@dataclass
+class PowerMeter:
+    """Samples the cluster's true power every ``period_s`` on a thread (see the module doc)."""
+
+    locks: Callable[[str], dict[int, int]]
+    budget_w: float = BUDGET_W
+    period_s: float = 0.05
+    samples: list[tuple[float, float, float]] = field(default_factory=list)  # t, power, budget
+    _plant: _Plant = field(default_factory=_Plant)
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _thread: threading.Thread | None = None
+
+    def power_w(self) -> float:
+        total = 0.0
+        for node in NODES:
+            locks = self.locks(node)
+            for gpu in range(GPUS_PER_NODE):
+                if gpu in BUSY_GPUS:
+                    total += self._plant.busy_w(locks.get(gpu))
+                else:
+                    total += self._plant.idle_w
+        return total
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="power-meter", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period_s):
+            try:
+                self.samples.append((time.monotonic(), self.power_w(), self.budget_w))
+            except (OSError, ValueError, KeyError):
+                continue  # a state file replaced under our feet: the next sample sees it
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+    def over(self) -> tuple[float, float]:
+        """(worst overshoot in % of the budget, longest stretch in s above budget + guard)."""
+        worst_pct = 0.0
+        longest_s = 0.0
+        above_since: float | None = None
+        for t, power_w, budget_w in self.samples:
+            worst_pct = max(worst_pct, 100.0 * (power_w - budget_w) / budget_w)
+            if power_w > budget_w * (1 + GUARD_BAND):
+                above_since = t if above_since is None else above_since
+                longest_s = max(longest_s, t - above_since)
+            else:
+                above_since = None
+        return round(worst_pct, 3), round(longest_s, 3)
+
+
+# -- the cluster -------------------------------------------------------------------------------
+
+
+@dataclass
+class Node:
+    name: str
+    address: str
+    port: int
+    directory: Path
+    config: Path
+    netns: Netns | None = None
+    proc: Proc | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.address}:{self.port}"
+
+    @property
+    def state_file(self) -> Path:
+        return self.directory / "state.json"
+
+
+@dataclass
+class Cluster:
+    tmp_path: Path
+    db_url: str
+    head_config: Path
+    head_port: int
+    signer: HmacSigner
+    env: dict[str, str]
+    nodes: dict[str, Node]
+    procs: list[Proc] = field(default_factory=list)
+    head: Proc | None = None
+
+    # -- processes --------------------------------------------------------------------------
+
+    def spawn(
+        self,
+        module: str,
+        *args: str,
+        name: str,
+        prefix: Sequence[str] = (),
+        clock_offset_file: Path | None = None,
+        env: dict[str, str] | None = None,
+    ) -> Proc:
+        log = self.tmp_path / f"{name}-{len(self.procs)}.log"
+        argv = [*prefix, sys.executable, "-m"]
+        if clock_offset_file is not None:
+            argv += ["tests.faults.clockshift", str(clock_offset_file)]
+        argv += [module, *args]
+        with log.open("wb") as stderr:
+            proc = subprocess.Popen(
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=stderr,
+                env=env or self.env,
+                cwd=self.tmp_path,
+            )
+        started = Proc(proc, log)
+        self.procs.append(started)
+        return started
+
+    def start_head(self, *, clock_offset_file: Path | None = None) -> Proc:
+        self.head = self.spawn(
+            "slurm_cdgpc.coordinator.main",
+            "--config",
+            str(self.head_config),
+            name="head",
+            clock_offset_file=clock_offset_file,
+        )
+        head = self.head
+        _wait("cdgpcd answers", lambda: self.client(signed=False).get("/v1/health"), 30, head.text)
+        return head
+
+    def start_agent(self, node: str, *, clock_offset_file: Path | None = None) -> Proc:
+        n = self.nodes[node]
+        env = {
+            **self.env,
+            "CDGPC_SIMULATED_JOBS": str(n.directory / "jobs"),
+            "CDGPC_SIMULATED_FAULTS": str(n.directory / "faults"),
+        }
+        proc = self.spawn(
+            "slurm_cdgpc.agent.main",
+            "--config",
+            str(n.config),
+            "--node-name",
+            node,
+            name=node,
+            prefix=n.netns.prefix if n.netns else (),
+            clock_offset_file=clock_offset_file,
+            env=env,
+        )
+        n.proc = proc
+        _wait("agent listens", lambda: "listening on" in proc.text(), 30, proc.text)
+        return proc
+
+    def client(self, *, signed: bool = True, timeout_s: float = 10.0) -> HeadClient:
+        return HeadClient(
+            f"http://127.0.0.1:{self.head_port}",
+            self.signer if signed else None,
+            timeout_s=timeout_s,
+        )
+
+    def logs(self) -> str:
+        return "\n".join(f"== {p.log.name}\n{p.text()[-4000:]}" for p in self.procs)
+
+    # -- what the nodes hold -----------------------------------------------------------------
+
+    def locks(self, node: str) -> dict[int, int]:
+        """GPU index → the highest graphics cap the state file lists for it (none: no file)."""
+        path = self.nodes[node].state_file
+        try:
+            document = json.loads(path.read_text())
+        except FileNotFoundError:
+            return {}
+        out: dict[int, int] = {}
+        for lock in document["locks"]:  # before a change it lists the old and the new lock
+            out[lock["index"]] = max(out.get(lock["index"], 0), lock["graphics_max_mhz"])
+        return out
+
+    def set_faults(self, node: str, text: str) -> None:
+        path = self.nodes[node].directory / "faults"
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(text)
+        os.replace(tmp, path)
+
+    def status(self) -> dict[str, Any]:
+        return self.client().get("/v1/status")  # type: ignore[no-any-return]
+
+    def job(self, job_id: str) -> dict[str, Any] | None:
+        for job in self.client().get("/v1/jobs")["jobs"]:
+            if job["job_id"] == job_id:
+                return job  # type: ignore[no-any-return]
+        return None
+
+    # -- the scenario every fault test shares -------------------------------------------------
+
+    def establish(self, budget_w: float = BUDGET_W) -> PowerMeter:
+        """Announce the nodes, set the budget, register jobs 101 and 102, wait until both are
+        controlled and the true power is within the budget; start the meter."""
+        client = self.client()
+        for n in self.nodes.values():
+            client.post("/v1/nodes", {"node": n.name, "url": n.url})
+        client.post("/v1/budget", {"budget_w": budget_w, "reason": "fault test"})
+        for node, job_id in JOBS.items():
+            client.post(
+                "/v1/jobs", {"job_id": job_id, "user": "root", "node": node, "gpus": [*BUSY_GPUS]}
+            )
+        meter = PowerMeter(self.locks, budget_w)
+        _wait(
+            "jobs 101 and 102 running and controlled",
+            lambda: all(
+                (j := self.job(job_id)) and j["state"] == "running" and j["controlled"]
+                for job_id in JOBS.values()
+            ),
+            20,
+            self.logs,
+        )
+        # learned: the head has raised both jobs above the safe cap (so that a fall to the
+        # safe cap is visible, and a test cannot pass on clocks that were low all along)
+        _wait(
+            "both jobs above the safe cap",
+            lambda: all(
+                min(self.locks(n).get(g, 0) for g in BUSY_GPUS) > SAFE_MHZ for n in self.nodes
+            ),
+            30,
+            self.logs,
+        )
+        _wait(
+            "power within the budget",
+            lambda: meter.power_w() <= budget_w * (1 + GUARD_BAND),
+            20,
+            self.logs,
+        )
+        meter.start()
+        return meter
+
+    def controlled(self, node: str) -> bool:
+        """The head holds the node's job at a clock of its own choice (not the safe cap)."""
+        job = self.job(JOBS[node])
+        return bool(job and job["controlled"]) and all(
+            self.locks(node).get(g, 0) > 0 for g in BUSY_GPUS
+        )
+
+    def finish(
+        self,
+        name: str,
+        meter: PowerMeter,
+        registrar: Registrar,
+        *,
+        lease_s: float = LEASE_S,
+        overshoot_allowed_s: float | None = None,
+    ) -> dict[str, float]:
+        """End the jobs, check every invariant, record the evidence, return the figures."""
+        meter.stop()
+        registrar.flush()
+        client = self.client()
+        for job_id in JOBS.values():
+            client.delete(f"/v1/jobs/{job_id}")
+        deadline = time.monotonic() + 4 * INTERVAL_S + LEASE_S + SLACK_S
+        while time.monotonic() < deadline and any(self.locks(n) for n in self.nodes):
+            time.sleep(0.05)
+        left = sum(len(self.locks(n)) for n in self.nodes)
+        worst_pct, longest_s = meter.over()
+        stored = registrar.stored()
+        figures = {
+            "worst_overshoot_pct": worst_pct,
+            "overshoot_s": longest_s,
+            "lease_s": lease_s,
+            "registrations_sent": registrar.sent,
+            "registrations_stored": stored,
+            "gpus_left_locked": left,
+        }
+        allowed_s = lease_s if overshoot_allowed_s is None else overshoot_allowed_s
+        survived = (
+            longest_s <= allowed_s + SLACK_S
+            and stored == registrar.sent
+            and left == 0
+            and all(n.proc is None or n.proc.proc.poll() is None for n in self.nodes.values())
+        )
+        record("fault", name, injected=1, survived=int(survived), **figures)
+        assert len(meter.samples) > 10, "the power meter took too few samples"
+        assert longest_s <= allowed_s + SLACK_S, (figures, self.logs())
+        assert stored == registrar.sent, (figures, registrar.missing(), self.logs())
+        assert left == 0, ({n: self.locks(n) for n in self.nodes}, self.logs())
+        return figures
+
+    @contextlib.contextmanager
+    def failure_recorded(
+        self,
+        name: str,
+        meter: PowerMeter,
+        registrar: Registrar,
+        ended: Mapping[str, Collection[int]] | None = None,
+        heal: Callable[[], None] | None = None,
+    ) -> Iterator[None]:
+        """Record ``name`` as not survived if the block fails (then re-raise): the evidence must
+        not keep an older, better record of a fault the code no longer survives. ``ended``: the
+        GPUs (per node) whose job has ended, counted in ``gpus_left_locked`` if still locked.
+        ``heal``: undoes the fault first, so that spooled registrations can be forwarded and
+        counted."""
+        try:
+            yield
+        except (AssertionError, pytest.fail.Exception):
+            meter.stop()
+            if heal is not None:
+                heal()
+            with contextlib.suppress(AssertionError, CdgpcError):
+                registrar.flush(timeout_s=10.0)
+            worst_pct, longest_s = meter.over()
+            left = sum(
+                len(set(self.locks(node)) & set(gpus)) for node, gpus in (ended or {}).items()
+            )
+            record(
+                "fault",
+                name,
+                injected=1,
+                survived=0,
+                worst_overshoot_pct=worst_pct,
+                overshoot_s=longest_s,
+                lease_s=LEASE_S,
+                registrations_sent=registrar.sent,
+                registrations_stored=registrar.stored(),
+                gpus_left_locked=left,
+            )
+            raise
+
+
+@dataclass
+class Registrar:
+    """Registers and ends short jobs on node1's GPU 2 as the Prolog and Epilog do: a request the
+    head does not take (unreachable, 5xx) goes to the spool and is forwarded later."""
+
+    cluster: Cluster
+    spool: Spool
+    first_id: int = 1000
+    sent: int = 0
+    job_ids: list[str] = field(default_factory=list)
+
+    def register(self, count: int = 1) -> None:
+        client = self.cluster.client(timeout_s=3.0)
+        for _ in range(count):
+            job_id = str(self.first_id + self.sent)
+            self.sent += 1
+            self.job_ids.append(job_id)
+            payload: dict[str, object] = {
+                "job_id": job_id,
+                "user": "root",
+                "node": "node1",
+                "gpus": [CHURN_GPU],
+            }
+            path = f"/v1/jobs/{job_id}"
+            self._send("register", job_id, partial(client.post, "/v1/jobs", payload), payload)
+            self._send("deregister", job_id, partial(client.delete, path), None)
+
+    def _send(
+        self, op: str, job_id: str, call: Callable[[], object], payload: dict[str, object] | None
+    ) -> None:
+        if self.spool.pending():  # keep the order: behind what is already spooled
+            self.spool.spool(op, job_id, payload)
+            return
+        try:
+            call()
+        except HeadRefusedError as e:
+            if e.status not in RETRYABLE and e.status < 500:
+                raise
+            self.spool.spool(op, job_id, payload)
+        except CdgpcError:
+            self.spool.spool(op, job_id, payload)
+
+    def flush(self, timeout_s: float = 20.0) -> None:
+        """Forward the spool until it is empty (the head is back)."""
+        deadline = time.monotonic() + timeout_s
+        while self.spool.pending():
+            self.spool.forward(self.cluster.client(timeout_s=3.0))
+            if time.monotonic() > deadline:
+                raise AssertionError(f"spool not forwarded: {self.spool.pending()}")
+            time.sleep(0.1)
+
+    def stored(self) -> int:
+        engine = make_engine(self.cluster.db_url)
+        try:
+            store = Store(engine)
+            return sum(1 for job_id in self.job_ids if store.job(job_id) is not None)
+        finally:
+            engine.dispose()
+
+    def missing(self) -> list[str]:
+        engine = make_engine(self.cluster.db_url)
+        try:
+            store = Store(engine)
+            return [j for j in self.job_ids if store.job(j) is None]
+        finally:
+            engine.dispose()
+
+
+def make_cluster(tmp_path: Path, db_url: str, *, netns: bool = False) -> Iterator[Cluster]:
+    """The head's config and two agents (started, busy GPUs); the head is not started yet."""
+    secret = secrets.token_hex(32).encode()
+    key_file = tmp_path / "hmac.key"
+    key_file.write_bytes(secret)
+    key_file.chmod(0o600)
+    if key_file.stat().st_uid != 0:
+        unavailable("the HMAC key must be owned by root: run the fault tests as root")
+    common = f"""
+[control]
+interval = "{INTERVAL_S}s"
+[lease]
+duration = "{LEASE_S}s"
+safe_cap = 0.6
+[auth]
+method = "hmac"
+hmac_key_file = "{key_file}"
+hmac_is_admin = true
+"""
+    head_port = _free_port()
+    head_config = tmp_path / "head.toml"
+    head_config.write_text(
+        common
+        + f"""
+[head]
+listen_address = "127.0.0.1"
+listen_port = {head_port}
+[store]
+url = "{db_url}"
+"""
+    )
+    env = {
+        k: v for k, v in os.environ.items() if not k.startswith("CDGPC_") and k != "SLURM_JOB_ID"
+    }
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    cluster = Cluster(
+        tmp_path, db_url, head_config, head_port, HmacSigner(HmacKey(secret), uid=0, gid=0), env, {}
+    )
+    namespaces: list[Netns] = []
+    try:
+        for i, name in enumerate(NODES):
+            ns = make_netns(i) if netns else None
+            if ns is not None:
+                namespaces.append(ns)
+            directory = tmp_path / name
+            (directory / "jobs").mkdir(parents=True)
+            launch = {
+                "job_id": JOBS[name],
+                "gpus": list(BUSY_GPUS),
+                "workload": WORKLOAD,
+                "iterations": 10**9,
+            }
+            (directory / "jobs" / f"{JOBS[name]}.json").write_text(json.dumps(launch))
+            port = _free_port()
+            address = ns.address if ns else "127.0.0.1"
+            config = tmp_path / f"{name}.toml"
+            config.write_text(
+                common
+                + f"""
+[node]
+backend = "simulated"
+simulated_gpu_type = "{GPU_TYPE}"
+simulated_gpu_count = {GPUS_PER_NODE}
+state_file = "{directory / "state.json"}"
+progress_socket = "{directory / "progress.sock"}"
+listen_address = "{address}"
+listen_port = {port}
+"""
+            )
+            cluster.nodes[name] = Node(name, address, port, directory, config, ns)
+            cluster.start_agent(name)
+        yield cluster
+    finally:
+        for p in cluster.procs:
+            if p.proc.poll() is None:
+                p.proc.send_signal(18)  # SIGCONT: a frozen process must be able to stop
+        for p in cluster.procs:
+            stop(p.proc, timeout_s=10)
+        for ns in namespaces:
+            ns.destroy()
+
+
+def registrar(cluster: Cluster) -> Registrar:
+    return Registrar(cluster, Spool(cluster.tmp_path / "spool"))
