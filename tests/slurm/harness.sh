@@ -8,6 +8,7 @@
 # Usage (root):  tests/slurm/harness.sh start     install (apt) if missing, configure, start
 #                tests/slurm/harness.sh stop      stop what start started; restore /etc/slurm
 #                tests/slurm/harness.sh bench N   N one-GPU jobs; Prolog wall time p50/p99 (JSON)
+#                                                 (CDGPC_BENCH_SEQUENTIAL=1: one job at a time)
 # Environment:
 #   CDGPC_SLURM_LAB          lab directory (state, logs, hooks, spool)   default /tmp/cdgpc-slurm-lab
 #   CDGPC_PYTHON             interpreter the hooks run with (absolute)   default: .venv, else python3
@@ -245,8 +246,15 @@ do_bench() {  # do_bench N: N one-GPU jobs, then p50/p99 of the Prolog's wall ti
     local n=${1:-100} first last
     touch "$LAB/log/prolog-times.log"
     first=$(wc -l <"$LAB/log/prolog-times.log" 2>/dev/null || echo 0)
-    for _ in $(seq 1 "$n"); do
+    for i in $(seq 1 "$n"); do
         sbatch --parsable -o /dev/null --gres=gpu:1 --comment=deadline=+2h --wrap true >/dev/null
+        # CDGPC_BENCH_SEQUENTIAL=1: one job at a time (a Prolog alone, not a burst of them)
+        if [ "${CDGPC_BENCH_SEQUENTIAL:-0}" = 1 ]; then
+            for _ in $(seq 1 200); do
+                [ $(($(wc -l <"$LAB/log/prolog-times.log") - first)) -ge "$i" ] && break
+                sleep 0.05
+            done
+        fi
     done
     for _ in $(seq 1 1200); do
         last=$(wc -l <"$LAB/log/prolog-times.log" 2>/dev/null || echo 0)
