@@ -30,7 +30,7 @@ import logging
 import signal
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import FrameType
 from typing import Final
@@ -41,7 +41,9 @@ from slurm_cdgpc.coordinator.daemon import Coordinator, CoordinatorSettings
 from slurm_cdgpc.coordinator.reconcile import reconcile_with_slurm
 from slurm_cdgpc.errors import CdgpcError, FatalError, InputError
 from slurm_cdgpc.service import serve
-from slurm_cdgpc.slurm.squeue import SQUEUE, SqueueError, running_jobs
+from slurm_cdgpc.slurm.pyslurm_jobs import load_pyslurm
+from slurm_cdgpc.slurm.pyslurm_jobs import running_jobs as pyslurm_running_jobs
+from slurm_cdgpc.slurm.squeue import SQUEUE, SlurmJob, SqueueError, running_jobs
 from slurm_cdgpc.store import Store, StoreError, make_engine, upgrade
 from slurm_cdgpc.store.leader import LeaderLock, LeadershipLostError, default_holder
 from slurm_cdgpc.transport.auth import (
@@ -199,17 +201,17 @@ def _serve(config: Config, coordinator: Coordinator, stop: threading.Event) -> N
     thread.start()
     if not config.head.reconcile:
         logger.info("head.reconcile = false: no reconcile with Slurm")
-    elif SQUEUE.exists():
+    elif (source := _slurm_jobs()) is not None:
         # at least two control intervals: squeue may take seconds on a busy controller
         period_s = max(config.head.reconcile_interval_s, 2 * config.control.interval_s)
         threading.Thread(
             target=_reconcile_until,
-            args=(coordinator, stop, period_s),
+            args=(coordinator, stop, period_s, source),
             name="reconcile",
             daemon=True,
         ).start()
     else:
-        logger.info("%s not found: no reconcile with Slurm", SQUEUE)
+        logger.info("neither pyslurm nor %s: no reconcile with Slurm", SQUEUE)
     try:
         logger.info(
             "cdgpcd listening on %s:%d (%s auth), interval %gs, lease %gs, leader epoch %d%s",
@@ -228,13 +230,29 @@ def _serve(config: Config, coordinator: Coordinator, stop: threading.Event) -> N
         thread.join(timeout=5.0)
 
 
-def _reconcile_until(coordinator: Coordinator, stop: threading.Event, period_s: float) -> None:
+def _slurm_jobs() -> Callable[[], Mapping[str, SlurmJob]] | None:
+    """Where the running jobs come from: pyslurm when it imports, else ``squeue --json``."""
+    pyslurm = load_pyslurm()
+    if pyslurm is not None:
+        logger.info("reconcile reads jobs through pyslurm")
+        return lambda: pyslurm_running_jobs(pyslurm)
+    if SQUEUE.exists():
+        return running_jobs
+    return None
+
+
+def _reconcile_until(
+    coordinator: Coordinator,
+    stop: threading.Event,
+    period_s: float,
+    source: Callable[[], Mapping[str, SlurmJob]],
+) -> None:
     """Every ``period_s``, finish jobs Slurm no longer runs and adopt running jobs that never
     registered (`slurm_cdgpc.coordinator.reconcile`), off the control thread: squeue may take
     seconds on a busy controller. The grace period is one reconcile period."""
     while not stop.wait(period_s):
         try:
-            running = running_jobs()
+            running = source()
         except SqueueError as e:
             logger.warning("reconcile skipped: %s", e)
             continue

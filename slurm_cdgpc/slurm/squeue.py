@@ -29,6 +29,8 @@ logger = logging.getLogger(__name__)
 
 SQUEUE: Final = Path("/usr/bin/squeue")
 DEFAULT_TIMEOUT_S: Final = 10.0
+#: the states in which a job holds its GPUs
+ACTIVE_STATES: Final = frozenset({"RUNNING", "COMPLETING", "CONFIGURING"})
 #: a hostlist naming more nodes than this is not read (no cluster has that many)
 MAX_HOSTS: Final = 100_000
 _BRACKET: Final = re.compile(r"\[([^\[\]]*)\]")
@@ -213,5 +215,4 @@ def running_jobs(
     if result.returncode != 0:
         message = " ".join(result.stderr.decode("utf-8", "replace").split())[:300]
         raise SqueueError(f"squeue --json exited {result.returncode}: {message}")
-    active = {"RUNNING", "COMPLETING", "CONFIGURING"}
-    return {j.job_id: j for j in parse_squeue_json(result.stdout) if j.state in active}
+    return {j.job_id: j for j in parse_squeue_json(result.stdout) if j.state in ACTIVE_STATES}

@@ -1,0 +1,93 @@
+"""Running jobs through pyslurm, for the head's reconcile, when pyslurm imports.
+
+pyslurm talks to slurmctld through libslurm instead of starting ``squeue --json`` every period,
+which matters on a busy controller. PyPI's pyslurm is built for one Slurm release (25.11), so it
+is optional: the head uses it when ``import pyslurm`` works and falls back to
+`slurm_cdgpc.slurm.squeue` otherwise. What is read here is pyslurm's documented job API
+(``pyslurm.Jobs.load()``; per job ``id``, ``user_name``, ``state``, ``allocated_nodes``,
+``comment``, ``submit_time``, ``start_time``, ``time_limit`` in minutes, ``deadline``,
+``array_id``, and ``get_resource_layout_per_node()``, whose ``gres`` per node reads
+``{"gpu:a100": {"count": "2", "indexes": "0-1"}}``), into the same `SlurmJob` squeue gives.
+A job that cannot be read is skipped with a log line, never an exception.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from collections.abc import Mapping
+from types import ModuleType
+from typing import Any
+
+from slurm_cdgpc.errors import CdgpcError
+from slurm_cdgpc.slurm.env import parse_gpu_indices
+from slurm_cdgpc.slurm.squeue import ACTIVE_STATES, SlurmJob, SqueueError
+
+logger = logging.getLogger(__name__)
+
+
+def load_pyslurm() -> ModuleType | None:
+    """pyslurm, or None when it does not import (not installed, or built for another Slurm)."""
+    try:
+        return importlib.import_module("pyslurm")
+    except Exception as e:  # a libslurm of another release raises ImportError or OSError alike
+        logger.debug("pyslurm unavailable: %s", e)
+        return None
+
+
+def _number(value: object) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+        return None
+    return float(value)
+
+
+def _gpus(layout: object) -> dict[str, tuple[int, ...]]:
+    out: dict[str, tuple[int, ...]] = {}
+    if not isinstance(layout, Mapping):
+        return out
+    for node, resources in layout.items():
+        gres = resources.get("gres") if isinstance(resources, Mapping) else None
+        indices: set[int] = set()
+        for name, detail in (gres or {}).items():
+            if str(name).split(":")[0] == "gpu" and isinstance(detail, Mapping):
+                indices.update(parse_gpu_indices(str(detail.get("indexes") or "")))
+        if indices:
+            out[str(node)] = tuple(sorted(indices))
+    return out
+
+
+def parse_job(job: Any) -> SlurmJob:
+    """One pyslurm ``Job`` as a `SlurmJob` (raises on a job that cannot be read)."""
+    limit_min = _number(job.time_limit)
+    array = _number(getattr(job, "array_id", None))
+    return SlurmJob(
+        job_id=str(int(job.id)),
+        user=str(job.user_name or ""),
+        state=str(job.state or ""),
+        nodes=str(job.allocated_nodes or ""),
+        comment=str(job.comment or ""),
+        start_s=_number(job.start_time),
+        time_limit_s=None if limit_min is None else limit_min * 60.0,
+        array_job_id=None if array is None else str(int(array)),
+        submit_s=_number(job.submit_time),
+        deadline_s=_number(getattr(job, "deadline", None)),
+        gpus=_gpus(job.get_resource_layout_per_node()),
+    )
+
+
+def running_jobs(pyslurm: ModuleType) -> dict[str, SlurmJob]:
+    """Jobs Slurm runs now (RUNNING, COMPLETING, CONFIGURING), by raw job id."""
+    try:
+        jobs = pyslurm.Jobs.load()
+    except Exception as e:  # pyslurm raises its own RPCError and others
+        raise SqueueError(f"pyslurm could not load the jobs: {e}") from e
+    out: dict[str, SlurmJob] = {}
+    for key, job in dict(jobs).items():
+        try:
+            parsed = parse_job(job)
+        except (CdgpcError, AttributeError, TypeError, ValueError) as e:
+            logger.info("pyslurm: skipped job %s that cannot be read: %s", key, e)
+            continue
+        if parsed.state in ACTIVE_STATES:
+            out[parsed.job_id] = parsed
+    return out
