@@ -138,6 +138,7 @@ def run(config: Config, *, node_name: str | None = None) -> int:
             config.lease.safe_cap,
             config.node.state_file,
             time.time,
+            monotonic=time.monotonic,  # the lease: a stepped wall clock cannot stretch it
             node_name=name,
             lease_duration_s=config.lease.duration_s,
             max_lease_s=2 * config.lease.duration_s,

@@ -2,7 +2,8 @@
 
 No sockets and no threads here: `server` and `progress` call in from their threads (every public
 method takes one lock), `main` calls `tick` periodically. Time comes from ``clock`` (epoch
-seconds; tests pass a `ManualClock`).
+seconds, what the head's lease expiry is written in) and ``monotonic`` (what the lease runs on);
+tests pass one `ManualClock` for both.
 
 Safety rules (DESIGN.md, "Safety"):
 
@@ -10,11 +11,18 @@ Safety rules (DESIGN.md, "Safety"):
   anything changes; an unsupported clock or a failed write is refused for that GPU only (and
   reported in ``refused``), the other GPUs are still applied. A write that fails half-way is
   rolled back to the GPU's previous lock, best effort.
-- **Lease.** Every exchange carries an expiry (clamped to at most ``max_lease_s`` ahead). When it
-  lapses, `tick` acts on ``on_lapse``: ``cap`` moves *every* GPU to the safe cap (idle GPUs too:
-  a job that starts while the head is away is unknown here, and a capped range costs an idle GPU
-  nothing), never raising a GPU that is already below it; ``reset`` restores defaults; ``keep``
-  leaves the clocks. It logs once per lapse. Before the first exchange, the start-up time plus
+- **Lease.** Every exchange carries an expiry, a wall-clock instant of the head's. The agent
+  turns it into a duration at arrival (clamped to at most ``max_lease_s``) and keeps a deadline
+  on its monotonic clock: a wall clock stepped back after the last exchange (NTP, a mis-set RTC)
+  cannot stretch the lease, nor one stepped ahead shorten it. An exchange whose lease has already
+  expired when it arrives (the head's clock behind by more than a lease, or the request held up
+  in transit) renews nothing and changes no clock: its setpoints and releases are refused, the
+  readings answered as usual; applying them would only flip the node between the head's clocks
+  and the safe cap at every tick. When the lease lapses, `tick` acts on ``on_lapse``: ``cap``
+  moves *every* GPU to the safe cap (idle GPUs too: a job that starts while the head is away is
+  unknown here, and a capped range costs an idle GPU nothing), never raising a GPU that is
+  already below it; ``reset`` restores defaults; ``keep`` leaves the clocks. It logs once per
+  lapse. Before the first exchange, the start-up time plus
   ``lease_duration_s`` counts as the expiry, so a node whose head never answers is capped too.
   The next valid exchange takes control back: its setpoints apply, and GPUs the lapse capped that
   hold no job return to defaults.
@@ -138,6 +146,7 @@ class NodeAgent:
         state_file: Path,
         clock: Callable[[], float] = time.time,
         *,
+        monotonic: Callable[[], float] | None = None,
         node_name: str | None = None,
         lease_duration_s: float = 90.0,
         max_lease_s: float | None = None,
@@ -156,6 +165,8 @@ class NodeAgent:
         self.on_lapse = on_lapse
         self.max_lease_s = 2 * lease_duration_s if max_lease_s is None else max_lease_s
         self._clock = clock
+        #: None: ``time.monotonic`` beside the system clock; a test's own ``clock`` drives both
+        self._monotonic = monotonic or (time.monotonic if clock is time.time else clock)
         self._lock = threading.RLock()
         self._jobs: dict[int, str] = {}  # GPU index -> the job the head assigned it
         self._lapse_capped: set[int] = set()  # GPUs the lapse moved to the safe cap
@@ -164,7 +175,8 @@ class NodeAgent:
         self._lapsed = False
         self._epoch = 0  # the highest leader epoch seen (persisted in the state file)
         self.recovered_stale_state = self._recover()
-        self._lease_expires_s = self._clock() + lease_duration_s
+        self._lease_expires_s = self._clock() + lease_duration_s  # as the head wrote it
+        self._lease_deadline = self._monotonic() + lease_duration_s  # what `tick` checks
 
     # -- start-up -------------------------------------------------------------------------------
 
@@ -226,11 +238,13 @@ class NodeAgent:
         new clock, and the head would learn a point that never happened.
         """
         with self._lock:
-            now_s = self._clock()
+            now_s, arrived_s = self._clock(), self._monotonic()
             self._check_node(request)
             self._fence(request)
             reports = tuple(self._report(dev) for dev in self.gpus)
             refused: list[Refusal] = []
+            if request.lease_expires_s <= now_s:
+                return self._expired_on_arrival(request, now_s, reports)
             for gpu in request.release:
                 self._release(gpu, refused)
             wanted: dict[int, LockedClocks] = {}
@@ -259,7 +273,7 @@ class NodeAgent:
                 if self._apply(devices[sp.gpu], sp.graphics_mhz, sp.memory_mhz, refused):
                     self._jobs[sp.gpu] = sp.job_id
                     self._lapse_capped.discard(sp.gpu)
-            self._renew(request, now_s)
+            self._renew(request, now_s, arrived_s)
             self._sync_state()
             for r in refused:
                 logger.warning("GPU %s: setpoint refused: %s", r.gpu, r.reason)
@@ -270,6 +284,29 @@ class NodeAgent:
                 progress=tuple(self._progress.values()),
                 refused=tuple(refused),
             )
+
+    def _expired_on_arrival(
+        self, request: ExchangeRequest, now_s: float, reports: tuple[GpuReport, ...]
+    ) -> ExchangeResponse:
+        """Answer an exchange whose lease was over before it arrived: readings, and every setpoint
+        and release refused; the lease and the clocks stay as they are."""
+        late_s = now_s - request.lease_expires_s
+        logger.warning(
+            "interval %d: lease already expired on arrival (%.1f s ago): nothing applied, "
+            "lease not renewed; check NTP on the head and this node",
+            request.interval,
+            late_s,
+        )
+        reason = f"lease already expired on arrival ({late_s:.1f} s ago): nothing applied"
+        refused = [Refusal(sp.gpu, reason) for sp in request.setpoints]
+        refused += [Refusal(gpu, reason) for gpu in request.release]
+        return ExchangeResponse(
+            node=self.node_name,
+            time_s=now_s,
+            gpus=reports,
+            progress=tuple(self._progress.values()),
+            refused=tuple(refused),
+        )
 
     def _check_node(self, request: ExchangeRequest) -> None:
         """Refuse, before anything changes (not even the lease), a request for another node."""
@@ -305,16 +342,14 @@ class NodeAgent:
         with self._lock:
             return self._epoch
 
-    def _renew(self, request: ExchangeRequest, now_s: float) -> None:
-        expires_s = min(request.lease_expires_s, now_s + self.max_lease_s)
-        if request.lease_expires_s <= now_s:
-            logger.warning(
-                "interval %d: lease already expired on arrival (%.1f s ago); check NTP",
-                request.interval,
-                now_s - request.lease_expires_s,
-            )
-        self._lease_expires_s = expires_s
-        if self._lapsed and expires_s > now_s:
+    def _renew(self, request: ExchangeRequest, now_s: float, arrived_s: float) -> None:
+        """Renew the lease (the caller has checked it is still running): the head's expiry as a
+        duration from the request's arrival (``now_s`` by the wall clock, ``arrived_s`` by the
+        monotonic one), kept as a deadline on the monotonic clock."""
+        left_s = min(request.lease_expires_s - now_s, self.max_lease_s)
+        self._lease_expires_s = now_s + left_s
+        self._lease_deadline = arrived_s + left_s
+        if self._lapsed and left_s > 0:
             self._lapsed = False
             logger.info(
                 "lease renewed at interval %d: the head controls the clocks again", request.interval
@@ -444,14 +479,14 @@ class NodeAgent:
     def tick(self) -> TickResult:
         """Check the lease; on a lapse apply ``on_lapse`` (retrying GPUs that failed)."""
         with self._lock:
-            now_s = self._clock()
-            if now_s < self._lease_expires_s:
+            now_s = self._monotonic()
+            if now_s < self._lease_deadline:
                 return TickResult(lapsed=False)
             if not self._lapsed:
                 self._lapsed = True
                 logger.warning(
                     "lease lapsed %.1f s ago (no valid exchange from the head): %s",
-                    now_s - self._lease_expires_s,
+                    now_s - self._lease_deadline,
                     {
                         "cap": f"moving every GPU to the safe cap ({self.safe_cap})",
                         "reset": "restoring default clocks",
@@ -504,6 +539,8 @@ class NodeAgent:
 
     @property
     def lease_expires_s(self) -> float:
+        """When the lease ends, in epoch seconds as of its last renewal (the watchdog itself
+        counts on the monotonic clock)."""
         with self._lock:
             return self._lease_expires_s
 

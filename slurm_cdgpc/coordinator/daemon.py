@@ -6,7 +6,9 @@ Every interval k (DESIGN.md, "Components and data flow"):
    interval join (their stored models, if any, are restored: a restart or a node that comes back
    resumes where it was); finished jobs leave and their GPUs are queued for release; jobs on a
    node that did not answer the last exchange leave the optimisation (their models stay in the
-   store) until it answers again.
+   store) until it answers again, and so do jobs with a GPU that refused a setpoint below the
+   clock it holds (a failing clock write, a lease expired on arrival) until that GPU accepts one
+   again.
 2. **Measure**: per-job measurements from the last exchange's GPU reports. The agent reads
    every GPU before it applies an exchange, so the reports describe the interval that just
    ended. A report counts for a job only if its power is not null, the node also answered the
@@ -20,9 +22,10 @@ Every interval k (DESIGN.md, "Components and data flow"):
 3. **Solve**: `EconomicMPC.step` with the budget in force now (the store's, else the
    configuration's ``budget.initial``; none: uncapped) minus the uncontrolled power:
    GPUs of unreachable nodes at their worst case (every GPU at its maximum power limit, never
-   zero), GPUs of jobs that are registered but not (yet) controlled at their enforced power
-   limit, idle GPUs at their latest reading (at their limit when unreadable), never the
-   interval's mean.
+   zero; a node that never reported counts every GPU its jobs name at the largest limit of the
+   catalog), GPUs of jobs that are registered but not (yet) controlled at their enforced power
+   limit, GPUs of jobs held out after a refusal and idle GPUs at their latest reading (at their
+   limit when unreadable), never the interval's mean.
 4. **Exchange** with every known node at once, each request naming its node: setpoints,
    releases of GPUs whose job ended, and a lease until now + ``lease.duration``, under this
    head's leader epoch. The leader lock is renewed first (`Leadership.confirm`): a head that
@@ -30,6 +33,9 @@ Every interval k (DESIGN.md, "Components and data flow"):
    (`LeadershipLostError` ends `run`). Shadow mode sends the same exchanges with no setpoints
    and no releases: the agents keep their default clocks and the lease stays renewed (so they
    do not fall to the safe cap while the head runs), but nothing is ever capped by the head.
+   A refused release stays queued and is sent again at every exchange until it is done; a GPU
+   that refused a setpoint below its clock is sent that setpoint again (never a higher clock)
+   until it takes it.
 5. **Persist** (after confirming the lock again, so a head fenced off during the exchange
    writes nothing), in one store transaction: the decision with its setpoints (the previous
    decision's measured power filled in), every job's model, the measurements, node
@@ -218,6 +224,11 @@ class IntervalReport:
         }
 
 
+def _catalog_max_w() -> float:
+    """The largest maximum power limit of the catalog: a GPU of unknown type may be any."""
+    return max(s.power_limit.max_w for s in CATALOG.values())
+
+
 def _finite_or_none(x: float | None) -> float | None:
     return x if x is not None and math.isfinite(x) else None
 
@@ -344,6 +355,9 @@ class Coordinator:
         self._started: set[str] = set()  # jobs marked running in the store
         self._progress_done: dict[str, int] = {}
         self._releases: dict[str, set[int]] = {}
+        #: GPUs that refused a setpoint below the clock they hold, with that setpoint: their job
+        #: is out of the optimisation, and the setpoint is sent again, until one is accepted
+        self._refusing: dict[GpuRef, AgentSetpoint] = {}
         self._sampled_at = -1  # interval of the exchange that produced the node reports
         self._planned_w: dict[str, float] = {}  # last decision's planned power per job
         #: the plan in force over the interval the node reports describe: the decision before
@@ -506,7 +520,7 @@ class Coordinator:
         for r in batch:
             node, spec = known.get(r.node), r.spec
             if r.node in unseen and node is None and r.node not in new:
-                limit_w = spec.power_limit.max_w if spec else 0.0
+                limit_w = spec.power_limit.max_w if spec else _catalog_max_w()
                 new[r.node] = Node(
                     name=r.node,
                     url=self.agent_url(r.node),
@@ -656,16 +670,23 @@ class Coordinator:
                 self._started.discard(job_id)
                 self._progress_done.pop(job_id, None)
         self._known = by_id
+        self._refusing = {g: p for g, p in self._refusing.items() if p.job_id in by_id}
+        held_out = self._held_out()
         wanted: dict[str, JobInfo] = {}
         for job in active:
-            info = self._job_info(job)
+            info = self._job_info(job, held_out)
             if info is not None:
                 wanted[job.job_id] = info
         current = {j.job_id: j for j in self.running.jobs}
         leave = [j for j, info in current.items() if wanted.get(j) != info]
         for info in self.running.remove(leave):
             self._added_at.pop(info.job_id, None)
-            reason = "finished" if info.job_id not in by_id else "node unreachable or GPUs changed"
+            if info.job_id not in by_id:
+                reason = "finished"
+            elif info.job_id in held_out:
+                reason = "a GPU refused its setpoint; counted at its reported power"
+            else:
+                reason = "node unreachable or GPUs changed"
             logger.info("job %s: leaves the controller (%s)", info.job_id, reason)
         joining = [info for j, info in wanted.items() if j not in self.running]
         added: list[str] = []
@@ -682,9 +703,17 @@ class Coordinator:
         if added:
             self._restore_models(added)
 
-    def _job_info(self, job: Job) -> JobInfo | None:
+    def _held_out(self) -> set[str]:
+        """Jobs kept out of the optimisation because one of their GPUs refuses its setpoint."""
+        return {p.job_id for p in self._refusing.values()}
+
+    def _job_info(self, job: Job, held_out: Collection[str]) -> JobInfo | None:
+        """The job as the controller takes it; None while it cannot be controlled (a node away
+        or of unknown type, a GPU in ``held_out`` refusing its setpoint)."""
         nodes = [self._nodes.get(n) for n in job.nodes]
         if any(n is not None and n.reachable is False for n in nodes):
+            return None
+        if job.job_id in held_out:
             return None
         types = {n.gpu_type for n in nodes if n is not None}
         if None in types or not types or any(n is None for n in nodes):
@@ -761,16 +790,20 @@ class Coordinator:
 
     def _uncontrolled_w(self) -> float:
         controlled = {g for j in self.running.jobs for g in j.gpus}
+        held_out = self._held_out()
         waiting = {
             GpuRef(g.node, g.gpu_index)
             for j in self._known.values()
-            if j.job_id not in self.running
+            if j.job_id not in self.running and j.job_id not in held_out
             for g in j.gpus
         }
         total_w = 0.0
+        named: dict[str, int] | None = None  # node -> GPUs its jobs name, once one is away
         for name, node in self._nodes.items():
             if node.reachable is False:
-                total_w += node.worst_case_w  # P_worst = Σ max power limit, never zero
+                if named is None:
+                    named = self._gpus_named()
+                total_w += self._worst_case_w(node, named.get(name, 0))  # never zero
                 continue
             for r in node.reports:
                 ref = GpuRef(name, r.index)
@@ -783,6 +816,22 @@ class Coordinator:
                     total_w += r.power_w
         return total_w
 
+    def _gpus_named(self) -> dict[str, int]:
+        """Per node, how many GPUs its active jobs imply (the highest index named, plus one)."""
+        named: dict[str, int] = {}
+        for job in self._known.values():
+            for g in job.gpus:
+                named[g.node] = max(named.get(g.node, 0), g.gpu_index + 1)
+        return named
+
+    def _worst_case_w(self, node: _NodeState, named: int) -> float:
+        """What an unreachable node may draw: its reported GPUs at their maximum power limit,
+        and at least the ``named`` GPUs its jobs imply (one, if none) at the limit of its GPU
+        type, or at the largest of the catalog while its type is unknown: a node the head never
+        reached (announced, or first seen in a registration) is never counted at zero."""
+        per_gpu_w = _catalog_max_w() if node.gpu_type is None else self._limit_w(node.gpu_type)
+        return max(node.worst_case_w, max(named, 1) * per_gpu_w)
+
     def _limit_w(self, gpu_name: str) -> float:
         try:
             return catalog_spec(gpu_name).power_limit.max_w
@@ -792,12 +841,20 @@ class Coordinator:
     # -- 4. exchange ---------------------------------------------------------------------------
 
     def _setpoints(self, decision: Decision | None) -> dict[str, list[AgentSetpoint]]:
-        if decision is None or self.settings.shadow:
+        """The decision's setpoints, and the refused ones again for GPUs that still refuse
+        (their job is out of the decision): the only way to learn that a GPU accepts them."""
+        if self.settings.shadow:
             return {}
-        return {
-            node: [AgentSetpoint(p.gpu, p.job_id, p.graphics_mhz, p.memory_mhz) for p in points]
-            for node, points in self.running.setpoints(decision).items()
-        }
+        out: dict[str, list[AgentSetpoint]] = {}
+        if decision is not None:
+            out = {
+                node: [AgentSetpoint(p.gpu, p.job_id, p.graphics_mhz, p.memory_mhz) for p in points]
+                for node, points in self.running.setpoints(decision).items()
+            }
+        for ref, point in sorted(self._refusing.items()):
+            if point.job_id not in self.running:
+                out.setdefault(ref.node, []).append(point)
+        return out
 
     def _exchange(
         self, k: int, now_s: float, setpoints: Mapping[str, list[AgentSetpoint]]
@@ -838,9 +895,7 @@ class Coordinator:
             node.reports_at = k
             node.sent = sent
             node.refused = frozenset(r.gpu for r in result.refused)
-            self._releases.pop(name, None)
-            if sent.release:
-                logger.info("node %s: released GPU(s) %s", name, ",".join(map(str, sent.release)))
+            self._track_refusals(name, sent, result)
             for refusal in result.refused:
                 job = next((p.job_id for p in sent.setpoints if p.gpu == refusal.gpu), "-")
                 logger.warning(
@@ -850,6 +905,53 @@ class Coordinator:
                 self.running.record_progress(p.job_id, p.step, p.time_s)
         self._sampled_at = k
         return responses
+
+    def _track_refusals(self, name: str, sent: ExchangeRequest, result: ExchangeResponse) -> None:
+        """Keep refused releases queued (a GPU whose reset failed must not stay locked), and
+        note the GPUs that refused a setpoint below the clock they hold: the plan must not count
+        them at a clock they do not have. A refused setpoint above the held clock leaves the GPU
+        below the plan, which is safe; the plan keeps it."""
+        refused = frozenset(r.gpu for r in result.refused)
+        by_index = {r.index: r for r in result.gpus}
+        kept = {g for g in sent.release if g in refused and g in by_index}
+        done = [g for g in sent.release if g not in refused]
+        if kept:
+            self._releases[name] = kept
+            logger.warning(
+                "node %s: release of GPU(s) %s refused; retried at the next exchange",
+                name,
+                ",".join(map(str, sorted(kept))),
+            )
+        else:
+            self._releases.pop(name, None)
+        if done:
+            logger.info("node %s: released GPU(s) %s", name, ",".join(map(str, done)))
+        for point in sent.setpoints:
+            ref = GpuRef(name, point.gpu)
+            report = by_index.get(point.gpu)
+            held = None if report is None else report.locked  # read before: what it still holds
+            above = report is not None and (
+                held is None or held.graphics_max_mhz > point.graphics_mhz
+            )
+            if point.gpu in refused and above:
+                if ref not in self._refusing:
+                    logger.warning(
+                        "job %s: node %s GPU %d refused its setpoint of %d MHz: the job leaves "
+                        "the plan, counted at its reported power, until the GPU accepts one",
+                        point.job_id,
+                        name,
+                        point.gpu,
+                        point.graphics_mhz,
+                    )
+                self._refusing[ref] = point
+            elif self._refusing.pop(ref, None) is not None:
+                logger.info(
+                    "job %s: node %s GPU %d %s: the job rejoins the plan",
+                    point.job_id,
+                    name,
+                    point.gpu,
+                    "refuses only a higher clock" if point.gpu in refused else "accepts setpoints",
+                )
 
     def _allowed_progress(self, node: str, result: ExchangeResponse) -> list[ProgressReport]:
         """The progress reports of ``result`` that count: sent by root or the job's owner (the

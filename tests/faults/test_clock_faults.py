@@ -94,12 +94,6 @@ def test_head_clock_jumps_by_an_hour(cluster: Cluster, step_s: float) -> None:
     cluster.finish(name, meter, jobs)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="cdgpc-noded keeps its lease as a wall-clock instant (NodeAgent._lease_expires_s "
-    "against time.time): a clock stepped back after the last exchange stretches the lease "
-    "by the step, so a node whose head is gone stays uncapped",
-)
 def test_agent_clock_steps_back_while_the_head_is_away(cluster: Cluster) -> None:
     offsets = {}
     for name in ("node1", "node2"):  # restart both agents on shiftable clocks

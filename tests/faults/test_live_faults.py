@@ -236,11 +236,10 @@ def test_agent_answering_slowly(cluster: Cluster) -> None:
     cluster.finish("agent-slow", meter, jobs)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="cdgpcd keeps planning a GPU whose setpoint the agent refused as if it held the new "
-    "clock: the refused GPU's real draw is not counted (Coordinator._exchange only logs refusals)",
-)
+#: the budget cut while node1's GPU 1 refuses clock writes
+CUT_W = 1200.0
+
+
 def test_clock_writes_failing_on_one_gpu(cluster: Cluster) -> None:
     cluster.start_head()
     meter = cluster.establish(budget_w=1400.0)
@@ -249,14 +248,21 @@ def test_clock_writes_failing_on_one_gpu(cluster: Cluster) -> None:
     high_mhz = cluster.locks("node1")[1]
 
     cluster.set_faults("node1", "1 fail_clock_writes\n")
-    cluster.client().post("/v1/budget", {"budget_w": 1000.0, "reason": "cut under a fault"})
-    meter.budget_w = 1000.0
+    # GPU 1 stays at its clock (320-340 W under 1400 W) and GPU 0 at the first setpoint it
+    # took (≈ 270 W); job 102 goes no lower than 705 MHz (half the top clock, ≈ 200 W a GPU) and
+    # the idle GPUs draw 60 W each: up to ≈ 1130 W is the least this fault allows, so the cut is
+    # to 1200 W (at 1000 W no head could stay within the budget); a head that plans GPU 1 at the
+    # clock it refused is 50-70 W over it, for as long as the fault lasts
+    cluster.client().post("/v1/budget", {"budget_w": CUT_W, "reason": "cut under a fault"})
+    meter.budget_w = CUT_W
     proc = cluster.nodes["node1"].proc
     assert proc is not None
     _wait("the refusal is logged", lambda: "setpoint refused" in proc.text(), 5, cluster.logs)
     assert cluster.locks("node1")[1] == high_mhz  # the write failed: the GPU kept its clock
     jobs.register(2)
     time.sleep(LEASE_S + 4 * INTERVAL_S)  # long enough for an overshoot to outlast a lease
+    job = cluster.job("101")  # out of the plan, counted at what its GPUs draw
+    assert job is not None and not job["controlled"], job
 
     cluster.set_faults("node1", "")
     _wait(
@@ -265,6 +271,10 @@ def test_clock_writes_failing_on_one_gpu(cluster: Cluster) -> None:
         5,
         cluster.logs,
     )
+    # the head hears of the refusal at the next exchange and plans around it at the one after
+    # (measured: 0.86-0.96 s over, against 2.4-3.4 s when it planned GPU 1 at the refused clock
+    # and learned the gap through the offset); the invariant asserted is the suite's: no longer
+    # than a lease, and the job out of the plan (above) is what tells the two apart
     cluster.finish("gpu-clock-writes-fail", meter, jobs)
 
 
@@ -292,11 +302,6 @@ def test_gpus_reporting_garbage_power(cluster: Cluster) -> None:
     cluster.finish("gpu-garbage-power", meter, jobs)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="cdgpcd drops a release the agent refused (Coordinator._exchange pops the node's "
-    "releases after any answer), so a GPU whose reset failed stays locked after its job ended",
-)
 def test_release_refused_while_clock_writes_fail(cluster: Cluster) -> None:
     cluster.start_head()
     meter = cluster.establish()

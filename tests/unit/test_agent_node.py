@@ -55,9 +55,10 @@ def make_agent(gpus: GpuSet, state_file: Path, clock: ManualClock) -> AgentFacto
             "node_name": "gpu01",
             "lease_duration_s": LEASE_S,
             "safe_cap": SafeCap(clock_fraction=0.6),
+            "clock": clock,
         }
         options.update(kwargs)
-        return NodeAgent(gpus, state_file=state_file, clock=clock, **options)  # type: ignore[arg-type]
+        return NodeAgent(gpus, state_file=state_file, **options)  # type: ignore[arg-type]
 
     return make
 
@@ -231,6 +232,79 @@ def test_lease_is_clamped_to_max_lease(
     assert agent.lease_expires_s == pytest.approx(clock() + 120.0)
     clock.advance(121)
     assert agent.tick().lapsed
+
+
+def test_wall_clock_stepped_back_does_not_stretch_the_lease(
+    make_agent: AgentFactory, gpus: GpuSet, clock: ManualClock
+) -> None:
+    """The lease runs on the monotonic clock: a wall clock stepped back an hour after the last
+    exchange (an NTP step with the head gone) still lapses one lease after that exchange."""
+    wall = ManualClock(T0_S)
+    agent = make_agent(clock=wall, monotonic=clock)
+    agent.exchange(request(wall, Setpoint(0, "1", MAX_MHZ)))
+    wall.now_s -= 3600.0  # stepped back; the monotonic clock does not move
+    wall.advance(LEASE_S - 1)
+    clock.advance(LEASE_S - 1)
+    assert not agent.tick().lapsed
+    wall.advance(1)
+    clock.advance(1)
+    assert agent.tick().lapsed  # by the wall clock, 3600 s of lease would be left
+    assert set(caps(gpus).values()) == {SAFE_MHZ}
+
+
+def test_wall_clock_stepped_ahead_does_not_cut_the_lease_short(
+    make_agent: AgentFactory, gpus: GpuSet, clock: ManualClock
+) -> None:
+    wall = ManualClock(T0_S)
+    agent = make_agent(clock=wall, monotonic=clock)
+    agent.exchange(request(wall, Setpoint(0, "1", MAX_MHZ)))
+    wall.advance(3600.0)
+    clock.advance(LEASE_S - 1)
+    assert not agent.tick().lapsed
+    assert caps(gpus)[0] == MAX_MHZ
+
+
+def test_exchange_expired_on_arrival_applies_and_renews_nothing(
+    agent: NodeAgent, gpus: GpuSet, clock: ManualClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A head whose clock is behind by more than a lease sends leases that are over when they
+    arrive: applying their setpoints would flip the node between the head's clocks and the safe
+    cap at every tick. They are refused, the readings answered, the lapse kept."""
+    agent.exchange(request(clock, Setpoint(0, "1", 1305), Setpoint(1, "2", 1305)))
+    clock.advance(LEASE_S + 1)
+    assert agent.tick().lapsed
+    capped = caps(gpus)
+    assert capped == {0: SAFE_MHZ, 1: SAFE_MHZ, 2: SAFE_MHZ, 3: SAFE_MHZ}
+    expires_s = agent.lease_expires_s
+    with caplog.at_level(logging.WARNING, logger="slurm_cdgpc.agent.node"):
+        response = agent.exchange(
+            request(clock, Setpoint(0, "1", MAX_MHZ), release=(1,), lease_s=-0.5, interval=9)
+        )
+    assert caps(gpus) == capped  # no setpoint, no release
+    assert sorted(r.gpu for r in response.refused) == [0, 1]
+    assert all("expired on arrival" in r.reason for r in response.refused)
+    assert [g.index for g in response.gpus] == [0, 1, 2, 3]
+    assert report(response, 0).locked is not None and report(response, 0).power_w is not None
+    assert agent.lapsed and agent.lease_expires_s == expires_s
+    assert any("expired on arrival" in r.getMessage() for r in caplog.records)
+    clock.advance(1.0)
+    assert agent.tick().lapsed
+    assert caps(gpus) == capped
+    # a lease that is still running takes control back
+    agent.exchange(request(clock, Setpoint(0, "1", MAX_MHZ)))
+    assert not agent.lapsed
+    assert caps(gpus)[0] == MAX_MHZ
+
+
+def test_exchange_expired_on_arrival_does_not_shorten_a_running_lease(
+    agent: NodeAgent, gpus: GpuSet, clock: ManualClock
+) -> None:
+    agent.exchange(request(clock, Setpoint(0, "1", 1305)))
+    response = agent.exchange(request(clock, Setpoint(0, "1", 900), lease_s=-1.0))
+    assert [r.gpu for r in response.refused] == [0]
+    assert caps(gpus)[0] == 1305
+    clock.advance(LEASE_S - 1)
+    assert not agent.tick().lapsed
 
 
 def test_on_lapse_reset_and_keep(

@@ -525,3 +525,117 @@ def test_a_node_no_request_can_name_is_unreachable_not_fatal(make_cluster: MakeC
     assert set(cluster.last_requests()) == {"n1"}
     assert (report.nodes_reachable, report.nodes_unreachable) == (1, 1)
     assert report.uncontrolled_w > A100_LIMIT_W  # n1's idle GPUs and the worst case
+
+
+# -- refusals: a GPU that does not take its setpoint is never planned as if it did --------------
+
+
+def _true_w(cluster: Cluster) -> float:
+    return sum(cluster.gpu(n, i).true_power_w for n in cluster.agents for i in range(2))
+
+
+def test_a_gpu_refusing_a_lower_clock_takes_its_job_out_of_the_plan(
+    make_cluster: MakeCluster,
+) -> None:
+    """A clock write fails on one GPU while the budget drops: the head counts that job at its
+    reported power, the other job absorbs the difference, and the refused setpoint is sent again
+    until the GPU takes it; then the job rejoins the plan."""
+    cluster = make_cluster()
+    for node in ("n1", "n2"):
+        for index in (0, 1):
+            cluster.gpu(node, index).attach("bert")
+    cluster.store.set_budget(1500.0, "root")
+    cluster.tick()
+    _register(cluster, "1", "n1", 0, 1)
+    _register(cluster, "2", "n2", 0, 1)
+    for _ in range(6):
+        cluster.tick()
+    high_mhz = cluster.cap("n1", 1)
+    assert high_mhz is not None
+    stuck = cluster.gpu("n1", 1)
+    stuck.fail_clock_writes = True
+    cluster.head.set_budget(1200.0, "root", reason="cut under a fault")
+    cluster.tick()  # job 1's new setpoint: GPU 0 takes it, GPU 1 refuses
+    [refused] = [p for p in cluster.last_requests()["n1"].setpoints if p.gpu == 1]
+    assert refused.graphics_mhz < high_mhz and cluster.cap("n1", 1) == high_mhz
+    cluster.tick()  # job 1 leaves the plan (its readings: from before GPU 0 moved)
+    assert cluster.last_requests()["n1"].setpoints == (refused,)  # sent again, alone
+    reported = {r.index: r.power_w for r in cluster.head._nodes["n1"].reports}
+    report = cluster.tick()
+    assert [j.job_id for j in report.jobs if j.controlled] == ["2"]
+    assert reported[1] is not None and reported[0] is not None
+    # job 1's GPUs at their readings (GPU 1 still at its high clock), never at a planned clock
+    assert report.uncontrolled_w == pytest.approx(reported[0] + reported[1])
+    assert report.predicted_power_w is not None
+    assert report.predicted_power_w + report.uncontrolled_w <= 1200.0
+    for _ in range(3):
+        cluster.tick()
+        assert _true_w(cluster) <= 1200.0 * 1.01  # what the GPUs draw
+    stuck.fail_clock_writes = False
+    cluster.tick()  # the GPU takes the setpoint sent again
+    assert cluster.cap("n1", 1) == refused.graphics_mhz
+    back = cluster.tick()
+    assert sorted(j.job_id for j in back.jobs if j.controlled) == ["1", "2"]
+    assert cluster.head._refusing == {}
+
+
+def test_a_refused_higher_clock_keeps_the_job_in_the_plan(make_cluster: MakeCluster) -> None:
+    """A GPU that cannot be raised draws less than planned: safe, so the plan keeps its job."""
+    cluster = make_cluster()
+    cluster.gpu("n1", 0).attach("bert")
+    cluster.store.set_budget(300.0, "root")
+    cluster.tick()
+    _register(cluster, "1", "n1", 0)
+    for _ in range(4):
+        cluster.tick()
+    low_mhz = cluster.cap("n1", 0)
+    assert low_mhz is not None and low_mhz < 1410
+    cluster.gpu("n1", 0).fail_clock_writes = True
+    cluster.head.set_budget(5000.0, "root")
+    cluster.tick()
+    [point] = cluster.last_requests()["n1"].setpoints
+    assert point.graphics_mhz > low_mhz and cluster.cap("n1", 0) == low_mhz
+    report = cluster.tick()
+    assert [j.job_id for j in report.jobs if j.controlled] == ["1"]
+    assert cluster.head._refusing == {}
+
+
+def test_a_refused_release_is_sent_again_until_it_is_done(make_cluster: MakeCluster) -> None:
+    cluster = make_cluster()
+    cluster.store.set_budget(600.0, "root")
+    cluster.tick()
+    _register(cluster, "3", "n1", 0, 1)
+    cluster.tick()
+    assert cluster.cap("n1", 1) is not None
+    cluster.gpu("n1", 1).fail_clock_writes = True  # the reset will fail
+    cluster.head.deregister_job("3")
+    cluster.tick()
+    assert cluster.last_requests()["n1"].release == (0, 1)
+    assert cluster.cap("n1", 0) is None and cluster.cap("n1", 1) is not None
+    for _ in range(2):
+        cluster.tick()
+        assert cluster.last_requests()["n1"].release == (1,)  # kept queued
+    cluster.gpu("n1", 1).fail_clock_writes = False
+    cluster.tick()
+    assert cluster.cap("n1", 1) is None
+    cluster.tick()
+    assert cluster.last_requests()["n1"].release == ()  # done: not sent again
+
+
+def test_a_node_never_reached_is_never_counted_at_zero(make_cluster: MakeCluster) -> None:
+    """A job registered on a node the head has never reached, with no GPU type: the node's
+    worst case is every GPU the job names at the largest power limit of the catalog, in the
+    store and in the budget; so is a node announced without a type before its jobs came."""
+    cluster = make_cluster(("n1",))
+    cluster.store.set_budget(5000.0, "root")
+    largest_w = max(s.power_limit.max_w for s in CATALOG.values())
+    cluster.head.register_job("9", "bob", "n9", [0, 2])  # no agent, never reported, no type
+    cluster.head.register_node("n8", "http://n8.test:8464")  # announced, no type
+    cluster.head.register_job("10", "bob", "n8", [1])
+    nodes = {n.name: n for n in cluster.store.nodes()}
+    assert nodes["n9"].worst_case_power_w == 3 * largest_w
+    cluster.tick()  # the exchanges with n8 and n9 fail
+    n1_w = sum(r.power_w or 0.0 for r in cluster.head._nodes["n1"].reports)  # idle, read
+    report = cluster.tick()
+    assert report.nodes_unreachable == 2
+    assert report.uncontrolled_w == pytest.approx(n1_w + 3 * largest_w + 2 * largest_w)
