@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import secrets
 import subprocess
 import sys
 import threading
@@ -43,7 +42,7 @@ from slurm_cdgpc.store import Store, make_engine
 from slurm_cdgpc.transport.auth import HmacKey, HmacSigner
 from slurm_cdgpc.transport.http import HeadClient, HeadRefusedError
 from tests.evidence import record
-from tests.integration.processes import stop
+from tests.integration.processes import daemon_env, stop, write_hmac_key
 from tests.integration.test_head_live import Proc, _free_port, _wait
 
 REPO = Path(__file__).resolve().parents[2]
@@ -556,12 +555,8 @@ class Registrar:
 
 def make_cluster(tmp_path: Path, db_url: str, *, netns: bool = False) -> Iterator[Cluster]:
     """The head's config and two agents (started, busy GPUs); the head is not started yet."""
-    secret = secrets.token_hex(32).encode()
     key_file = tmp_path / "hmac.key"
-    key_file.write_bytes(secret)
-    key_file.chmod(0o600)
-    if key_file.stat().st_uid != 0:
-        unavailable("the HMAC key must be owned by root: run the fault tests as root")
+    secret = write_hmac_key(key_file, unavailable)
     common = f"""
 [control]
 interval = "{INTERVAL_S}s"
@@ -585,10 +580,7 @@ listen_port = {head_port}
 url = "{db_url}"
 """
     )
-    env = {
-        k: v for k, v in os.environ.items() if not k.startswith("CDGPC_") and k != "SLURM_JOB_ID"
-    }
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    env = daemon_env()
     cluster = Cluster(
         tmp_path, db_url, head_config, head_port, HmacSigner(HmacKey(secret), uid=0, gid=0), env, {}
     )

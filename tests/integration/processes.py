@@ -1,8 +1,39 @@
-"""Stopping the daemons that integration tests start (munged, sshd, agents)."""
+"""What the tests that start daemons share: their environment, their HMAC key, and stopping
+them (munged, sshd, agents, heads)."""
 
 from __future__ import annotations
 
+import os
+import secrets
 import subprocess
+from collections.abc import Callable
+from pathlib import Path
+from typing import NoReturn
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def daemon_env() -> dict[str, str]:
+    """This environment for a daemon under test: no ``CDGPC_*`` settings (its TOML file
+    decides), not inside a Slurm job, and this checkout first on ``PYTHONPATH``."""
+    env = {
+        k: v for k, v in os.environ.items() if not k.startswith("CDGPC_") and k != "SLURM_JOB_ID"
+    }
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    return env
+
+
+def write_hmac_key(path: Path, unavailable: Callable[[str], NoReturn] = pytest.skip) -> bytes:
+    """A fresh HMAC key at ``path``, mode 0600; the daemons refuse one that root does not own,
+    so without root the test is ``unavailable`` (skipped, or failed where it must run)."""
+    secret = secrets.token_hex(32).encode()
+    path.write_bytes(secret)
+    path.chmod(0o600)
+    if path.stat().st_uid != 0:
+        unavailable("the HMAC key must be owned by root: run the live tests as root")
+    return secret
 
 
 def stop(proc: subprocess.Popen[bytes], timeout_s: float = 5.0) -> None:

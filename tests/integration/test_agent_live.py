@@ -19,6 +19,7 @@ import pytest
 
 from slurm_cdgpc.agent.protocol import ExchangeRequest, ExchangeResponse, GpuReport, Setpoint
 from slurm_cdgpc.transport.auth import HmacKey, HmacSigner
+from tests.integration.processes import daemon_env, write_hmac_key
 
 pytestmark = pytest.mark.live
 
@@ -96,12 +97,8 @@ def _cap(response: ExchangeResponse, index: int) -> int | None:
 @pytest.fixture
 def start_agent(tmp_path: Path) -> Iterator[Callable[[], Agent]]:
     """Starts agents (same config, key and state file each time); kills leftovers at the end."""
-    secret = secrets.token_hex(32).encode()
     key_file = tmp_path / "hmac.key"
-    key_file.write_bytes(secret)
-    key_file.chmod(0o600)
-    if key_file.stat().st_uid != 0:
-        pytest.skip("the HMAC key must be owned by root: run the live tests as root")
+    secret = write_hmac_key(key_file)
     port = _free_port()
     state_file = tmp_path / "state" / "node-state.json"
     progress_socket = tmp_path / "run" / "progress.sock"
@@ -127,10 +124,7 @@ listen_port = {port}
 """
     )
     procs: list[subprocess.Popen[bytes]] = []
-    env = {
-        k: v for k, v in os.environ.items() if not k.startswith("CDGPC_") and k != "SLURM_JOB_ID"
-    }
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    env = daemon_env()
 
     def start() -> Agent:
         log = tmp_path / f"agent-{len(procs)}.log"

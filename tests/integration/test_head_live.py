@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import http.client
 import json
-import os
-import secrets
 import signal
 import socket
 import subprocess
@@ -28,6 +26,7 @@ import pytest
 from slurm_cdgpc.errors import CdgpcError
 from slurm_cdgpc.transport.auth import HmacKey, HmacSigner
 from slurm_cdgpc.transport.http import HeadClient
+from tests.integration.processes import daemon_env, write_hmac_key
 
 pytestmark = pytest.mark.live
 
@@ -138,12 +137,8 @@ def site(tmp_path: Path, db_url: str) -> Iterator[Site]:
 
 def make_site(tmp_path: Path, db_url: str) -> Iterator[Site]:
     """Two agents running (not yet announced to any head), the head's config written."""
-    secret = secrets.token_hex(32).encode()
     key_file = tmp_path / "hmac.key"
-    key_file.write_bytes(secret)
-    key_file.chmod(0o600)
-    if key_file.stat().st_uid != 0:
-        pytest.skip("the HMAC key must be owned by root: run the live tests as root")
+    secret = write_hmac_key(key_file)
     common = f"""
 [control]
 interval = "{INTERVAL_S}s"
@@ -167,10 +162,7 @@ listen_port = {head_port}
 url = "{db_url}"
 """,
     )
-    env = {
-        k: v for k, v in os.environ.items() if not k.startswith("CDGPC_") and k != "SLURM_JOB_ID"
-    }
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    env = daemon_env()
     s = Site(
         tmp_path, head_config, head_port, {}, HmacSigner(HmacKey(secret), uid=0, gid=0), env, []
     )

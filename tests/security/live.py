@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
-import secrets
 import signal
 import socket
 import subprocess
@@ -28,6 +26,7 @@ from typing import Any
 import pytest
 
 from slurm_cdgpc.transport.auth import HmacKey, HmacSigner
+from tests.integration.processes import daemon_env, write_hmac_key
 
 REPO = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 30.0
@@ -169,21 +168,12 @@ class Daemon:
 
 
 def make_keys(directory: Path) -> Keys:
-    secret = secrets.token_hex(32).encode()
     key_file = directory / "hmac.key"
-    key_file.write_bytes(secret)
-    key_file.chmod(0o600)
-    if key_file.stat().st_uid != 0:
-        pytest.skip("the HMAC key must be owned by root: run the live security tests as root")
-    return Keys(secret, key_file)
+    return Keys(write_hmac_key(key_file), key_file)
 
 
 def _env() -> dict[str, str]:
-    env = {
-        k: v for k, v in os.environ.items() if not k.startswith("CDGPC_") and k != "SLURM_JOB_ID"
-    }
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    return env
+    return daemon_env()
 
 
 def _spawn(home: Path, name: str, module: str, *args: str) -> tuple[subprocess.Popen[bytes], Path]:
