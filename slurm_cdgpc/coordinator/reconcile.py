@@ -29,6 +29,7 @@ from slurm_cdgpc.coordinator.daemon import Coordinator
 from slurm_cdgpc.errors import CdgpcError
 from slurm_cdgpc.slurm.comment import CommentRequest, effective_deadline, parse_comment
 from slurm_cdgpc.slurm.squeue import SlurmJob
+from slurm_cdgpc.store import ACTIVE_STATES
 
 logger = logging.getLogger(__name__)
 
@@ -105,10 +106,14 @@ def reconcile_with_slurm(
 ) -> ReconcileResult:
     """One reconcile pass: finish what Slurm no longer runs, adopt what it runs unregistered."""
     finished = coordinator.reconcile(running.keys(), grace_s=grace_s)
+    # one read for the jobs registered now; only the rest (rare) are looked up one by one,
+    # for a finished job must not be adopted again either
+    active = {job.job_id for job in coordinator.store.jobs(ACTIVE_STATES)}
     adopted = [
         job.job_id
         for job in running.values()
-        if adoptable(job, now_s=now_s, grace_s=grace_s)
+        if job.job_id not in active
+        and adoptable(job, now_s=now_s, grace_s=grace_s)
         and coordinator.store.job(job.job_id) is None
         and adopt(coordinator, job, tz=tz)
     ]
