@@ -35,7 +35,8 @@ Every interval k (DESIGN.md, "Components and data flow"):
    do not fall to the safe cap while the head runs), but nothing is ever capped by the head.
    A refused release stays queued and is sent again at every exchange until it is done; a GPU
    that refused a setpoint below its clock is sent that setpoint again (never a higher clock)
-   until it takes it.
+   until it takes it; when the budget does not fit even with every planned job at its lowest
+   clock, the refusing GPU's job goes to its lowest clock on every GPU that still takes one.
 5. **Persist** (after confirming the lock again, so a head fenced off during the exchange
    writes nothing), in one store transaction: the decision with its setpoints (the previous
    decision's measured power filled in), every job's model, the measurements, node
@@ -77,6 +78,7 @@ from slurm_cdgpc.agent.protocol import (
 from slurm_cdgpc.agent.protocol import Setpoint as AgentSetpoint
 from slurm_cdgpc.config import Config
 from slurm_cdgpc.control.discrete import ClockGrid
+from slurm_cdgpc.control.dual import StepStatus
 from slurm_cdgpc.control.empc import ControllerSettings, Decision, EconomicMPC, Measurements
 from slurm_cdgpc.coordinator.jobs import GpuRef, GpuSample, JobInfo, RunningJobs
 from slurm_cdgpc.errors import CdgpcError, InputError
@@ -358,6 +360,7 @@ class Coordinator:
         #: GPUs that refused a setpoint below the clock they hold, with that setpoint: their job
         #: is out of the optimisation, and the setpoint is sent again, until one is accepted
         self._refusing: dict[GpuRef, AgentSetpoint] = {}
+        self._squeezed: set[str] = set()  # held-out jobs sent to their lowest clock (logged)
         self._sampled_at = -1  # interval of the exchange that produced the node reports
         self._planned_w: dict[str, float] = {}  # last decision's planned power per job
         #: the plan in force over the interval the node reports describe: the decision before
@@ -650,7 +653,12 @@ class Coordinator:
                 uncontrolled_w=uncontrolled_w,
                 measured=measured,
             )
-        setpoints = self._setpoints(decision)
+        squeeze = budget_w is not None and (
+            decision.status is StepStatus.INFEASIBLE
+            if decision is not None
+            else uncontrolled_w > budget_w
+        )
+        setpoints = self._setpoints(decision, squeeze=squeeze)
         if self.leader is not None:
             self.leader.confirm()  # renewed before every push; a failure pushes nothing
         responses = self._exchange(k, now_s, setpoints)
@@ -671,6 +679,7 @@ class Coordinator:
                 self._progress_done.pop(job_id, None)
         self._known = by_id
         self._refusing = {g: p for g, p in self._refusing.items() if p.job_id in by_id}
+        self._squeezed &= self._held_out()
         held_out = self._held_out()
         wanted: dict[str, JobInfo] = {}
         for job in active:
@@ -840,9 +849,17 @@ class Coordinator:
 
     # -- 4. exchange ---------------------------------------------------------------------------
 
-    def _setpoints(self, decision: Decision | None) -> dict[str, list[AgentSetpoint]]:
+    def _setpoints(
+        self, decision: Decision | None, *, squeeze: bool = False
+    ) -> dict[str, list[AgentSetpoint]]:
         """The decision's setpoints, and the refused ones again for GPUs that still refuse
-        (their job is out of the decision): the only way to learn that a GPU accepts them."""
+        (their job is out of the decision): the only way to learn that a GPU accepts them.
+
+        With ``squeeze`` (the budget does not fit even with every planned job at its lowest
+        clock), a job held out after a refusal goes to its lowest clock on every GPU: the ones
+        that accept it shed what the refusing one keeps drawing, and the refusing one is asked
+        for that clock from then on. Nothing raises them again until the job rejoins the plan.
+        """
         if self.settings.shadow:
             return {}
         out: dict[str, list[AgentSetpoint]] = {}
@@ -851,9 +868,38 @@ class Coordinator:
                 node: [AgentSetpoint(p.gpu, p.job_id, p.graphics_mhz, p.memory_mhz) for p in points]
                 for node, points in self.running.setpoints(decision).items()
             }
+        held_out = {p.job_id for p in self._refusing.values() if p.job_id not in self.running}
+        lowest = self._lowest_points(held_out) if squeeze else {}
         for ref, point in sorted(self._refusing.items()):
-            if point.job_id not in self.running:
+            if point.job_id in held_out and ref not in lowest:
                 out.setdefault(ref.node, []).append(point)
+        for ref, point in sorted(lowest.items()):
+            out.setdefault(ref.node, []).append(point)
+        return out
+
+    def _lowest_points(self, job_ids: Collection[str]) -> dict[GpuRef, AgentSetpoint]:
+        """Setpoints at the controller's lowest clock for every GPU of ``job_ids``."""
+        out: dict[GpuRef, AgentSetpoint] = {}
+        for job_id in sorted(job_ids):
+            job = self._known.get(job_id)
+            if job is None:
+                continue
+            if job_id not in self._squeezed:
+                self._squeezed.add(job_id)
+                logger.warning(
+                    "job %s: the budget does not fit while one of its GPUs refuses its "
+                    "setpoint: its GPUs go to their lowest clock",
+                    job_id,
+                )
+            for g in job.gpus:
+                gpu_type = self._nodes[g.node].gpu_type if g.node in self._nodes else None
+                if gpu_type is None or gpu_type not in self.specs:
+                    continue  # unknown type: never controlled, never held out
+                g_lo, m_lo = self.grid.bottom_mhz(np.array([self.grid.type_index(gpu_type)]))
+                memory = self.specs[gpu_type].memory_lockable
+                out[GpuRef(g.node, g.gpu_index)] = AgentSetpoint(
+                    g.gpu_index, job_id, int(g_lo[0]), int(m_lo[0]) if memory else None
+                )
         return out
 
     def _exchange(

@@ -248,11 +248,13 @@ def test_clock_writes_failing_on_one_gpu(cluster: Cluster) -> None:
     high_mhz = cluster.locks("node1")[1]
 
     cluster.set_faults("node1", "1 fail_clock_writes\n")
-    # GPU 1 stays at its clock (320-340 W under 1400 W) and GPU 0 at the first setpoint it
-    # took (≈ 270 W); job 102 goes no lower than 705 MHz (half the top clock, ≈ 200 W a GPU) and
-    # the idle GPUs draw 60 W each: up to ≈ 1130 W is the least this fault allows, so the cut is
-    # to 1200 W (at 1000 W no head could stay within the budget); a head that plans GPU 1 at the
-    # clock it refused is 50-70 W over it, for as long as the fault lasts
+    # GPU 1 stays at its clock (up to 367 W: the model may settle anywhere up to 1245 MHz under
+    # 1400 W); job 102 goes no lower than 705 MHz (half the top clock, ≈ 200 W a GPU) and the
+    # idle GPUs draw 60 W each. GPU 0 at the setpoint it took with the cut (up to ≈ 340 W) may
+    # leave no room: then the head sends it to 705 MHz too, and ≈ 1090 W is the least this fault
+    # allows, so the cut is to 1200 W (at 1000 W no head could stay within the budget). A head
+    # that plans GPU 1 at the clock it refused, or holds GPU 0 where the cut left it, stays up to
+    # 30-70 W over the budget for as long as the fault lasts
     cluster.client().post("/v1/budget", {"budget_w": CUT_W, "reason": "cut under a fault"})
     meter.budget_w = CUT_W
     proc = cluster.nodes["node1"].proc

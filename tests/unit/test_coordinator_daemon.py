@@ -579,6 +579,51 @@ def test_a_gpu_refusing_a_lower_clock_takes_its_job_out_of_the_plan(
     assert cluster.head._refusing == {}
 
 
+def test_a_refusal_that_breaks_the_budget_sends_its_job_to_the_lowest_clock(
+    make_cluster: MakeCluster,
+) -> None:
+    """The cut leaves no room for the GPU that refused it, even with the other job at its lowest
+    clock: the held-out job's GPUs that still accept setpoints go to the lowest clock too (and the
+    refusing one is asked for it), so the GPUs end within the budget; when the GPU accepts, the
+    job rejoins the plan."""
+    cluster = make_cluster()
+    for node in ("n1", "n2"):
+        for index in (0, 1):
+            cluster.gpu(node, index).attach("bert")
+    cluster.store.set_budget(1500.0, "root")
+    cluster.tick()
+    _register(cluster, "1", "n1", 0, 1)
+    _register(cluster, "2", "n2", 0, 1)
+    for _ in range(6):
+        cluster.tick()
+    high_mhz = cluster.cap("n1", 1)
+    assert high_mhz is not None and high_mhz > 1100  # ≈ 367 W: the cut has to move it
+    stuck = cluster.gpu("n1", 1)
+    stuck.fail_clock_writes = True
+    # job 2 at its lowest clock (2 × 201 W) and GPU 1 where it is leave 1000 W only if GPU 0
+    # goes to the lowest clock as well
+    cluster.head.set_budget(1000.0, "root", reason="cut under a fault")
+    lowest_mhz = int(
+        cluster.head.grid.bottom_mhz(np.array([cluster.head.grid.type_index(A100)]))[0][0]
+    )
+    for _ in range(5):
+        cluster.tick()
+    assert cluster.cap("n1", 0) == lowest_mhz and cluster.cap("n1", 1) == high_mhz
+    [resent] = [p for p in cluster.last_requests()["n1"].setpoints if p.gpu == 1]
+    assert resent.graphics_mhz == lowest_mhz
+    report = cluster.tick()
+    assert [j.job_id for j in report.jobs if j.controlled] == ["2"]
+    for _ in range(3):
+        cluster.tick()
+        assert _true_w(cluster) <= 1000.0 * 1.003
+    stuck.fail_clock_writes = False
+    cluster.tick()
+    assert cluster.cap("n1", 1) == lowest_mhz
+    back = cluster.tick()
+    assert sorted(j.job_id for j in back.jobs if j.controlled) == ["1", "2"]
+    assert cluster.head._refusing == {} and cluster.head._squeezed == set()
+
+
 def test_a_refused_higher_clock_keeps_the_job_in_the_plan(make_cluster: MakeCluster) -> None:
     """A GPU that cannot be raised draws less than planned: safe, so the plan keeps its job."""
     cluster = make_cluster()
