@@ -37,11 +37,11 @@ Every interval k (DESIGN.md, "Components and data flow"):
    that refused a setpoint below its clock is sent that setpoint again (never a higher clock)
    until it takes it; when the budget does not fit even with every planned job at its lowest
    clock, the refusing GPU's job goes to its lowest clock on every GPU that still takes one.
-5. **Persist** (after confirming the lock again, so a head fenced off during the exchange
-   writes nothing), in one store transaction: the decision with its setpoints (the previous
-   decision's measured power filled in), every job's model, the measurements, node
-   reachability, job progress; measurements older than ``retention.measurements`` are pruned
-   every `PRUNE_EVERY` intervals.
+5. **Persist**, in one store transaction that also renews the leader lock (so a head fenced
+   off during the exchange, or paused before the commit, writes nothing): the decision with
+   its setpoints (the previous decision's measured power filled in), every job's model, the
+   measurements, node reachability, job progress; measurements older than
+   ``retention.measurements`` are pruned every `PRUNE_EVERY` intervals.
 
 Nodes: an agent URL per node lives in the store. A node becomes known when it is announced
 (`register_node`, ``POST /v1/nodes``) or when a job is first registered on it (then its URL is
@@ -64,7 +64,7 @@ import threading
 import time
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Final, Protocol
+from typing import TYPE_CHECKING, Final, Protocol
 
 import numpy as np
 
@@ -101,6 +101,9 @@ from slurm_cdgpc.store.repository import JobRegistration
 from slurm_cdgpc.transport.http import NodeFailure, NodeTarget
 from slurm_cdgpc.transport.ssh import ssh_url
 
+if TYPE_CHECKING:
+    from sqlalchemy import Connection
+
 logger = logging.getLogger(__name__)
 
 #: the budget handed to the controller when none is set (it never binds)
@@ -125,8 +128,9 @@ class Leadership(Protocol):
     @property
     def epoch(self) -> int: ...
 
-    def confirm(self) -> None:
-        """Renew; raise `LeadershipLostError` if another head holds the lock now."""
+    def confirm(self, within: Connection | None = None) -> None:
+        """Renew (inside ``within``'s transaction, if given); raise `LeadershipLostError` if
+        another head holds the lock now."""
 
 
 @dataclass(frozen=True)
@@ -1058,9 +1062,10 @@ class Coordinator:
         }
         trusted = self._trusted()
         try:
-            if self.leader is not None:
-                self.leader.confirm()  # fenced off during the exchange: record nothing
-            with self.store.transaction():
+            with self.store.transaction() as connection:
+                if self.leader is not None:
+                    # the record commits only while the lock is this head's (the store's fence)
+                    self.leader.confirm(within=connection)
                 self._persist_nodes(responses, now_s)
                 self._persist_progress(responses, trusted)
                 if self._last_decision is not None:

@@ -7,7 +7,8 @@ driver's own transaction handling is switched off (it does not wrap DDL and begi
 replaced by an explicit ``BEGIN``, or ``BEGIN IMMEDIATE`` for writes: every write is one
 transaction that takes the write lock up front, so two writers wait for each other instead of
 failing on a lock upgrade. PostgreSQL: driver psycopg 3; ``postgresql://`` means
-``postgresql+psycopg://``.
+``postgresql+psycopg://``; a session whose transaction sits idle for `IDLE_IN_TRANSACTION_S` is
+ended by the server (its locks released).
 """
 
 from __future__ import annotations
@@ -29,6 +30,9 @@ logger = logging.getLogger(__name__)
 WRITE = "cdgpc_write"
 #: Seconds a SQLite connection waits for another writer before giving up.
 SQLITE_BUSY_TIMEOUT_S = 30.0
+#: PostgreSQL ends a session whose transaction sat idle this long (a head paused mid-write, its
+#: locks held: the leader row, a job's row); no transaction of ours waits on the client
+IDLE_IN_TRANSACTION_S = 30
 
 
 class StoreError(SoftError):
@@ -52,8 +56,14 @@ def make_engine(url: str, *, echo: bool = False) -> Engine:
             return engine
         if parsed.drivername in ("postgresql", "postgresql+psycopg"):
             # plain postgresql:// would pick psycopg2 in SQLAlchemy; this project uses psycopg 3
+            # ours first: ``options`` the URL gives (a search_path, say) follow, and win
+            ours = f"-c idle_in_transaction_session_timeout={IDLE_IN_TRANSACTION_S}s"
+            given = parsed.query.get("options", ())
+            options = " ".join([ours, *([given] if isinstance(given, str) else given)])
             return create_engine(
-                parsed.set(drivername="postgresql+psycopg"), echo=echo, pool_pre_ping=True
+                parsed.set(drivername="postgresql+psycopg").update_query_dict({"options": options}),
+                echo=echo,
+                pool_pre_ping=True,
             )
     except (NoSuchModuleError, ImportError) as e:
         raise InputError(f"store URL {parsed!r}: database driver not installed ({e})") from e

@@ -18,8 +18,12 @@ successful confirm and wakes up after a standby took over cannot change a clock:
 could not promise that, a paused process does not know it is late. Epochs follow the clock so
 that a store created afresh, or restored from a backup, still hands out epochs above those the
 agents have seen (a plain counter would start again at 1, and every agent would refuse the head).
-The store itself is not fenced: a head paused between its last confirm and the commit of that
-interval's record commits that one record when it wakes, then finds the lock gone and stops.
+The store is fenced too: a head renews the lease inside the transaction that records its
+interval (``confirm(within=...)``), so the record commits only if the lock is still its own, and
+a head paused before that commit writes nothing when it wakes. On PostgreSQL the renewal holds
+the leader row until the commit; a head paused right there would hold off a standby's takeover,
+so its server ends any transaction left idle for `IDLE_IN_TRANSACTION_S`
+(`slurm_cdgpc.store.engine`).
 
 Clocks: expiries are written and compared on the database's clock (PostgreSQL:
 ``clock_timestamp()`` of the server; SQLite, which only one host can share: that host's clock),
@@ -132,22 +136,24 @@ class LeaderLock:
         self._epoch = int(row[0])
         return True
 
-    def confirm(self) -> None:
+    def confirm(self, within: Connection | None = None) -> None:
         """Renew the lease, or raise `LeadershipLostError` if another head took the lock.
+
+        ``within``: renew inside that connection's transaction (the caller's write), which then
+        commits only while this head holds the lock; the error is raised inside it, so it rolls
+        back. Otherwise the renewal is a transaction of its own.
 
         A database that cannot be reached raises `StoreError`: leadership is then unproven and
         the caller must not push either, but it has not been lost yet.
         """
         if self._epoch is None:
             raise LeadershipLostError("this head does not hold the leader lock")
-        with self._write("leader lock: renew") as conn:
-            renewed = conn.execute(
-                text(
-                    f"UPDATE leader SET expires_at_s = {self._now} + :lease "
-                    "WHERE id = :row AND holder = :holder AND epoch = :epoch"
-                ),
-                {"holder": self.holder, "epoch": self._epoch, "lease": self.lease_s, "row": _ROW},
-            ).rowcount
+        if within is not None:
+            with translated_errors("leader lock: renew"):
+                renewed = self._renew(within)
+        else:
+            with self._write("leader lock: renew") as conn:
+                renewed = self._renew(conn)
         if renewed == 1:
             return
         mine, self._epoch = self._epoch, None
@@ -157,6 +163,16 @@ class LeaderLock:
         except StoreError as e:
             by = f"the holder is unknown: {e}"
         raise LeadershipLostError(f"lost the leader lock (epoch {mine}): {by}")
+
+    def _renew(self, conn: Connection) -> int:
+        assert self._epoch is not None
+        return conn.execute(
+            text(
+                f"UPDATE leader SET expires_at_s = {self._now} + :lease "
+                "WHERE id = :row AND holder = :holder AND epoch = :epoch"
+            ),
+            {"holder": self.holder, "epoch": self._epoch, "lease": self.lease_s, "row": _ROW},
+        ).rowcount
 
     def release(self) -> None:
         """Free the lock if this process still holds it (a standby then takes it at once)."""

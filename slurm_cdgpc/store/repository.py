@@ -21,6 +21,7 @@ from typing import Any, TypeVar, cast
 
 import numpy as np
 from sqlalchemy import (
+    Connection,
     CursorResult,
     Engine,
     Row,
@@ -112,10 +113,12 @@ class Store:
     # -- transactions ----------------------------------------------------------------------
 
     @contextmanager
-    def transaction(self) -> Iterator[None]:
-        """Every store call inside the block commits together at its end, or not at all."""
-        with self._begin(write=True):
-            yield
+    def transaction(self) -> Iterator[Connection]:
+        """Every store call inside the block commits together at its end, or not at all. Yields
+        the transaction's connection, for a statement of the caller's own to join it (the
+        leader lock's renewal, `LeaderLock.confirm`)."""
+        with self._begin(write=True) as session:
+            yield session.connection()
 
     @contextmanager
     def _begin(self, *, write: bool) -> Iterator[Session]:

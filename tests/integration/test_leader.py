@@ -5,19 +5,21 @@ them with each other, never with fixed numbers.
 
 Leases here are a few tenths of a second of the database's clock, so the expiries are real.
 The last tests run two `Coordinator`s on one store against an in-process agent: the head that
-lost the lock never pushes again, and the agent follows the newer epoch.
+lost the lock never pushes again, the agent follows the newer epoch, and a head that lost the
+lock after its last push records nothing of that interval.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from sqlalchemy import Engine, text
+from sqlalchemy import Connection, Engine, text
 
 from slurm_cdgpc.agent.node import NodeAgent
 from slurm_cdgpc.agent.protocol import ExchangeRequest, ExchangeResponse
@@ -244,3 +246,57 @@ def test_the_head_that_lost_the_lock_pushes_nothing_more(engine: Engine, tmp_pat
     assert transport.epochs == [old, new]
     b.run_interval()
     assert transport.epochs == [old, new, new]
+
+
+class PausingStore(Store):
+    """A `Store` whose next write transaction, once armed, starts only after the head's lease
+    has run out and another head took the lock: the head was paused after its last renewal on
+    its own and before it began to record its interval."""
+
+    armed: tuple[LeaderLock, LeaderLock] | None = None
+
+    @contextmanager
+    def transaction(self) -> Iterator[Connection]:
+        if self.armed is not None:
+            (paused, taker), self.armed = self.armed, None
+            _expire(paused)
+            assert taker.try_acquire()
+        with super().transaction() as connection:
+            yield connection
+
+
+def test_a_head_paused_before_it_records_its_interval_records_nothing(
+    engine: Engine, tmp_path: Path
+) -> None:
+    agent = NodeAgent(
+        simulated_gpus("A100-SXM4-80GB", 2, seed=1),
+        SafeCap(clock_fraction=0.6),
+        tmp_path / "state.json",
+        node_name="n1",
+        lease_duration_s=5.0,
+    )
+    transport = Recorder(agent)
+    store = PausingStore(engine)
+    store.upsert_node("n1", "http://n1:8464", gpu_count=0, gpu_type="", worst_case_power_w=0.0)
+    lock_a = LeaderLock(engine, "head-a:1", SHORT_S)
+    assert lock_a.try_acquire()
+    a = _head(store, transport, lock_a)
+    a.start()
+    a.register_job("7", "root", "n1", [0, 1])
+    for _ in range(3):
+        lock_a.confirm()  # a loaded machine must not expire the short lease between intervals
+        a.run_interval()
+    recorded = [(d.interval_index, d.price) for d in store.decisions(limit=50)]
+    assert recorded, "the head recorded no decision while it led"
+    models = store.load_models(a.settings.estimator.family, ["7"])
+
+    store.armed = (lock_a, LeaderLock(engine, "head-b:2", LONG_S))
+    lock_a.confirm()
+    with pytest.raises(LeadershipLostError):
+        a.run_interval()  # pushed under its lock, then lost it before it recorded anything
+    assert store.armed is None, "the interval was never recorded"
+    assert [(d.interval_index, d.price) for d in store.decisions(limit=50)] == recorded
+    again = store.load_models(a.settings.estimator.family, ["7"])
+    assert again.job_ids == models.job_ids
+    for before, after in ((models.power, again.power), (models.time, again.time)):
+        assert (before.theta == after.theta).all() and (before.count == after.count).all()

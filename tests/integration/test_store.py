@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 from sqlalchemy import Engine, event, inspect, text
+from sqlalchemy.engine import make_url
 
 from slurm_cdgpc.errors import InputError
 from slurm_cdgpc.model.estimator import EstimatorSettings, JobEstimator, JobStatics
@@ -30,6 +31,7 @@ from slurm_cdgpc.store import (
     make_engine,
     upgrade,
 )
+from slurm_cdgpc.store.engine import IDLE_IN_TRANSACTION_S
 from slurm_cdgpc.store.migrate import migrations, split_statements, sql_dir
 from slurm_cdgpc.store.schema import STATIC_FLOATS, Base
 from tests.integration.conftest import T0_S, FakeClock
@@ -476,6 +478,23 @@ def test_an_interval_commits_whole_or_not_at_all(store: Store, engine: Engine) -
         _decide(store, 1)
         store.record_measurements([_sample(T0_S)])
     assert len(store.decisions()) == 1 and len(store.measurements()) == 1
+
+
+@pytest.mark.postgres
+def test_postgresql_ends_transactions_left_idle_and_keeps_the_urls_options(
+    postgres_url: str,
+) -> None:
+    """A head paused mid-write must not hold its locks (the leader row) for ever; the URL's own
+    ``options`` (here the test schema's search_path) still apply."""
+    engine = make_engine(postgres_url)
+    try:
+        with engine.connect() as conn:
+            timeout = conn.execute(text("SHOW idle_in_transaction_session_timeout")).scalar()
+            path = conn.execute(text("SHOW search_path")).scalar()
+    finally:
+        engine.dispose()
+    assert timeout == f"{IDLE_IN_TRANSACTION_S}s"
+    assert path == make_url(postgres_url).query["options"].removeprefix("-csearch_path=")
 
 
 # -- migrations ------------------------------------------------------------------------------
