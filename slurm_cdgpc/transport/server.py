@@ -17,6 +17,7 @@ started for each.
 from __future__ import annotations
 
 import contextlib
+import functools
 import heapq
 import http.client
 import io
@@ -159,11 +160,15 @@ class BoundedHttpServer(ThreadingHTTPServer):
         """Shut ``request`` down ``request_timeout_s`` from now if it is still open then."""
         with self._deadline_cv:
             deadline = time.monotonic() + self.request_timeout_s
+            first = not self._deadlines
             heapq.heappush(self._deadlines, (deadline, id(request), request))
             if self._reaper is None:
                 self._reaper = threading.Thread(target=self._reap, name="http-reaper", daemon=True)
                 self._reaper.start()
-            self._deadline_cv.notify()
+            if first:
+                # deadlines only grow (now + a constant): a later one never moves the reaper's
+                # next wake-up, so waking it for every connection would only cost a thread switch
+                self._deadline_cv.notify()
 
     def _reap(self) -> None:
         with self._deadline_cv:
@@ -320,6 +325,7 @@ class JsonHandler(BaseHTTPRequestHandler):
         self.wfile.write(head if self.command == "HEAD" else head + body)
 
 
+@functools.lru_cache(maxsize=1024)
 def _is_loopback(peer: str) -> bool:
     try:
         return ipaddress.ip_address(peer.split("%", maxsplit=1)[0]).is_loopback
