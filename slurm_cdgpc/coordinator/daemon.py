@@ -25,7 +25,9 @@ Every interval k (DESIGN.md, "Components and data flow"):
    zero; a node that never reported counts every GPU its jobs name at the largest limit of the
    catalog), GPUs of jobs that are registered but not (yet) controlled at their enforced power
    limit, GPUs of jobs held out after a refusal and idle GPUs at their latest reading (at their
-   limit when unreadable), never the interval's mean.
+   limit when unreadable), never the interval's mean. A GPU whose job ended counts at its limit
+   from the interval that releases it (back to default clocks: the next job may start on it at
+   once) until a reading taken after the release arrives.
 4. **Exchange** with every known node at once, each request naming its node: setpoints,
    releases of GPUs whose job ended, and a lease until now + ``lease.duration``, under this
    head's leader epoch. The leader lock is renewed first (`Leadership.confirm`): a head that
@@ -361,6 +363,9 @@ class Coordinator:
         self._started: set[str] = set()  # jobs marked running in the store
         self._progress_done: dict[str, int] = {}
         self._releases: dict[str, set[int]] = {}
+        #: released GPUs -> the exchange that released them: at default clocks from then on, they
+        #: count at their limit until a reading taken after it arrives (a job may start at once)
+        self._released: dict[GpuRef, int] = {}
         #: GPUs that refused a setpoint below the clock they hold, with that setpoint: their job
         #: is out of the optimisation, and the setpoint is sent again, until one is accepted
         self._refusing: dict[GpuRef, AgentSetpoint] = {}
@@ -804,6 +809,13 @@ class Coordinator:
     def _uncontrolled_w(self) -> float:
         controlled = {g for j in self.running.jobs for g in j.gpus}
         held_out = self._held_out()
+        self._released = {
+            ref: k
+            for ref, k in self._released.items()
+            if ref.node in self._nodes and self._nodes[ref.node].reports_at <= k
+        }
+        releasing = {GpuRef(n, g) for n, gpus in self._releases.items() for g in gpus}
+        releasing |= set(self._released)
         waiting = {
             GpuRef(g.node, g.gpu_index)
             for j in self._known.values()
@@ -823,7 +835,7 @@ class Coordinator:
                 if ref in controlled:
                     continue
                 limit_w = r.enforced_limit_w or self._limit_w(r.name)
-                if ref in waiting or r.power_w is None:
+                if ref in waiting or ref in releasing or r.power_w is None:
                     total_w += limit_w
                 else:
                     total_w += r.power_w
@@ -976,6 +988,8 @@ class Coordinator:
             self._releases.pop(name, None)
         if done:
             logger.info("node %s: released GPU(s) %s", name, ",".join(map(str, done)))
+        for g in done:
+            self._released[GpuRef(name, g)] = sent.interval
         for point in sent.setpoints:
             ref = GpuRef(name, point.gpu)
             report = by_index.get(point.gpu)

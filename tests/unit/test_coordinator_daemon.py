@@ -645,6 +645,36 @@ def test_a_refused_higher_clock_keeps_the_job_in_the_plan(make_cluster: MakeClus
     assert cluster.head._refusing == {}
 
 
+def test_a_released_gpu_counts_at_its_limit_until_a_reading_after_the_release(
+    make_cluster: MakeCluster,
+) -> None:
+    """A job's end puts its GPUs back at default clocks: the plan that releases them must not
+    count them at their last (capped) reading, or the next job started there overshoots."""
+    cluster = make_cluster(("n1",))
+    for index in (0, 1):
+        cluster.gpu("n1", index).attach("bert")
+    cluster.store.set_budget(500.0, "root")
+    cluster.tick()
+    _register(cluster, "1", "n1", 0)
+    for _ in range(4):
+        cluster.tick()
+    assert cluster.cap("n1", 0) is not None
+    cluster.head.deregister_job("1")
+    idle_w = next(r.power_w for r in cluster.head._nodes["n1"].reports if r.index == 1)
+    assert idle_w is not None
+    releasing = cluster.tick()  # plans with GPU 0 at its limit, and releases it
+    assert cluster.last_requests()["n1"].release == (0,)
+    assert cluster.cap("n1", 0) is None
+    assert releasing.uncontrolled_w == pytest.approx(A100_LIMIT_W + idle_w)
+    after = cluster.tick()  # the readings were taken before the release took effect
+    assert after.uncontrolled_w >= A100_LIMIT_W
+    read_after = [r.power_w for r in cluster.head._nodes["n1"].reports]
+    settled = cluster.tick()  # read after the release: the GPU at what it draws
+    assert None not in read_after
+    assert settled.uncontrolled_w == pytest.approx(sum(w for w in read_after if w is not None))
+    assert cluster.head._released == {}
+
+
 def test_a_refused_release_is_sent_again_until_it_is_done(make_cluster: MakeCluster) -> None:
     cluster = make_cluster()
     cluster.store.set_budget(600.0, "root")
