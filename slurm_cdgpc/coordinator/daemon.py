@@ -687,6 +687,9 @@ class Coordinator:
                 self._started.discard(job_id)
                 self._progress_done.pop(job_id, None)
         self._known = by_id
+        # what is kept per job id goes with the job (a head runs for months of job ids)
+        self._waiting_logged &= by_id.keys()
+        self._spoof_logged = {s for s in self._spoof_logged if s[0] in by_id}
         self._refusing = {g: p for g, p in self._refusing.items() if p.job_id in by_id}
         self._squeezed &= self._held_out()
         held_out = self._held_out()

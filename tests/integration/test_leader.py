@@ -200,6 +200,17 @@ class Recorder:
         return out
 
 
+def _agent(tmp_path: Path) -> NodeAgent:
+    """Node n1's agent: two simulated A100s, a 5 s lease."""
+    return NodeAgent(
+        simulated_gpus("A100-SXM4-80GB", 2, seed=1),
+        SafeCap(clock_fraction=0.6),
+        tmp_path / "state.json",
+        node_name="n1",
+        lease_duration_s=5.0,
+    )
+
+
 def _head(store: Store, transport: Recorder, lock: LeaderLock) -> Coordinator:
     settings = CoordinatorSettings(
         interval_s=1.0, lease_s=5.0, controller=ControllerSettings(interval_s=1.0)
@@ -208,13 +219,7 @@ def _head(store: Store, transport: Recorder, lock: LeaderLock) -> Coordinator:
 
 
 def test_the_head_that_lost_the_lock_pushes_nothing_more(engine: Engine, tmp_path: Path) -> None:
-    agent = NodeAgent(
-        simulated_gpus("A100-SXM4-80GB", 2, seed=1),
-        SafeCap(clock_fraction=0.6),
-        tmp_path / "state.json",
-        node_name="n1",
-        lease_duration_s=5.0,
-    )
+    agent = _agent(tmp_path)
     transport = Recorder(agent)
     store = Store(engine)
     store.upsert_node("n1", "http://n1:8464", gpu_count=0, gpu_type="", worst_case_power_w=0.0)
@@ -268,13 +273,7 @@ class PausingStore(Store):
 def test_a_head_paused_before_it_records_its_interval_records_nothing(
     engine: Engine, tmp_path: Path
 ) -> None:
-    agent = NodeAgent(
-        simulated_gpus("A100-SXM4-80GB", 2, seed=1),
-        SafeCap(clock_fraction=0.6),
-        tmp_path / "state.json",
-        node_name="n1",
-        lease_duration_s=5.0,
-    )
+    agent = _agent(tmp_path)
     transport = Recorder(agent)
     store = PausingStore(engine)
     store.upsert_node("n1", "http://n1:8464", gpu_count=0, gpu_type="", worst_case_power_w=0.0)

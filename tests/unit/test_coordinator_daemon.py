@@ -311,6 +311,10 @@ def test_job_on_unknown_node_waits_for_its_gpu_type(make_cluster: MakeCluster) -
     assert [(j.job_id, j.controlled) for j in report.jobs] == [("9", False)]
     nodes = {n.name: n for n in cluster.store.nodes()}
     assert nodes["n9"].url == "http://n9:8464" and not nodes["n9"].reachable
+    assert cluster.head._waiting_logged == {"9"}  # logged once while it waits ...
+    cluster.head.deregister_job("9")
+    cluster.tick()
+    assert cluster.head._waiting_logged == set()  # ... and forgotten when it ends
 
 
 def test_reconcile_drops_jobs_slurm_no_longer_runs(make_cluster: MakeCluster) -> None:
@@ -513,6 +517,10 @@ def test_progress_counts_only_from_root_or_the_jobs_user_on_its_nodes(
     n1.record_progress("21", 55, 1000, uid=0)  # root may
     cluster.tick()
     assert _iterations_done(cluster, "21") == 55
+    assert cluster.head._spoof_logged  # each refused sender is logged once ...
+    cluster.head.deregister_job("21")
+    cluster.tick()
+    assert cluster.head._spoof_logged == set()  # ... and forgotten with the job
 
 
 def test_a_node_no_request_can_name_is_unreachable_not_fatal(make_cluster: MakeCluster) -> None:
@@ -534,12 +542,8 @@ def _true_w(cluster: Cluster) -> float:
     return sum(cluster.gpu(n, i).true_power_w for n in cluster.agents for i in range(2))
 
 
-def test_a_gpu_refusing_a_lower_clock_takes_its_job_out_of_the_plan(
-    make_cluster: MakeCluster,
-) -> None:
-    """A clock write fails on one GPU while the budget drops: the head counts that job at its
-    reported power, the other job absorbs the difference, and the refused setpoint is sent again
-    until the GPU takes it; then the job rejoins the plan."""
+def _two_busy_jobs(make_cluster: MakeCluster) -> Cluster:
+    """Jobs 1 (n1) and 2 (n2) training on both GPUs of their node, settled under 1500 W."""
     cluster = make_cluster()
     for node in ("n1", "n2"):
         for index in (0, 1):
@@ -550,6 +554,16 @@ def test_a_gpu_refusing_a_lower_clock_takes_its_job_out_of_the_plan(
     _register(cluster, "2", "n2", 0, 1)
     for _ in range(6):
         cluster.tick()
+    return cluster
+
+
+def test_a_gpu_refusing_a_lower_clock_takes_its_job_out_of_the_plan(
+    make_cluster: MakeCluster,
+) -> None:
+    """A clock write fails on one GPU while the budget drops: the head counts that job at its
+    reported power, the other job absorbs the difference, and the refused setpoint is sent again
+    until the GPU takes it; then the job rejoins the plan."""
+    cluster = _two_busy_jobs(make_cluster)
     high_mhz = cluster.cap("n1", 1)
     assert high_mhz is not None
     stuck = cluster.gpu("n1", 1)
@@ -586,16 +600,7 @@ def test_a_refusal_that_breaks_the_budget_sends_its_job_to_the_lowest_clock(
     clock: the held-out job's GPUs that still accept setpoints go to the lowest clock too (and the
     refusing one is asked for it), so the GPUs end within the budget; when the GPU accepts, the
     job rejoins the plan."""
-    cluster = make_cluster()
-    for node in ("n1", "n2"):
-        for index in (0, 1):
-            cluster.gpu(node, index).attach("bert")
-    cluster.store.set_budget(1500.0, "root")
-    cluster.tick()
-    _register(cluster, "1", "n1", 0, 1)
-    _register(cluster, "2", "n2", 0, 1)
-    for _ in range(6):
-        cluster.tick()
+    cluster = _two_busy_jobs(make_cluster)
     high_mhz = cluster.cap("n1", 1)
     assert high_mhz is not None and high_mhz > 1100  # ≈ 367 W: the cut has to move it
     stuck = cluster.gpu("n1", 1)
