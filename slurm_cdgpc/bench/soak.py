@@ -19,7 +19,9 @@ more when it overruns); node exchanges that failed (``nodes_unreachable`` summed
 intervals, from ``GET /v1/status``); the burst's latencies; and every request the head did not
 answer with success. ``rss_start_mb`` is taken once the cluster is filled and the loop has run
 `WARMUP_INTERVALS` intervals (imports, caches and the first models are not a leak);
-``rss_slope_mb_per_sim_hour`` is the least-squares slope of the RSS from then on.
+``rss_slope_mb_per_sim_hour`` is the least-squares slope of the RSS from then on, and
+``rss_by_tenth_mb`` the RSS at each tenth of that stretch (a curve that flattens is a cache or the
+allocator settling; a straight line is a leak).
 
 What this does not measure: the network and real GPUs. Agents, head and driver share this
 machine's cores, so the intervals are pessimistic. The simulated GPUs idle (no workload runs on
@@ -493,6 +495,12 @@ class _Sampler:
             "rss_end_mb": round(float(mbs[-1]), 1),
             "rss_max_mb": round(max(mb for _, mb, _ in self.rss), 1),
             "rss_slope_mb_per_sim_hour": round(slope * 3600.0 / accel, 2),
+            # the curve, not just its ends: a cache or an allocator settling flattens out, a leak
+            # does not (the settled samples at each tenth of the run)
+            "rss_by_tenth_mb": [
+                round(float(mbs[min(int(i * len(mbs) / 10), len(mbs) - 1)]), 1)
+                for i in range(1, 11)
+            ],
         }
 
 
