@@ -56,15 +56,11 @@ def make_engine(url: str, *, echo: bool = False) -> Engine:
             return engine
         if parsed.drivername in ("postgresql", "postgresql+psycopg"):
             # plain postgresql:// would pick psycopg2 in SQLAlchemy; this project uses psycopg 3
-            # ours first: ``options`` the URL gives (a search_path, say) follow, and win
-            ours = f"-c idle_in_transaction_session_timeout={IDLE_IN_TRANSACTION_S}s"
-            given = parsed.query.get("options", ())
-            options = " ".join([ours, *([given] if isinstance(given, str) else given)])
-            return create_engine(
-                parsed.set(drivername="postgresql+psycopg").update_query_dict({"options": options}),
-                echo=echo,
-                pool_pre_ping=True,
+            engine = create_engine(
+                parsed.set(drivername="postgresql+psycopg"), echo=echo, pool_pre_ping=True
             )
+            event.listen(engine, "connect", _postgresql_connect)
+            return engine
     except (NoSuchModuleError, ImportError) as e:
         raise InputError(f"store URL {parsed!r}: database driver not installed ({e})") from e
     raise InputError(
@@ -81,6 +77,18 @@ def _sqlite_connect(dbapi_connection: Any, _record: Any) -> None:
         cursor.execute("PRAGMA journal_mode = WAL")
     finally:
         cursor.close()
+
+
+def _postgresql_connect(dbapi_connection: Any, _record: Any) -> None:
+    # a session setting, not a startup ``options`` parameter: the URL's own options stay as they
+    # are, and connection poolers that refuse unknown startup parameters still connect
+    autocommit = dbapi_connection.autocommit
+    dbapi_connection.autocommit = True
+    try:
+        with dbapi_connection.cursor() as cursor:
+            cursor.execute(f"SET idle_in_transaction_session_timeout = '{IDLE_IN_TRANSACTION_S}s'")
+    finally:
+        dbapi_connection.autocommit = autocommit
 
 
 def _sqlite_begin(connection: Connection) -> None:

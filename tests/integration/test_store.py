@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import struct
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,7 @@ import numpy as np
 import pytest
 from sqlalchemy import Engine, event, inspect, text
 from sqlalchemy.engine import make_url
+from sqlalchemy.exc import DBAPIError
 
 from slurm_cdgpc.errors import InputError
 from slurm_cdgpc.model.estimator import EstimatorSettings, JobEstimator, JobStatics
@@ -481,11 +483,12 @@ def test_an_interval_commits_whole_or_not_at_all(store: Store, engine: Engine) -
 
 
 @pytest.mark.postgres
-def test_postgresql_ends_transactions_left_idle_and_keeps_the_urls_options(
-    postgres_url: str,
+def test_postgresql_ends_a_transaction_left_idle_and_keeps_the_urls_options(
+    postgres_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A head paused mid-write must not hold its locks (the leader row) for ever; the URL's own
-    ``options`` (here the test schema's search_path) still apply."""
+    """A head paused mid-write must not hold its locks (the leader row) for ever: the server
+    ends its session. The URL's own ``options`` (here the test schema's search_path) still
+    apply."""
     engine = make_engine(postgres_url)
     try:
         with engine.connect() as conn:
@@ -495,6 +498,17 @@ def test_postgresql_ends_transactions_left_idle_and_keeps_the_urls_options(
         engine.dispose()
     assert timeout == f"{IDLE_IN_TRANSACTION_S}s"
     assert path == make_url(postgres_url).query["options"].removeprefix("-csearch_path=")
+
+    monkeypatch.setattr("slurm_cdgpc.store.engine.IDLE_IN_TRANSACTION_S", 1)
+    engine = make_engine(postgres_url)
+    try:
+        with engine.connect() as conn:
+            conn.execute(text("SELECT 1"))  # a transaction begins, then its client "pauses"
+            time.sleep(1.5)
+            with pytest.raises(DBAPIError, match="idle-in-transaction timeout"):
+                conn.execute(text("SELECT 1"))
+    finally:
+        engine.dispose()
 
 
 # -- migrations ------------------------------------------------------------------------------
