@@ -42,7 +42,7 @@ from slurm_cdgpc.store import Store, make_engine
 from slurm_cdgpc.transport.auth import HmacKey, HmacSigner
 from slurm_cdgpc.transport.http import HeadClient, HeadRefusedError
 from tests.evidence import record
-from tests.integration.processes import daemon_env, stop, write_hmac_key
+from tests.integration.processes import daemon_env, spawn, stop, write_hmac_key
 from tests.integration.test_head_live import Proc, _free_port, _wait
 
 REPO = Path(__file__).resolve().parents[2]
@@ -266,15 +266,7 @@ class Cluster:
         if clock_offset_file is not None:
             argv += ["tests.faults.clockshift", str(clock_offset_file)]
         argv += [module, *args]
-        with log.open("wb") as stderr:
-            proc = subprocess.Popen(
-                argv,
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL,
-                stderr=stderr,
-                env=env or self.env,
-                cwd=self.tmp_path,
-            )
+        proc = spawn(argv, log, env=env or self.env, cwd=self.tmp_path)
         started = Proc(proc, log)
         self.procs.append(started)
         return started

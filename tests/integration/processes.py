@@ -1,12 +1,12 @@
-"""What the tests that start daemons share: their environment, their HMAC key, and stopping
-them (munged, sshd, agents, heads)."""
+"""What the tests that start daemons share: their environment, their HMAC key, starting them
+with their stderr in a log file, and stopping them (munged, sshd, agents, heads)."""
 
 from __future__ import annotations
 
 import os
 import secrets
 import subprocess
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import NoReturn
 
@@ -34,6 +34,22 @@ def write_hmac_key(path: Path, unavailable: Callable[[str], NoReturn] = pytest.s
     if path.stat().st_uid != 0:
         unavailable("the HMAC key must be owned by root: run the live tests as root")
     return secret
+
+
+def spawn(
+    argv: Sequence[str], log: Path, *, env: dict[str, str], cwd: Path
+) -> subprocess.Popen[bytes]:
+    """Start ``argv`` with no stdin, stdout discarded and stderr into ``log`` (the daemons log
+    there; a failing test prints it)."""
+    with log.open("wb") as stderr:
+        return subprocess.Popen(
+            list(argv),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=stderr,
+            env=env,
+            cwd=cwd,
+        )
 
 
 def stop(proc: subprocess.Popen[bytes], timeout_s: float = 5.0) -> None:

@@ -26,7 +26,7 @@ import pytest
 from slurm_cdgpc.errors import CdgpcError
 from slurm_cdgpc.transport.auth import HmacKey, HmacSigner
 from slurm_cdgpc.transport.http import HeadClient
-from tests.integration.processes import daemon_env, write_hmac_key
+from tests.integration.processes import daemon_env, spawn, write_hmac_key
 
 pytestmark = pytest.mark.live
 
@@ -77,15 +77,7 @@ class Site:
 
     def start(self, module: str, *args: str, name: str) -> Proc:
         log = self.tmp_path / f"{name}-{len(self.procs)}.log"
-        with log.open("wb") as stderr:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", module, *args],
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL,
-                stderr=stderr,
-                env=self.env,
-                cwd=self.tmp_path,
-            )
+        proc = spawn([sys.executable, "-m", module, *args], log, env=self.env, cwd=self.tmp_path)
         started = Proc(proc, log)
         self.procs.append(started)
         return started

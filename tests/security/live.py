@@ -26,7 +26,7 @@ from typing import Any
 import pytest
 
 from slurm_cdgpc.transport.auth import HmacKey, HmacSigner
-from tests.integration.processes import daemon_env, write_hmac_key
+from tests.integration.processes import daemon_env, spawn, write_hmac_key
 
 REPO = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 30.0
@@ -172,22 +172,9 @@ def make_keys(directory: Path) -> Keys:
     return Keys(write_hmac_key(key_file), key_file)
 
 
-def _env() -> dict[str, str]:
-    return daemon_env()
-
-
 def _spawn(home: Path, name: str, module: str, *args: str) -> tuple[subprocess.Popen[bytes], Path]:
     log = home / f"{name}.log"
-    with log.open("wb") as stderr:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", module, *args],
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=stderr,
-            env=_env(),
-            cwd=home,
-        )
-    return proc, log
+    return spawn([sys.executable, "-m", module, *args], log, env=daemon_env(), cwd=home), log
 
 
 def _auth_section(keys: Keys, *, hmac_is_admin: bool) -> str:
@@ -297,6 +284,23 @@ def stop_all(daemons: Sequence[Daemon]) -> None:
         except subprocess.TimeoutExpired:
             d.proc.kill()
             d.proc.wait(timeout=10)
+
+
+@contextlib.contextmanager
+def head_and_agent(home: Path) -> Iterator[tuple[Daemon, Daemon, Keys]]:
+    """A head (HMAC key holders are admins) and node1's agent sharing a fresh key under
+    ``home``; both stopped at the end, or the head alone if the agent never started."""
+    keys = make_keys(home)
+    head = start_head(home / "head", keys, hmac_is_admin=True)
+    try:
+        agent = start_agent(home / "node1", keys)
+    except BaseException:
+        stop_all([head])
+        raise
+    try:
+        yield head, agent, keys
+    finally:
+        stop_all([head, agent])
 
 
 def running(daemons: Sequence[Daemon]) -> Iterator[Daemon]:

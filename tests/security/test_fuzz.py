@@ -40,7 +40,7 @@ from slurm_cdgpc.sim.traces import Trace, load_trace
 from slurm_cdgpc.slurm.comment import parse_comment
 from slurm_cdgpc.units import parse_duration_s, parse_power_w
 from tests.evidence import record
-from tests.security.live import Daemon, make_keys, start_agent, start_head, stop_all
+from tests.security.live import Daemon, head_and_agent
 
 pytestmark = pytest.mark.security
 
@@ -481,18 +481,8 @@ def test_fuzz_progress_socket(scratch: Path) -> None:
 
 @pytest.fixture(scope="module")
 def daemons(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Daemon, Daemon]]:
-    home = tmp_path_factory.mktemp("fuzz")
-    keys = make_keys(home)
-    head = start_head(home / "head", keys, hmac_is_admin=True)
-    try:
-        agent = start_agent(home / "node1", keys)
-    except BaseException:
-        stop_all([head])
-        raise
-    try:
+    with head_and_agent(tmp_path_factory.mktemp("fuzz")) as (head, agent, _):
         yield head, agent
-    finally:
-        stop_all([head, agent])
 
 
 def _head_state(head: Daemon) -> object:

@@ -39,6 +39,7 @@ from tests.security.live import (
     Keys,
     Reply,
     free_port,
+    head_and_agent,
     make_keys,
     raw_request,
     running,
@@ -161,25 +162,14 @@ def _settle(agent: Daemon, setpoints: list[tuple[int, str, int]]) -> None:
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    home = tmp_path_factory.mktemp("security")
-    keys = make_keys(home)
-    head = start_head(home / "head", keys, hmac_is_admin=True)
-    try:
-        agent = start_agent(home / "node1", keys)
-    except BaseException:
-        stop_all([head])
-        raise
-    c = Cluster(head, agent, keys)
-    try:
+    with head_and_agent(tmp_path_factory.mktemp("security")) as (head, agent, keys):
         dead = f"http://127.0.0.1:{free_port()}"  # nothing listens: the head's view stays still
         head.ok("POST", "/v1/nodes", {"node": "ghost", "url": dead})
         head.ok("POST", "/v1/budget", {"budget_w": 9000.0, "reason": "security setup"})
         job = {"job_id": VICTIM_JOB, "user": "root", "node": "ghost", "gpus": [0]}
         head.ok("POST", "/v1/jobs", job)
         _settle(agent, [(0, VICTIM_JOB, MHZ_A), (1, "101", MHZ_B)])
-        yield c
-    finally:
-        stop_all([head, agent])
+        yield Cluster(head, agent, keys)
 
 
 @pytest.fixture(scope="module")

@@ -31,20 +31,28 @@ class _Echo(JsonHandler):
         self._send_bytes(HTTPStatus.OK, text, "text/plain")
 
 
-@pytest.fixture
-def server() -> Iterator[BoundedHttpServer]:
-    verifier = HmacVerifier(HmacKey(b"k" * 32))
+def _echo_server(
+    max_connections: int = 8, timeout_s: float = 5.0, **kw: object
+) -> tuple[BoundedHttpServer, threading.Thread]:
+    """An `_Echo` server on a loopback port, serving on the thread returned."""
     srv = BoundedHttpServer(
         ("127.0.0.1", 0),
         _Echo,
-        verifier,
+        HmacVerifier(HmacKey(b"k" * 32)),
         AccessPolicy(),
-        request_timeout_s=5.0,
+        request_timeout_s=timeout_s,
         max_body_bytes=1024,
-        max_connections=8,
+        max_connections=max_connections,
+        **kw,  # type: ignore[arg-type]
     )
     thread = threading.Thread(target=srv.serve_forever, daemon=True)
     thread.start()
+    return srv, thread
+
+
+@pytest.fixture
+def server() -> Iterator[BoundedHttpServer]:
+    srv, thread = _echo_server()
     yield srv
     srv.shutdown()
     srv.server_close()
@@ -124,17 +132,7 @@ def test_expect_100_continue_is_honoured(server: BoundedHttpServer) -> None:
 
 
 def test_connections_reuse_worker_threads_and_close_ends_them() -> None:
-    srv = BoundedHttpServer(
-        ("127.0.0.1", 0),
-        _Echo,
-        HmacVerifier(HmacKey(b"k" * 32)),
-        AccessPolicy(),
-        request_timeout_s=5.0,
-        max_body_bytes=1024,
-        max_connections=8,
-    )
-    thread = threading.Thread(target=srv.serve_forever, daemon=True)
-    thread.start()
+    srv, thread = _echo_server()
     workers: Callable[[], list[threading.Thread]] = lambda: [  # noqa: E731
         t for t in threading.enumerate() if t.name == "http-worker"
     ]
@@ -250,24 +248,9 @@ def test_client_sends_one_well_formed_signed_request() -> None:
     assert "Authorization: test POST /p/v1/x 4" in lines and "Connection: close" in lines
 
 
-def _slow_server(max_connections: int, timeout_s: float, **kw: object) -> BoundedHttpServer:
-    srv = BoundedHttpServer(
-        ("127.0.0.1", 0),
-        _Echo,
-        HmacVerifier(HmacKey(b"k" * 32)),
-        AccessPolicy(),
-        request_timeout_s=timeout_s,
-        max_body_bytes=1024,
-        max_connections=max_connections,
-        **kw,  # type: ignore[arg-type]
-    )
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
-    return srv
-
-
 def test_a_peer_trickling_bytes_is_cut_off_at_the_request_deadline() -> None:
     # a byte every 0.2 s never trips a 1 s socket timeout; the whole-connection deadline does
-    srv = _slow_server(4, timeout_s=1.0)
+    srv = _echo_server(4, timeout_s=1.0)[0]
     try:
         with socket.create_connection(("127.0.0.1", srv.port), timeout=WAIT_S) as sock:
             start = time.monotonic()
@@ -290,7 +273,7 @@ def test_a_peer_trickling_bytes_is_cut_off_at_the_request_deadline() -> None:
 
 
 def test_one_peer_cannot_take_every_connection() -> None:
-    srv = _slow_server(8, timeout_s=30.0, max_per_peer=2)
+    srv = _echo_server(8, timeout_s=30.0, max_per_peer=2)[0]
     held = [socket.create_connection(("127.0.0.1", srv.port), timeout=WAIT_S) for _ in range(2)]
     try:
         time.sleep(0.2)  # both are being served (waiting for their request line)
@@ -309,7 +292,7 @@ def test_one_peer_cannot_take_every_connection() -> None:
 
 
 def test_the_head_lets_its_own_host_past_the_per_peer_bound() -> None:
-    srv = _slow_server(8, timeout_s=30.0, max_per_peer=1, loopback_unbounded=True)
+    srv = _echo_server(8, timeout_s=30.0, max_per_peer=1, loopback_unbounded=True)[0]
     held = socket.create_connection(("127.0.0.1", srv.port), timeout=WAIT_S)
     try:
         time.sleep(0.2)
