@@ -68,7 +68,7 @@ import socket
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
@@ -277,13 +277,7 @@ class NodeAgent:
             self._sync_state()
             for r in refused:
                 logger.warning("GPU %s: setpoint refused: %s", r.gpu, r.reason)
-            return ExchangeResponse(
-                node=self.node_name,
-                time_s=now_s,
-                gpus=reports,
-                progress=tuple(self._progress.values()),
-                refused=tuple(refused),
-            )
+            return self._response(now_s, reports, refused)
 
     def _expired_on_arrival(
         self, request: ExchangeRequest, now_s: float, reports: tuple[GpuReport, ...]
@@ -300,6 +294,13 @@ class NodeAgent:
         reason = f"lease already expired on arrival ({late_s:.1f} s ago): nothing applied"
         refused = [Refusal(sp.gpu, reason) for sp in request.setpoints]
         refused += [Refusal(gpu, reason) for gpu in request.release]
+        return self._response(now_s, reports, refused)
+
+    def _response(
+        self, now_s: float, reports: tuple[GpuReport, ...], refused: Sequence[Refusal]
+    ) -> ExchangeResponse:
+        """The readings taken before anything was applied, the progress reported since the
+        last exchange, and what was refused."""
         return ExchangeResponse(
             node=self.node_name,
             time_s=now_s,

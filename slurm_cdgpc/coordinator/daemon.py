@@ -691,8 +691,8 @@ class Coordinator:
         self._waiting_logged &= by_id.keys()
         self._spoof_logged = {s for s in self._spoof_logged if s[0] in by_id}
         self._refusing = {g: p for g, p in self._refusing.items() if p.job_id in by_id}
-        self._squeezed &= self._held_out()
         held_out = self._held_out()
+        self._squeezed &= held_out
         wanted: dict[str, JobInfo] = {}
         for job in active:
             info = self._job_info(job, held_out)
