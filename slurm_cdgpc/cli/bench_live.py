@@ -89,6 +89,13 @@ def exchange_cmd(
     default=None,
     help="The head's listen backlog (default: cdgpcd's, 1024).",
 )
+@click.option(
+    "--client-processes",
+    type=click.IntRange(min=1),
+    default=4,
+    show_default=True,
+    help="Processes the client threads are spread over (Prologs are separate processes).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Accepted for symmetry: output is JSON.")
 def register_cmd(
     concurrency: int,
@@ -96,13 +103,15 @@ def register_cmd(
     timeout_s: float,
     max_connections: int | None,
     listen_backlog: int | None,
+    client_processes: int,
     as_json: bool,
 ) -> None:
     """Time job registrations (POST /v1/jobs, as the Prolog sends them) against a live cdgpcd.
 
     The head (SQLite store in WAL mode, HMAC auth) runs in its own process; each client
-    thread registers distinct jobs, one connection per request, and is answered only once its
-    registration has committed. A refused or dropped request is an error, not retried.
+    thread (spread over --client-processes) registers distinct jobs, one connection per
+    request, and is answered only once its registration has committed. A refused or dropped
+    request is an error, not retried.
     """
     from slurm_cdgpc.bench.register import bench_register  # noqa: PLC0415 (only when run)
 
@@ -113,6 +122,7 @@ def register_cmd(
             timeout_s=timeout_s,
             max_connections=max_connections,
             listen_backlog=listen_backlog,
+            client_processes=client_processes,
         )
     )
 

@@ -54,7 +54,8 @@ from slurm_cdgpc.transport.auth import (
     Principal,
     Verifier,
 )
-from slurm_cdgpc.transport.server import BoundedHttpServer, JsonHandler
+from slurm_cdgpc.transport.evented import EventedHttpServer
+from slurm_cdgpc.transport.server import JsonHandler
 
 logger = logging.getLogger(__name__)
 
@@ -75,8 +76,10 @@ class _HttpError(Exception):
         self.status = status
 
 
-class HeadHttpServer(BoundedHttpServer):
-    """A threading HTTP server bound to one `Coordinator`, `Verifier` and `AccessPolicy`."""
+class HeadHttpServer(EventedHttpServer):
+    """The API's server (one event loop, a few workers) over one `Coordinator`, `Verifier` and
+    `AccessPolicy`. A registration is answered once its group commit is durable, without
+    holding a worker meanwhile."""
 
     def __init__(
         self,
@@ -305,7 +308,8 @@ def _who(principal: Principal) -> str:
 
 
 class _Handler(JsonHandler):
-    server: HeadHttpServer
+    # an event-loop server, not a socketserver: it gives the handler what JsonHandler uses
+    server: HeadHttpServer  # type: ignore[assignment]
     server_version = "cdgpcd"
 
     # -- routing --------------------------------------------------------------------------------
@@ -313,20 +317,25 @@ class _Handler(JsonHandler):
     def _route(self, method: str) -> None:
         try:
             self._dispatch(method)
-        except _MethodError as e:
+        except Exception as e:
+            self._failed(method, e)
+
+    def _failed(self, method: str, e: Exception) -> None:
+        """Answer a request that raised ``e`` (one line; 500 for what no check foresaw)."""
+        if isinstance(e, _MethodError):
             self._error(e.status, str(e), allow=e.allowed)
-        except _HttpError as e:
+        elif isinstance(e, _HttpError):
             self._error(e.status, str(e))
-        except (TimeoutError, ConnectionError) as e:
+        elif isinstance(e, (TimeoutError, ConnectionError)):
             logger.info("%s: connection dropped: %s", self.client_address[0], e)
             self.close_connection = True
-        except (StoreError, AuthUnavailableError) as e:
+        elif isinstance(e, (StoreError, AuthUnavailableError)):
             logger.error("%s %s: %s", method, self.path, e)
             self._error(HTTPStatus.SERVICE_UNAVAILABLE, str(e))
-        except InputError as e:
+        elif isinstance(e, InputError):
             self._error(HTTPStatus.BAD_REQUEST, str(e))
-        except Exception:
-            logger.exception("internal error handling %s %s", method, self.path)
+        else:
+            logger.error("internal error handling %s %s", method, self.path, exc_info=e)
             self._error(HTTPStatus.INTERNAL_SERVER_ERROR, "internal error (see cdgpcd's log)")
 
     def _dispatch(self, method: str) -> None:
@@ -377,7 +386,7 @@ class _Handler(JsonHandler):
             self._send(HTTPStatus.OK, self._set_budget(body, principal))
         elif path == "/v1/jobs":
             principal = self._authenticate(method, body, Operation.NODE)
-            self._send(HTTPStatus.OK, self._register(body, principal))
+            self._register(body, principal)
         else:
             self._authenticate(method, body, Operation.NODE)
             d = _object(body, ("node", "url"), ("gpu_type",))
@@ -424,7 +433,9 @@ class _Handler(JsonHandler):
         logger.info("budget change by %s: %.0f W", principal, budget_w)
         return budget_dict(change)
 
-    def _register(self, body: bytes, principal: Principal) -> dict[str, object]:
+    def _register(self, body: bytes, principal: Principal) -> None:
+        """Queue the registration and answer once it is committed (`GroupCommit`), on the
+        thread that commits: a burst of Prologs holds no worker while its batch commits."""
         d = _object(
             body,
             ("job_id", "user", "node", "gpus"),
@@ -435,17 +446,34 @@ class _Handler(JsonHandler):
         node = _checked(_node_name, d["node"], "node")
         gpus = _gpu_list(d["gpus"])
         gpu_type = None if d.get("gpu_type") is None else _text(d["gpu_type"], "gpu_type", limit=64)
-        registered = self.server.coordinator.register_job(
-            job,
-            user,
-            node,
-            gpus,
-            gpu_type=gpu_type,
-            deadline_s=_optional_number(d.get("deadline_s"), "deadline_s"),
-            iterations_total=_count(d.get("iterations_total"), "iterations_total"),
-        )
-        logger.info("job %s: registration from %s", job, principal)
-        return job_dict(registered, self.server.job_views())
+        deadline_s = _optional_number(d.get("deadline_s"), "deadline_s")
+        iterations_total = _count(d.get("iterations_total"), "iterations_total")
+        deliver = self.defer()
+
+        def committed(outcome: Callable[[], Job]) -> None:
+            try:
+                registered = outcome()
+            except Exception as e:
+                self._failed("POST", e)
+            else:
+                logger.info("job %s: registration from %s", job, principal)
+                self._send(HTTPStatus.OK, job_dict(registered, self.server.job_views()))
+            deliver()
+
+        try:
+            self.server.coordinator.register_job_later(
+                committed,
+                job,
+                user,
+                node,
+                gpus,
+                gpu_type=gpu_type,
+                deadline_s=deadline_s,
+                iterations_total=iterations_total,
+            )
+        except BaseException:
+            self.deferred = False  # refused before queueing: answered when this returns
+            raise
 
     # -- authentication and the body -----------------------------------------------------------
 

@@ -330,6 +330,36 @@ class _Registration:
     adopted: bool = False
 
 
+def _registration(
+    job_id: str,
+    user: str,
+    node: str,
+    gpus: Sequence[int],
+    gpu_type: str | None,
+    deadline_s: float | None,
+    iterations_total: int | None,
+    adopted: bool,
+) -> _Registration:
+    if not gpus:
+        raise InputError(f"job {job_id}: no GPUs on node {node}")
+    spec = None if gpu_type is None else catalog_spec(gpu_type)
+    return _Registration(
+        job_id, user, node, tuple(gpus), spec, deadline_s, iterations_total, adopted
+    )
+
+
+def _log_registration(r: _Registration) -> None:
+    logger.info(
+        "job %s: registered by %s on %s GPU(s) %s (deadline %s, %s iterations)",
+        r.job_id,
+        r.user,
+        r.node,
+        ",".join(map(str, r.gpus)),
+        r.deadline_s,
+        r.iterations_total,
+    )
+
+
 class Coordinator:
     """The head's control loop over a `Store` and a `NodeTransport`."""
 
@@ -463,11 +493,8 @@ class Coordinator:
         pays one durable commit, not one each. This returns only once the registration is
         committed; a registration refused on its own (another user's job id) fails alone.
         """
-        if not gpus:
-            raise InputError(f"job {job_id}: no GPUs on node {node}")
-        spec = None if gpu_type is None else catalog_spec(gpu_type)
-        registration = _Registration(
-            job_id, user, node, tuple(gpus), spec, deadline_s, iterations_total, adopted
+        registration = _registration(
+            job_id, user, node, gpus, gpu_type, deadline_s, iterations_total, adopted
         )
         if self.store.in_transaction():  # the caller's transaction commits it, not a batch
             [outcome] = self._register_batch([registration])
@@ -476,16 +503,39 @@ class Coordinator:
             job = outcome
         else:
             job = self._registrations.submit(registration)
-        logger.info(
-            "job %s: registered by %s on %s GPU(s) %s (deadline %s, %s iterations)",
-            job_id,
-            user,
-            node,
-            ",".join(map(str, gpus)),
-            deadline_s,
-            iterations_total,
-        )
+        _log_registration(registration)
         return job
+
+    def register_job_later(
+        self,
+        then: Callable[[Callable[[], Job]], None],
+        job_id: str,
+        user: str,
+        node: str,
+        gpus: Sequence[int],
+        *,
+        gpu_type: str | None = None,
+        deadline_s: float | None = None,
+        iterations_total: int | None = None,
+    ) -> None:
+        """`register_job` without waiting: once committed (or refused), ``then(outcome)`` is
+        called, where ``outcome()`` returns the job or raises, on the thread that committed the
+        batch (this one when none was in progress). ``then`` must not block. A request that is
+        malformed (`InputError`) raises here, before anything is queued."""
+        registration = _registration(
+            job_id, user, node, gpus, gpu_type, deadline_s, iterations_total, adopted=False
+        )
+
+        def committed(outcome: Callable[[], Job]) -> None:
+            try:
+                outcome()
+            except Exception:  # refused or not committed: ``then`` answers it
+                pass
+            else:
+                _log_registration(registration)
+            then(outcome)
+
+        self._registrations.submit_later(registration, committed)
 
     def _register_batch(self, batch: Sequence[_Registration]) -> list[Job | Exception]:
         """Register ``batch`` in one transaction; a refusal (`InputError`) is returned in place of

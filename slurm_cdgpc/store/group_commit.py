@@ -11,14 +11,21 @@ outcome, and passes the lead to the first request that queued meanwhile. A calle
 once the batch holding its request has committed (or failed), so nothing is acknowledged before
 it is durable, and a caller's exception never reaches another caller unless the whole batch
 failed.
+
+`GroupCommit.submit_later` queues a request with a function to call with its outcome instead
+of waiting for it (the head's event-loop front end answers registrations that way, without a
+thread per request): nobody waits on such a request, so whoever leads keeps leading through it.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Generic, TypeVar
+
+logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -27,8 +34,12 @@ R = TypeVar("R")
 @dataclass(eq=False)
 class _Ticket(Generic[T, R]):
     item: T
-    ready: threading.Event = field(default_factory=threading.Event)
+    #: set when a waiting caller (`GroupCommit.submit`) has its outcome or the lead; None for
+    #: `GroupCommit.submit_later` (an Event per request was a fifth of a registration's CPU)
+    ready: threading.Event | None = None
     lead: bool = False
+    #: called with the outcome by the leading thread (`GroupCommit.submit_later`)
+    then: Callable[[_Ticket[T, R]], None] | None = None
     value: R | None = None
     error: BaseException | None = None
     done: bool = False
@@ -69,32 +80,58 @@ class GroupCommit(Generic[T, R]):
 
     def submit(self, item: T) -> R:
         """Apply ``item`` (with whatever else is waiting) and return its outcome once committed."""
-        ticket: _Ticket[T, R] = _Ticket(item)
+        ticket: _Ticket[T, R] = _Ticket(item, threading.Event())
         with self._lock:
             self._queue.append(ticket)
             if not self._busy:
                 self._busy = ticket.lead = True
         if not ticket.lead:
+            assert ticket.ready is not None
             ticket.ready.wait()
             if not ticket.lead:
                 return ticket.outcome()
         self._lead()
         return ticket.outcome()
 
-    def _lead(self) -> None:
+    def submit_later(self, item: T, then: Callable[[Callable[[], R]], None]) -> None:
+        """Queue ``item``; once its batch has committed or failed, ``then(outcome)`` is called on
+        the thread that applied the batch (this one, when no batch was in progress), where
+        ``outcome()`` returns the result or raises the error. ``then`` must not block."""
+        ticket: _Ticket[T, R] = _Ticket(item, then=lambda t: then(t.outcome))
         with self._lock:
-            batch, self._queue = self._queue[: self.max_batch], self._queue[self.max_batch :]
-        try:
-            self._run(batch)
-        finally:
+            self._queue.append(ticket)
+            if self._busy:
+                return
+            self._busy = ticket.lead = True
+        self._lead()
+
+    def _lead(self) -> None:
+        while True:
             with self._lock:
-                following = self._queue[0] if self._queue else None
-                if following is None:
-                    self._busy = False
-                else:
-                    following.lead = True
-            if following is not None:
-                following.ready.set()
+                batch = self._queue[: self.max_batch]
+                self._queue = self._queue[self.max_batch :]
+            try:
+                self._run(batch)
+            except BaseException:
+                self._pass_lead(keep=False)
+                raise
+            if not self._pass_lead(keep=True):
+                return
+
+    def _pass_lead(self, *, keep: bool) -> bool:
+        """After a batch, hand the lead to the caller waiting on the next one; True when nobody
+        waits on it (`submit_later`) and this thread, if it may ``keep`` the lead, leads it."""
+        with self._lock:
+            following = self._queue[0] if self._queue else None
+            if following is None or (following.then is not None and not keep):
+                self._busy = False  # the next submit leads whatever is queued
+                return False
+            if following.then is not None:
+                return True
+            following.lead = True
+        assert following.ready is not None
+        following.ready.set()
+        return False
 
     def _run(self, batch: list[_Ticket[T, R]]) -> None:
         try:
@@ -117,5 +154,11 @@ class GroupCommit(Generic[T, R]):
             self.batches += 1
             self.largest_batch = max(self.largest_batch, len(batch))
             for t in batch:
-                if not t.lead:
+                if t.then is not None:
+                    try:
+                        t.then(t)
+                    except Exception:
+                        logger.exception("group commit: an outcome's consumer failed")
+                elif not t.lead:
+                    assert t.ready is not None
                     t.ready.set()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import http.client
 import json
 import secrets
+import socket
 import threading
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -271,3 +272,38 @@ def test_admin_commands_talk_to_the_head(api: Api, tmp_path: Path) -> None:
     bad = runner.invoke(admin.budget, ["set", "0W", "--config", str(config)])
     assert isinstance(bad.exception, InputError) and "positive" in str(bad.exception)
     assert len(shown["history"]) == 2  # the refused budget changed nothing
+
+
+def test_a_request_cut_short_gets_a_one_line_answer_and_changes_nothing(api: Api) -> None:
+    body = json.dumps(JOB).encode()
+    head = (
+        f"POST /v1/jobs HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n"
+        f"Authorization: {api.signer.sign('POST', '/v1/jobs', body)}\r\n\r\n"
+    ).encode()
+    with socket.create_connection(("127.0.0.1", api.server.port), timeout=10) as sock:
+        sock.sendall(head + body[: len(body) // 2])
+        sock.shutdown(socket.SHUT_WR)  # the peer is gone before its body is whole
+        reply = b"".join(iter(lambda: sock.recv(65536), b""))
+    status_line, _, rest = reply.partition(b"\r\n")
+    assert status_line == b"HTTP/1.1 400 Bad Request"
+    assert json.loads(rest.partition(b"\r\n\r\n")[2]) == {
+        "error": "body shorter than Content-Length"
+    }
+    assert api.jobs() == []
+
+
+def test_simultaneous_registrations_are_each_answered_once_committed(api: Api) -> None:
+    client = HeadClient(f"http://127.0.0.1:{api.server.port}", api.signer)
+    answers: dict[str, object] = {}
+
+    def register(i: int) -> None:
+        job = {**JOB, "job_id": str(100 + i), "node": f"n{i}"}
+        answers[job["job_id"]] = client.post("/v1/jobs", job)["job_id"]
+
+    threads = [threading.Thread(target=register, args=(i,)) for i in range(64)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert answers == {str(100 + i): str(100 + i) for i in range(64)}
+    assert len(api.jobs()) == 64

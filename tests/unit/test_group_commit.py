@@ -129,3 +129,64 @@ def test_batches_are_capped() -> None:
 def test_max_batch_must_be_positive() -> None:
     with pytest.raises(ValueError, match="at least 1"):
         GroupCommit(list, max_batch=0)
+
+
+# -- submit_later: outcomes handed to a function, on the committing thread ---------------------
+
+
+def _outcome(get: Callable[[], int]) -> Any:
+    try:
+        return get()
+    except Exception as e:
+        return e
+
+
+def test_later_requests_share_the_batch_of_a_waiting_caller_and_get_their_outcomes() -> None:
+    recorder = _Recorder()
+    group: GroupCommit[int, int] = GroupCommit(recorder)
+    recorder.release.clear()
+    outcomes: dict[int, tuple[Any, str]] = {}
+
+    def record(item: int) -> Callable[[Callable[[], int]], None]:
+        return lambda get: outcomes.__setitem__(
+            item, (_outcome(get), threading.current_thread().name)
+        )
+
+    blocker = threading.Thread(target=group.submit, args=(1,), name="waiting-caller", daemon=True)
+    blocker.start()
+    deadline = time.monotonic() + WAIT_S
+    while not recorder.batches and time.monotonic() < deadline:
+        time.sleep(0.01)
+    for item in (2, -3, 4):  # queued behind the open batch: nobody waits on them
+        group.submit_later(item, record(item))
+    assert outcomes == {}
+    recorder.release.set()
+    blocker.join(WAIT_S)
+    assert recorder.batches == [[1], [2, -3, 4]]
+    # the caller that led the first batch led theirs too, and handed each its own outcome
+    assert outcomes[2] == (4, "waiting-caller") and outcomes[4] == (16, "waiting-caller")
+    assert isinstance(outcomes[-3][0], InputError)
+
+
+def test_a_later_request_with_nothing_in_progress_commits_on_its_own_thread() -> None:
+    group: GroupCommit[int, int] = GroupCommit(_Recorder())
+    seen: list[Any] = []
+    group.submit_later(5, lambda get: seen.append(_outcome(get)))
+    assert seen == [25]  # before submit_later returned
+    assert group.submit(6) == 36  # and the lead was given back
+
+
+def test_a_failed_batch_reaches_every_later_request_and_a_bad_consumer_harms_nobody() -> None:
+    recorder = _Recorder()
+    recorder.fail_with = RuntimeError("disk full")
+    group: GroupCommit[int, int] = GroupCommit(recorder)
+    seen: list[Any] = []
+
+    def broken(get: Callable[[], int]) -> None:
+        raise ValueError("a consumer's own bug")
+
+    group.submit_later(1, broken)
+    group.submit_later(2, lambda get: seen.append(_outcome(get)))
+    assert [str(e) for e in seen] == ["disk full"]
+    recorder.fail_with = None
+    assert group.submit(3) == 9  # the group still works

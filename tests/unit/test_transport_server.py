@@ -1,5 +1,6 @@
-"""The HTTP plumbing under the head's API and the agent's listener: request parsing, worker
-threads, and the head's client side, on real loopback sockets."""
+"""The HTTP plumbing under the head's API (`EventedHttpServer`) and the agent's listener
+(`BoundedHttpServer`): request parsing, bounds, worker threads, and the head's client side, on
+real loopback sockets. The tests of what both servers promise run on both."""
 
 from __future__ import annotations
 
@@ -15,27 +16,49 @@ import pytest
 
 from slurm_cdgpc.agent.protocol import ProtocolError
 from slurm_cdgpc.transport.auth import AccessPolicy, HmacKey, HmacVerifier
+from slurm_cdgpc.transport.evented import EventedHttpServer
 from slurm_cdgpc.transport.http import MAX_REPLY_BYTES, _request
 from slurm_cdgpc.transport.server import MAX_HEADERS, BoundedHttpServer, JsonHandler
 
 WAIT_S = 10.0
+BIG_REPLY_BYTES = 8 << 20  # more than loopback's socket buffers take at once
+
+Server = BoundedHttpServer | EventedHttpServer
+KINDS = pytest.mark.parametrize("kind", [BoundedHttpServer, EventedHttpServer])
 
 
 class _Echo(JsonHandler):
-    """Answers with what it parsed: the path and every header as (name, value) pairs."""
+    """Answers with what it parsed: the path and every header as (name, value) pairs; ``/big``
+    with `BIG_REPLY_BYTES`; ``/later`` 0.5 s after it returns, from another thread."""
 
     def _route(self, method: str) -> None:
         length = int(self.headers.get("Content-Length") or 0)
         body = self.rfile.read(length)
+        if self.path == "/big":
+            self._send_bytes(HTTPStatus.OK, b"b" * BIG_REPLY_BYTES, "text/plain")
+            return
         text = repr((method, self.path, self.headers.items(), body)).encode()
+        if self.path == "/later":
+            deliver = self.defer()
+
+            def answer() -> None:
+                time.sleep(0.5)
+                self._send_bytes(HTTPStatus.OK, text, "text/plain")
+                deliver()
+
+            threading.Thread(target=answer, daemon=True).start()
+            return
         self._send_bytes(HTTPStatus.OK, text, "text/plain")
 
 
 def _echo_server(
-    max_connections: int = 8, timeout_s: float = 5.0, **kw: object
-) -> tuple[BoundedHttpServer, threading.Thread]:
+    max_connections: int = 8,
+    timeout_s: float = 5.0,
+    kind: type[Server] = BoundedHttpServer,
+    **kw: object,
+) -> tuple[Server, threading.Thread]:
     """An `_Echo` server on a loopback port, serving on the thread returned."""
-    srv = BoundedHttpServer(
+    srv = kind(
         ("127.0.0.1", 0),
         _Echo,
         HmacVerifier(HmacKey(b"k" * 32)),
@@ -50,16 +73,16 @@ def _echo_server(
     return srv, thread
 
 
-@pytest.fixture
-def server() -> Iterator[BoundedHttpServer]:
-    srv, thread = _echo_server()
+@pytest.fixture(params=[BoundedHttpServer, EventedHttpServer], ids=["threads", "evented"])
+def server(request: pytest.FixtureRequest) -> Iterator[Server]:
+    srv, thread = _echo_server(kind=request.param)
     yield srv
     srv.shutdown()
     srv.server_close()
     thread.join(WAIT_S)
 
 
-def _raw(server: BoundedHttpServer, data: bytes) -> bytes:
+def _raw(server: Server, data: bytes) -> bytes:
     with socket.create_connection(("127.0.0.1", server.port), timeout=WAIT_S) as sock:
         sock.sendall(data)
         sock.shutdown(socket.SHUT_WR)
@@ -74,7 +97,7 @@ def _status(reply: bytes) -> int:
 
 
 def test_headers_are_parsed_case_insensitively_and_repeats_are_kept(
-    server: BoundedHttpServer,
+    server: Server,
 ) -> None:
     reply = _raw(
         server,
@@ -103,13 +126,11 @@ def test_headers_are_parsed_case_insensitively_and_repeats_are_kept(
         (b"GET / HTTP/1.1 extra\r\n\r\n", 400),
     ],
 )
-def test_a_malformed_request_is_refused(
-    server: BoundedHttpServer, request_bytes: bytes, status: int
-) -> None:
+def test_a_malformed_request_is_refused(server: Server, request_bytes: bytes, status: int) -> None:
     assert _status(_raw(server, request_bytes)) == status
 
 
-def test_keep_alive_serves_several_requests_on_one_connection(server: BoundedHttpServer) -> None:
+def test_keep_alive_serves_several_requests_on_one_connection(server: Server) -> None:
     conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=WAIT_S)
     try:
         for i in range(3):
@@ -120,7 +141,7 @@ def test_keep_alive_serves_several_requests_on_one_connection(server: BoundedHtt
         conn.close()
 
 
-def test_expect_100_continue_is_honoured(server: BoundedHttpServer) -> None:
+def test_expect_100_continue_is_honoured(server: Server) -> None:
     with socket.create_connection(("127.0.0.1", server.port), timeout=WAIT_S) as sock:
         sock.sendall(
             b"POST / HTTP/1.1\r\nContent-Length: 2\r\nExpect: 100-continue\r\n"
@@ -248,9 +269,10 @@ def test_client_sends_one_well_formed_signed_request() -> None:
     assert "Authorization: test POST /p/v1/x 4" in lines and "Connection: close" in lines
 
 
-def test_a_peer_trickling_bytes_is_cut_off_at_the_request_deadline() -> None:
+@KINDS
+def test_a_peer_trickling_bytes_is_cut_off_at_the_request_deadline(kind: type[Server]) -> None:
     # a byte every 0.2 s never trips a 1 s socket timeout; the whole-connection deadline does
-    srv = _echo_server(4, timeout_s=1.0)[0]
+    srv = _echo_server(4, timeout_s=1.0, kind=kind)[0]
     try:
         with socket.create_connection(("127.0.0.1", srv.port), timeout=WAIT_S) as sock:
             start = time.monotonic()
@@ -272,8 +294,9 @@ def test_a_peer_trickling_bytes_is_cut_off_at_the_request_deadline() -> None:
         srv.server_close()
 
 
-def test_one_peer_cannot_take_every_connection() -> None:
-    srv = _echo_server(8, timeout_s=30.0, max_per_peer=2)[0]
+@KINDS
+def test_one_peer_cannot_take_every_connection(kind: type[Server]) -> None:
+    srv = _echo_server(8, timeout_s=30.0, kind=kind, max_per_peer=2)[0]
     held = [socket.create_connection(("127.0.0.1", srv.port), timeout=WAIT_S) for _ in range(2)]
     try:
         time.sleep(0.2)  # both are being served (waiting for their request line)
@@ -291,8 +314,9 @@ def test_one_peer_cannot_take_every_connection() -> None:
         srv.server_close()
 
 
-def test_the_head_lets_its_own_host_past_the_per_peer_bound() -> None:
-    srv = _echo_server(8, timeout_s=30.0, max_per_peer=1, loopback_unbounded=True)[0]
+@KINDS
+def test_the_head_lets_its_own_host_past_the_per_peer_bound(kind: type[Server]) -> None:
+    srv = _echo_server(8, timeout_s=30.0, kind=kind, max_per_peer=1, loopback_unbounded=True)[0]
     held = socket.create_connection(("127.0.0.1", srv.port), timeout=WAIT_S)
     try:
         time.sleep(0.2)
@@ -302,3 +326,93 @@ def test_the_head_lets_its_own_host_past_the_per_peer_bound() -> None:
         held.close()
         srv.shutdown()
         srv.server_close()
+
+
+# -- the event loop's own: pipelining, slow readers, deferred answers, the connection bound -----
+
+
+def _evented(**kw: object) -> EventedHttpServer:
+    srv = _echo_server(kind=EventedHttpServer, **kw)[0]
+    assert isinstance(srv, EventedHttpServer)
+    return srv
+
+
+def _stop(srv: Server) -> None:
+    srv.shutdown()
+    srv.server_close()
+
+
+def test_pipelined_requests_are_answered_in_order() -> None:
+    srv = _evented()
+    try:
+        reply = _raw(
+            srv,
+            b"POST /1 HTTP/1.1\r\nContent-Length: 2\r\n\r\nab"
+            b"GET /2 HTTP/1.1\r\n\r\n"
+            b"GET /3 HTTP/1.1\r\nConnection: close\r\n\r\n",
+        )
+        assert reply.count(b"HTTP/1.1 200") == 3
+        assert reply.index(b"'/1'") < reply.index(b"'/2'") < reply.index(b"'/3'")
+        assert b"b'ab'" in reply
+    finally:
+        _stop(srv)
+
+
+def test_a_reader_too_slow_for_its_answer_holds_up_nobody() -> None:
+    srv = _evented(workers=1)
+    try:
+        with socket.create_connection(("127.0.0.1", srv.port), timeout=WAIT_S) as slow:
+            slow.sendall(b"GET /big HTTP/1.1\r\nConnection: close\r\n\r\n")
+            time.sleep(0.3)  # the loop has sent what the socket takes and waits to send more
+            assert _status(_raw(srv, b"GET /quick HTTP/1.1\r\nConnection: close\r\n\r\n")) == 200
+            received = 0
+            while chunk := slow.recv(1 << 20):
+                received += len(chunk)
+        assert received > BIG_REPLY_BYTES
+    finally:
+        _stop(srv)
+
+
+def test_a_deferred_answer_holds_no_worker() -> None:
+    srv = _evented(workers=1)
+    try:
+        with socket.create_connection(("127.0.0.1", srv.port), timeout=WAIT_S) as later:
+            start = time.monotonic()
+            later.sendall(b"GET /later HTTP/1.1\r\nConnection: close\r\n\r\n")
+            time.sleep(0.1)
+            # the one worker is free again: this is answered while /later still waits
+            assert _status(_raw(srv, b"GET /now HTTP/1.1\r\nConnection: close\r\n\r\n")) == 200
+            assert time.monotonic() - start < 0.5
+            reply = later.recv(65536)
+            assert _status(reply) == 200 and b"'/later'" in reply
+            assert time.monotonic() - start >= 0.5
+    finally:
+        _stop(srv)
+
+
+@KINDS
+def test_connections_over_the_bound_are_closed_at_once(kind: type[Server]) -> None:
+    srv = _echo_server(2, timeout_s=30.0, kind=kind, loopback_unbounded=True)[0]
+    held = [socket.create_connection(("127.0.0.1", srv.port), timeout=WAIT_S) for _ in range(2)]
+    try:
+        time.sleep(0.2)
+        with socket.create_connection(("127.0.0.1", srv.port), timeout=WAIT_S) as third:
+            assert third.recv(1) == b""
+        held.pop().close()
+        time.sleep(0.2)
+        assert _status(_raw(srv, b"GET / HTTP/1.1\r\nConnection: close\r\n\r\n")) == 200
+    finally:
+        for sock in held:
+            sock.close()
+        _stop(srv)
+
+
+def test_a_header_block_without_end_is_refused_once_over_its_bound() -> None:
+    srv = _evented()
+    try:
+        with socket.create_connection(("127.0.0.1", srv.port), timeout=WAIT_S) as sock:
+            sock.sendall(b"GET / HTTP/1.1\r\n" + b"X: y\r\n" * 11000)  # 66 kB, no empty line
+            reply = sock.recv(65536)
+        assert _status(reply) == 431 and b"header block too large" in reply
+    finally:
+        _stop(srv)

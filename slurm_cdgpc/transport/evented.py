@@ -1,0 +1,464 @@
+"""The head's HTTP server: one event-loop thread for every socket, a few threads for the work.
+
+`BoundedHttpServer` gives each connection a thread that blocks in ``recv``. On the head that
+was the cost of a burst of Prologs: 200 threads waking for their bytes, then again for their
+commit, held the one core the GIL allows. Here one thread owns every socket (``epoll``
+through `selectors`): it accepts, reads until a request is whole (the header block and
+``Content-Length`` bytes of body), and writes answers. A whole request goes to a small pool of
+worker threads that run the same `JsonHandler` on the buffered bytes, so routing, checks,
+limits and error answers are the handler's, byte for byte. A handler may `JsonHandler.defer`
+its answer (the head's registrations wait for their group commit without holding a worker);
+whoever completes it hands the bytes back to the loop.
+
+The bounds are `BoundedHttpServer`'s: ``max_connections`` open at once and ``max_per_peer`` from
+one address (over either, a connection is closed at once), ``request_timeout_s`` for a
+connection's whole life however slowly its peer sends, and the body cap (the handler's). A
+header block over `MAX_HEADER_BLOCK_BYTES` is refused with 431 without waiting for its end.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import heapq
+import io
+import logging
+import queue
+import selectors
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+from slurm_cdgpc.transport.auth import AccessPolicy, Verifier
+from slurm_cdgpc.transport.server import MAX_LINE_BYTES, JsonHandler, is_loopback
+
+logger = logging.getLogger(__name__)
+
+#: a request line and headers together; a block with no end by then is answered 431
+MAX_HEADER_BLOCK_BYTES: Final = MAX_LINE_BYTES
+#: worker threads: they run handlers, which block on the store or on ``unmunge``
+DEFAULT_WORKERS: Final = 16
+_RECV_BYTES: Final = 65536
+#: connections accepted per wake-up, so that reading and answering are not starved by a burst
+_ACCEPTS_PER_TURN: Final = 64
+
+
+@dataclass(eq=False)
+class _Connection:
+    sock: socket.socket
+    address: Any
+    deadline: float
+    inbuf: bytearray = field(default_factory=bytearray)
+    #: the events the selector watches on ``sock`` (0: none; the socket is not registered)
+    watching: int = 0
+    #: a request is with a worker (the socket is not read meanwhile)
+    working: bool = False
+    #: what is left of an answer the socket could not take at once
+    outbuf: memoryview | None = None
+    close_after: bool = False
+    #: the peer asked for ``100 Continue`` and has it
+    continued: bool = False
+    #: the socket is closed; a connection whose request is with a worker keeps its slot until
+    #: the answer comes back
+    closed: bool = False
+
+    @property
+    def peer(self) -> str:
+        return str(self.address[0])
+
+
+class EventedHttpServer:
+    """A `JsonHandler` server with one event-loop thread; the interface of `BoundedHttpServer`
+    that its users need (``port``, ``serve_forever``, ``shutdown``, ``server_close``)."""
+
+    #: the listen backlog (`BoundedHttpServer.request_queue_size` says why it is large)
+    request_queue_size = 1024
+
+    def __init__(
+        self,
+        address: tuple[str, int],
+        handler: type[JsonHandler],
+        verifier: Verifier,
+        policy: AccessPolicy,
+        *,
+        request_timeout_s: float,
+        max_body_bytes: int,
+        max_connections: int,
+        max_per_peer: int | None = None,
+        loopback_unbounded: bool = False,
+        workers: int = DEFAULT_WORKERS,
+    ) -> None:
+        self.handler = handler
+        self.verifier = verifier
+        self.policy = policy
+        self.request_timeout_s = request_timeout_s
+        self.max_body_bytes = max_body_bytes
+        self.max_connections = max_connections
+        self.max_per_peer = max(2, max_connections // 4) if max_per_peer is None else max_per_peer
+        self.loopback_unbounded = loopback_unbounded
+        family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
+        self.socket = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            self.socket.bind(address)
+            self.socket.listen(self.request_queue_size)
+            self.socket.setblocking(False)
+        except BaseException:
+            self.socket.close()
+            raise
+        self.server_address = self.socket.getsockname()
+        self._selector = selectors.DefaultSelector()
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        self._selector.register(self.socket, selectors.EVENT_READ, self._accept)
+        self._selector.register(self._wake_r, selectors.EVENT_READ, self._woken)
+        self._open: set[_Connection] = set()
+        self._peers: collections.Counter[str] = collections.Counter()
+        self._deadlines: list[tuple[float, int, _Connection]] = []
+        # answers from other threads: appended there, sent by the loop
+        self._outbox: collections.deque[tuple[_Connection, bytes, bool]] = collections.deque()
+        self._wake_lock = threading.Lock()
+        self._wake_pending = False
+        self._work: queue.SimpleQueue[tuple[_Connection, bytes] | None] = queue.SimpleQueue()
+        self._workers = [
+            threading.Thread(target=self._worker, name="http-loop-worker", daemon=True)
+            for _ in range(max(1, workers))
+        ]
+        self._stop = False
+        self._stopped = threading.Event()
+        self._stopped.set()  # shutdown() before serve_forever() returns at once
+        self._started = False
+
+    @property
+    def port(self) -> int:
+        return int(self.server_address[1])
+
+    # -- the loop --------------------------------------------------------------------------------
+
+    def serve_forever(self) -> None:
+        self._stopped.clear()
+        if not self._started:
+            self._started = True
+            for t in self._workers:
+                t.start()
+        try:
+            while not self._stop:
+                timeout = None
+                if self._deadlines:
+                    timeout = max(0.0, self._deadlines[0][0] - time.monotonic())
+                for key, mask in self._selector.select(timeout):
+                    if isinstance(key.data, _Connection):
+                        self._ready(key.data, mask)
+                    else:
+                        key.data(mask)
+                self._expire()
+        finally:
+            self._stopped.set()
+
+    def shutdown(self) -> None:
+        """Stop `serve_forever` and wait for it to return."""
+        self._stop = True
+        self._wake()
+        self._stopped.wait()
+
+    def server_close(self) -> None:
+        """Close the listener and every connection; workers end after their current request."""
+        self._stop = True
+        with contextlib.suppress(KeyError, ValueError):
+            self._selector.unregister(self.socket)
+        self.socket.close()
+        for conn in list(self._open):
+            self._close(conn)
+        for _ in self._workers:
+            self._work.put(None)
+        self._selector.close()
+        self._wake_r.close()
+        self._wake_w.close()
+
+    # -- connections -----------------------------------------------------------------------------
+
+    def _accept(self, _mask: int) -> None:
+        for _ in range(_ACCEPTS_PER_TURN):
+            try:
+                sock, address = self.socket.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as e:  # out of descriptors: the backlog keeps the rest for later
+                logger.warning("accept failed: %s", e)
+                return
+            peer = str(address[0])
+            if len(self._open) >= self.max_connections:
+                logger.warning("too many connections; closing one from %s", peer)
+                _close_socket(sock)
+                continue
+            if not self._admit_peer(peer):
+                logger.warning("too many connections from %s; closing one", peer)
+                _close_socket(sock)
+                continue
+            sock.setblocking(False)
+            conn = _Connection(sock, address, time.monotonic() + self.request_timeout_s)
+            self._open.add(conn)
+            heapq.heappush(self._deadlines, (conn.deadline, id(conn), conn))
+            self._watch(conn, selectors.EVENT_READ)
+
+    def _watch(self, conn: _Connection, events: int) -> None:
+        """Watch ``conn`` for ``events`` only (0: not at all)."""
+        if events == conn.watching:
+            return
+        if conn.watching and events:
+            self._selector.modify(conn.sock, events, conn)
+        elif events:
+            self._selector.register(conn.sock, events, conn)
+        else:
+            self._selector.unregister(conn.sock)
+        conn.watching = events
+
+    def _ready(self, conn: _Connection, mask: int) -> None:
+        if mask & selectors.EVENT_WRITE:
+            self._write(conn)
+        elif mask & selectors.EVENT_READ:
+            self._read(conn)
+
+    def _read(self, conn: _Connection) -> None:
+        try:
+            data = conn.sock.recv(_RECV_BYTES)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            self._close(conn)
+            return
+        if not data:
+            if conn.inbuf.strip():  # a truncated request: the handler says what is missing
+                request = bytes(conn.inbuf)
+                conn.inbuf.clear()
+                self._dispatch(conn, request, close=True)
+            else:
+                self._close(conn)
+            return
+        conn.inbuf += data
+        self._frame(conn)
+
+    def _frame(self, conn: _Connection) -> None:
+        """Dispatch the request at the head of ``conn.inbuf`` once it is whole."""
+        buf = conn.inbuf
+        end = _header_end(buf)
+        if end is None:
+            if len(buf) > MAX_HEADER_BLOCK_BYTES:
+                buf.clear()
+                handler = self._handler(conn, b"")
+                handler.send_error(431, "Request header block too large")
+                self._watch(conn, 0)
+                self._send(conn, _written(handler), close=True)
+            return
+        length, expect = _framing(bytes(buf[:end]))
+        if length > self.max_body_bytes:
+            # the handler answers 413 from the header alone; the body is not read
+            request = bytes(buf[:end])
+            buf.clear()
+            self._dispatch(conn, request, close=True)
+            return
+        if len(buf) < end + length:
+            if expect and not conn.continued:
+                conn.continued = True
+                self._continue(conn)
+            return
+        request = bytes(buf[: end + length])
+        del buf[: end + length]
+        conn.continued = False
+        self._dispatch(conn, request, close=False)
+
+    def _continue(self, conn: _Connection) -> None:
+        try:
+            sent = conn.sock.send(b"HTTP/1.1 100 Continue\r\n\r\n")
+        except (BlockingIOError, InterruptedError):
+            sent = 0
+        except OSError:
+            sent = -1
+        if sent != 25:  # 25 bytes not taken by an empty send buffer: the peer is gone
+            self._close(conn)
+
+    def _dispatch(self, conn: _Connection, request: bytes, *, close: bool) -> None:
+        self._watch(conn, 0)
+        conn.working = True
+        conn.close_after = close
+        self._work.put((conn, request))
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        while self._deadlines and self._deadlines[0][0] <= now:
+            _, _, conn = heapq.heappop(self._deadlines)
+            if not conn.closed:  # its peer has had its time
+                self._close(conn)
+
+    def _close(self, conn: _Connection) -> None:
+        if not conn.closed:
+            conn.closed = True
+            self._watch(conn, 0)
+            _close_socket(conn.sock)
+        if not conn.working and conn in self._open:  # a working one goes when its answer comes
+            self._open.discard(conn)
+            self._release_peer(conn.peer)
+
+    # -- answers ---------------------------------------------------------------------------------
+
+    def answer(self, conn: _Connection, data: bytes, close: bool) -> None:
+        """Send a worker's (or a deferred handler's) answer to ``conn``: from any thread."""
+        self._outbox.append((conn, data, close))
+        self._wake()
+
+    def _wake(self) -> None:
+        with self._wake_lock:
+            if self._wake_pending:
+                return
+            self._wake_pending = True
+        with contextlib.suppress(OSError):  # closed by server_close
+            self._wake_w.send(b"\0")
+
+    def _woken(self, _mask: int) -> None:
+        with contextlib.suppress(OSError):
+            self._wake_r.recv(4096)
+        with self._wake_lock:
+            self._wake_pending = False
+        while self._outbox:
+            conn, data, close = self._outbox.popleft()
+            conn.working = False
+            self._send(conn, data, close=close or conn.close_after)
+
+    def _send(self, conn: _Connection, data: bytes, *, close: bool) -> None:
+        """Write an answer to ``conn``, the rest when the socket can take it; then close, or
+        read the next request."""
+        if conn.closed:
+            self._close(conn)
+            return
+        try:
+            sent = conn.sock.send(data)
+        except (BlockingIOError, InterruptedError):
+            sent = 0
+        except OSError:
+            self._close(conn)
+            return
+        if sent < len(data):
+            conn.outbuf = memoryview(data)[sent:]
+            conn.close_after = close
+            self._watch(conn, selectors.EVENT_WRITE)
+            return
+        self._answered(conn, close)
+
+    def _write(self, conn: _Connection) -> None:
+        assert conn.outbuf is not None
+        try:
+            sent = conn.sock.send(conn.outbuf)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            self._close(conn)
+            return
+        conn.outbuf = conn.outbuf[sent:]
+        if not conn.outbuf:
+            conn.outbuf = None
+            self._answered(conn, conn.close_after)
+
+    def _answered(self, conn: _Connection, close: bool) -> None:
+        if close:
+            self._close(conn)
+            return
+        conn.close_after = False
+        self._watch(conn, selectors.EVENT_READ)
+        if conn.inbuf:
+            self._frame(conn)
+
+    # -- workers ---------------------------------------------------------------------------------
+
+    def _handler(self, conn: _Connection, request: bytes) -> JsonHandler:
+        """A handler over buffered bytes, as `BaseHTTPRequestHandler` would be over a socket."""
+        h = self.handler.__new__(self.handler)
+        h.server = self  # type: ignore[assignment]
+        h.client_address = conn.address
+        h.request = None
+        h.rfile = io.BytesIO(request)
+        h.wfile = io.BytesIO()
+        h.close_connection = True
+        h.requestline, h.command, h.request_version = "", "", "HTTP/1.0"
+        h.deliver = lambda: self.answer(conn, _written(h), h.close_connection)
+        return h
+
+    def _worker(self) -> None:
+        while (item := self._work.get()) is not None:
+            conn, request = item
+            h = self._handler(conn, request)
+            try:
+                h.handle_one_request()
+            except Exception:
+                logger.exception("internal error serving %s", conn.peer)
+                if not h.deferred:
+                    self.answer(conn, b"", True)
+                continue
+            if not h.deferred:
+                self.answer(conn, _written(h), h.close_connection)
+
+    # -- per-peer bound --------------------------------------------------------------------------
+
+    def _admit_peer(self, peer: str) -> bool:
+        if self.loopback_unbounded and is_loopback(peer):
+            return True
+        if self._peers[peer] >= self.max_per_peer:
+            return False
+        self._peers[peer] += 1
+        return True
+
+    def _release_peer(self, peer: str) -> None:
+        if self.loopback_unbounded and is_loopback(peer):
+            return
+        self._peers[peer] -= 1
+        if self._peers[peer] <= 0:
+            del self._peers[peer]
+
+
+def _header_end(buf: bytearray) -> int | None:
+    """The offset just past the header block's empty line, or None while it has not come."""
+    line_end = buf.find(b"\n")  # the request line
+    while line_end >= 0:
+        start = line_end + 1
+        if buf[start : start + 1] == b"\n":
+            return start + 1
+        if buf[start : start + 2] == b"\r\n":
+            return start + 2
+        line_end = buf.find(b"\n", start)
+    return None
+
+
+def _framing(head: bytes) -> tuple[int, bool]:
+    """The body's length and whether ``100 Continue`` is expected, read off a header block
+    loosely: only to know where the request ends. A missing, malformed or chunked length
+    frames no body; the handler refuses the request with the precise reason."""
+    length: int | None = None
+    expect = False
+    for line in head.split(b"\n")[1:]:
+        name, colon, value = line.partition(b":")
+        if not colon:
+            continue
+        name = name.lower()
+        if name == b"content-length" and length is None:
+            text = value.strip()
+            length = int(text) if text.isdigit() and len(text) <= 12 else 0
+        elif name == b"transfer-encoding":
+            return 0, False
+        elif name == b"expect":
+            expect = value.strip().lower() == b"100-continue"
+    return length or 0, expect
+
+
+def _written(handler: JsonHandler) -> bytes:
+    """What a handler made by `EventedHttpServer._handler` has written."""
+    wfile = handler.wfile
+    assert isinstance(wfile, io.BytesIO)
+    return wfile.getvalue()
+
+
+def _close_socket(sock: socket.socket) -> None:
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_WR)
+    sock.close()
