@@ -7,6 +7,7 @@ and exit status 2 for bad input (configuration), 1 otherwise.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import sys
@@ -21,6 +22,19 @@ logger = logging.getLogger(__name__)
 
 def debug_enabled() -> bool:
     return os.environ.get(DEBUG_ENV) == "1"
+
+
+def settle_heap() -> None:
+    """Once start-up is done, put what it allocated (modules, SQLAlchemy's tables and compiled
+    statements, the store's jobs) out of the cyclic collector's reach (`gc.freeze`).
+
+    The collector's full pass walks every live object, and the head's start-up leaves hundreds
+    of thousands: each pass took 40–50 ms, with the GIL held, and stalled every request in
+    flight. Under ``bench register --concurrency 200`` those passes were the p99 (118–145 ms;
+    82–86 ms with the collector off). After the freeze a full pass walks only what was
+    allocated since; garbage made at start-up is collected first, not kept forever."""
+    gc.collect()
+    gc.freeze()
 
 
 def serve(prog: str, body: Callable[[], int]) -> int:

@@ -56,6 +56,7 @@ from slurm_cdgpc.bench.exchange import (
 from slurm_cdgpc.coordinator.api import HeadHttpServer
 from slurm_cdgpc.coordinator.daemon import Coordinator, CoordinatorSettings
 from slurm_cdgpc.errors import CdgpcError, InputError
+from slurm_cdgpc.service import settle_heap
 from slurm_cdgpc.store import ACTIVE_STATES, Store, make_engine, upgrade
 from slurm_cdgpc.transport.auth import AccessPolicy, HmacSigner, HmacVerifier
 from slurm_cdgpc.transport.http import HeadClient, NodeFailure, NodeTarget
@@ -124,6 +125,7 @@ def serve_head(options: HeadOptions, conn: Connection, stop: Event, parent_pid: 
             coordinator.register_job(str(i + 1), "bench", "probe", [i % GPUS_PER_NODE])
             probe_s.append(time.perf_counter() - t0)
         server = _head_server(coordinator, options, HmacVerifier(load_key(Path(options.key_file))))
+        settle_heap()  # as cdgpcd does before it serves
     except Exception as e:  # reported to the parent, which fails with it
         conn.send(("error", f"{type(e).__name__}: {e}"))
         engine.dispose()

@@ -40,7 +40,7 @@ from slurm_cdgpc.coordinator.api import HeadHttpServer
 from slurm_cdgpc.coordinator.daemon import Coordinator, CoordinatorSettings
 from slurm_cdgpc.coordinator.reconcile import reconcile_with_slurm
 from slurm_cdgpc.errors import CdgpcError, FatalError, InputError
-from slurm_cdgpc.service import serve
+from slurm_cdgpc.service import serve, settle_heap
 from slurm_cdgpc.slurm.pyslurm_jobs import load_pyslurm
 from slurm_cdgpc.slurm.pyslurm_jobs import running_jobs as pyslurm_running_jobs
 from slurm_cdgpc.slurm.squeue import SQUEUE, SlurmJob, SqueueError, running_jobs
@@ -197,6 +197,7 @@ def _serve(config: Config, coordinator: Coordinator, stop: threading.Event) -> N
         )
     except OSError as e:
         raise FatalError(f"cannot listen on {address[0]}:{address[1]}: {e.strerror or e}") from e
+    settle_heap()
     thread = threading.Thread(target=server.serve_forever, name="http", daemon=True)
     thread.start()
     if not config.head.reconcile:
