@@ -459,6 +459,5 @@ def _written(handler: JsonHandler) -> bytes:
 
 
 def _close_socket(sock: socket.socket) -> None:
-    with contextlib.suppress(OSError):
-        sock.shutdown(socket.SHUT_WR)
+    # no shutdown() first: no other process shares the descriptor, so close() alone sends FIN
     sock.close()

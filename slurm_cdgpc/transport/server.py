@@ -17,6 +17,7 @@ started for each.
 from __future__ import annotations
 
 import contextlib
+import email.utils
 import functools
 import heapq
 import io
@@ -322,7 +323,7 @@ class JsonHandler(BaseHTTPRequestHandler):
         fields = [
             f"{self.protocol_version} {status.value} {status.phrase}",
             f"Server: {self.version_string()}",
-            f"Date: {self.date_time_string()}",
+            f"Date: {_http_date(int(time.time()))}",
             f"Content-Type: {content_type}",
             f"Content-Length: {len(body)}",
             "Cache-Control: no-store",
@@ -336,6 +337,12 @@ class JsonHandler(BaseHTTPRequestHandler):
         # head and body in one write: two small writes meet Nagle's algorithm and the peer's
         # delayed acknowledgement, which can hold the body back for tens of milliseconds
         self.wfile.write(head if self.command == "HEAD" else head + body)
+
+
+@functools.lru_cache(maxsize=2)
+def _http_date(second: int) -> str:
+    """The ``Date`` header's value, made once a second (the `email` package formats it)."""
+    return email.utils.formatdate(second, usegmt=True)
 
 
 @functools.lru_cache(maxsize=1024)
