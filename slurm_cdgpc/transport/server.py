@@ -1,8 +1,9 @@
-"""The HTTP server under the head's API and the node agent's listener.
+"""The node agent's HTTP server, and the request handler it shares with the head's.
 
-A `ThreadingHTTPServer` with what both need: the request verifier and access policy the
-handlers consult, a body cap, and bounds that keep a slow or hostile peer from starving the
-others:
+`JsonHandler` parses a request and writes a JSON answer for both servers; the head serves it
+from an event loop (`slurm_cdgpc.transport.evented`), the agent from `BoundedHttpServer`: a
+`ThreadingHTTPServer` with the request verifier and access policy the handlers consult, a body
+cap, and bounds that keep a slow or hostile peer from starving the others:
 
 - at most ``max_connections`` connections are served at once, and at most ``max_per_peer`` from
   one address (a connection over either bound is closed at once);
