@@ -13,6 +13,12 @@ plant to `PlantPolicy` subclasses only, and ``oracle`` is the one. ``max-clock``
     their power limit) exceeds the budget, the floor gives way to the lowest supported clock
     for that interval, so that a tight budget still holds. Guard band max(0.2 %, 3 %/√N) of the
     budget for N running jobs (a fixed 0.2 % overshot on a 32-GPU cluster).
+    Drain (``drain_pressure``, 1 by default, 0 turns it off): while jobs wait although some GPUs
+    are free, the head of the FIFO queue needs more GPUs than any node has free and waits for a
+    node to empty. The jobs of the node predicted to empty first (remaining iterations × learned
+    time at top clocks, its last job) get at least that deadline pressure, so the node empties
+    sooner and the queue moves. Over 20 seeds of MIX2 at budget 0.7 it cut induced misses from
+    961 to 899 (DESIGN.md, Simulator).
     Option ``queue_weight`` β (off by default: it did not help in our measurements): while jobs
     queue, every job's pressure grows by β·g_n/ḡ, charging a slow job for the GPUs it holds.
 ``cdgpc-paper``
@@ -233,6 +239,11 @@ class _TriageMpc(EconomicMPC):
     #: β of the queue term (0: off) and whether jobs wait for GPUs now
     queue_weight = 0.0
     queueing = False
+    #: pressure at least this on the jobs of the node predicted to empty first, while jobs wait
+    #: and GPUs are free (0: off); with each job's GPUs per node and each node's free GPUs
+    drain_pressure = 0.0
+    job_nodes: IntArray | None = None
+    free_gpus: IntArray | None = None
 
     def weights(self, estimator: JobEstimator, jobs: JobState, now_s: float) -> FloatArray:
         w = super().weights(estimator, jobs, now_s)
@@ -243,8 +254,20 @@ class _TriageMpc(EconomicMPC):
             # while jobs queue, finishing sooner frees GPUs: pressure β·g_n/ḡ on top
             g = estimator.statics.gpus.astype(np.float64)
             w = w + self.queue_weight * (g / max(float(g.mean()), 1.0)) / t_top
-        if not self.triage:
-            return w
+        if self.triage:
+            w = self._triaged(w, estimator, jobs, now_s, t_top)
+        if self.drain_pressure > 0 and self.queueing:  # hopeless or not: the node must empty
+            w = np.maximum(w, self.drain_pressure * self._draining(estimator, jobs, t_top) / t_top)
+        return w
+
+    def _triaged(
+        self,
+        w: FloatArray,
+        estimator: JobEstimator,
+        jobs: JobState,
+        now_s: float,
+        t_top: FloatArray,
+    ) -> FloatArray:
         # hopeless: R · T_top > D − t (a miss even at top clocks from now on)
         hopeless = (
             (estimator.time.count > 0)
@@ -256,6 +279,23 @@ class _TriageMpc(EconomicMPC):
             g = estimator.statics.gpus.astype(np.float64)
             low = low + self.queue_weight * (g / max(float(g.mean()), 1.0)) / t_top
         return np.where(hopeless[None, :], low, w)
+
+    def _draining(self, estimator: JobEstimator, jobs: JobState, t_top: FloatArray) -> FloatArray:
+        """1 for the jobs on the node predicted to empty first, else 0; all 0 unless some GPU
+        is free (jobs wait although GPUs are free: under FIFO, the head of the queue needs more
+        than any node has free, and waits for a node to empty)."""
+        out = np.zeros(len(estimator))
+        alloc, free = self.job_nodes, self.free_gpus
+        if alloc is None or free is None or alloc.shape[0] != out.size or not (free > 0).any():
+            return out
+        known = (estimator.time.count > 0) & np.isfinite(jobs.remaining_iterations)
+        left = np.where(known, jobs.remaining_iterations * t_top, np.inf)  # at top clocks
+        on = alloc > 0  # (jobs, nodes)
+        empties_in = np.where(on, left[:, None], -np.inf).max(axis=0)  # a node's last job
+        candidates = on.any(axis=0) & np.isfinite(empties_in)
+        if candidates.any():
+            out[on[:, int(np.argmin(np.where(candidates, empties_in, np.inf)))]] = 1.0
+        return out
 
 
 class Cdgpc(Policy):
@@ -274,8 +314,10 @@ class Cdgpc(Policy):
         queue_weight: float = 0.0,
         adaptive_guard: bool = True,
         no_deadline_pressure: float = 0.5,
+        drain_pressure: float = 1.0,
     ) -> None:
         self.name = name
+        self.drain_pressure = drain_pressure
         self.no_deadline_pressure = no_deadline_pressure
         self.adaptive_guard = adaptive_guard
         self.queue_weight = queue_weight
@@ -305,6 +347,7 @@ class Cdgpc(Policy):
         self.controller = _TriageMpc(grid, settings)
         self.controller.triage = self.triage
         self.controller.queue_weight = self.queue_weight
+        self.controller.drain_pressure = self.drain_pressure
         self.estimator = JobEstimator(EstimatorSettings(family=self.family))
         self.planned_w = np.zeros(0)
 
@@ -331,6 +374,8 @@ class Cdgpc(Policy):
             guard = max(self.guard_band, GUARD_PER_SQRT_JOB / np.sqrt(max(len(view), 1)))
             self.controller.settings = replace(self.controller.settings, guard_band=guard)
         self.controller.queueing = view.queued_jobs > 0
+        self.controller.job_nodes = view.job_nodes
+        self.controller.free_gpus = view.node_gpus - view.job_nodes.sum(axis=0)
         if self.adaptive_floor and len(view):
             problem = self.controller.problem(
                 self.estimator, jobs, view.now_s, view.budget_w, view.idle_power_w
@@ -466,6 +511,7 @@ _FACTORIES: Final[dict[str, Callable[[], Policy]]] = {
         uncertainty_sigmas=0.0,
         adaptive_floor=False,
         adaptive_guard=False,
+        drain_pressure=0.0,
     ),
     "max-clock": MaxClock,
     "uniform-power-cap": UniformPowerCap,
