@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 from slurm_cdgpc.transport.auth import AccessPolicy, Verifier
-from slurm_cdgpc.transport.server import MAX_LINE_BYTES, JsonHandler, is_loopback
+from slurm_cdgpc.transport.server import MAX_LINE_BYTES, JsonHandler, PeerLimit
 
 logger = logging.getLogger(__name__)
 
@@ -99,8 +99,10 @@ class EventedHttpServer:
         self.request_timeout_s = request_timeout_s
         self.max_body_bytes = max_body_bytes
         self.max_connections = max_connections
-        self.max_per_peer = max(2, max_connections // 4) if max_per_peer is None else max_per_peer
-        self.loopback_unbounded = loopback_unbounded
+        self.peers = PeerLimit(
+            max(2, max_connections // 4) if max_per_peer is None else max_per_peer,
+            loopback_unbounded=loopback_unbounded,
+        )
         family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
         self.socket = socket.socket(family, socket.SOCK_STREAM)
         try:
@@ -119,7 +121,6 @@ class EventedHttpServer:
         self._selector.register(self.socket, selectors.EVENT_READ, self._accept)
         self._selector.register(self._wake_r, selectors.EVENT_READ, self._woken)
         self._open: set[_Connection] = set()
-        self._peers: collections.Counter[str] = collections.Counter()
         self._next_sweep = 0.0
         # answers from other threads: appended there, sent by the loop
         self._outbox: collections.deque[tuple[_Connection, bytes, bool]] = collections.deque()
@@ -195,7 +196,7 @@ class EventedHttpServer:
                 logger.warning("too many connections; closing one from %s", peer)
                 _close_socket(sock)
                 continue
-            if not self._admit_peer(peer):
+            if not self.peers.admit(peer):
                 logger.warning("too many connections from %s; closing one", peer)
                 _close_socket(sock)
                 continue
@@ -303,7 +304,7 @@ class EventedHttpServer:
             _close_socket(conn.sock)
         if not conn.working and conn in self._open:  # a working one goes when its answer comes
             self._open.discard(conn)
-            self._release_peer(conn.peer)
+            self.peers.release(conn.peer)
 
     # -- answers ---------------------------------------------------------------------------------
 
@@ -401,23 +402,6 @@ class EventedHttpServer:
                 continue
             if not h.deferred:
                 self.answer(conn, _written(h), h.close_connection)
-
-    # -- per-peer bound --------------------------------------------------------------------------
-
-    def _admit_peer(self, peer: str) -> bool:
-        if self.loopback_unbounded and is_loopback(peer):
-            return True
-        if self._peers[peer] >= self.max_per_peer:
-            return False
-        self._peers[peer] += 1
-        return True
-
-    def _release_peer(self, peer: str) -> None:
-        if self.loopback_unbounded and is_loopback(peer):
-            return
-        self._peers[peer] -= 1
-        if self._peers[peer] <= 0:
-            del self._peers[peer]
 
 
 def _header_end(buf: bytearray) -> int | None:

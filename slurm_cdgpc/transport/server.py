@@ -50,6 +50,37 @@ _VERSION: Final = re.compile(r"HTTP/(?P<major>[0-9])\.(?P<minor>[0-9])")
 _TOKEN: Final = re.compile(rb"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
 
 
+class PeerLimit:
+    """At most ``limit`` connections at once from one address; with ``loopback_unbounded``,
+    this host's own clients are not counted (the head's benchmarks and demo; never on a node
+    agent, whose local users are the cluster's users)."""
+
+    def __init__(self, limit: int, *, loopback_unbounded: bool = False) -> None:
+        self.limit = limit
+        self.loopback_unbounded = loopback_unbounded
+        self._count: Counter[str] = Counter()
+        self._lock = threading.Lock()
+
+    def admit(self, peer: str) -> bool:
+        """Count one more connection from ``peer``; False (nothing counted) at the limit."""
+        if self.loopback_unbounded and is_loopback(peer):
+            return True
+        with self._lock:
+            if self._count[peer] >= self.limit:
+                return False
+            self._count[peer] += 1
+            return True
+
+    def release(self, peer: str) -> None:
+        """One connection `admit` counted has ended."""
+        if self.loopback_unbounded and is_loopback(peer):
+            return
+        with self._lock:
+            self._count[peer] -= 1
+            if self._count[peer] <= 0:
+                del self._count[peer]
+
+
 class BoundedHttpServer(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
@@ -80,10 +111,10 @@ class BoundedHttpServer(ThreadingHTTPServer):
         self.policy = policy
         self.request_timeout_s = request_timeout_s
         self.max_body_bytes = max_body_bytes
-        self.max_per_peer = max(2, max_connections // 4) if max_per_peer is None else max_per_peer
-        self.loopback_unbounded = loopback_unbounded
-        self._peers: Counter[str] = Counter()
-        self._peers_lock = threading.Lock()
+        self.peers = PeerLimit(
+            max(2, max_connections // 4) if max_per_peer is None else max_per_peer,
+            loopback_unbounded=loopback_unbounded,
+        )
         self._deadlines: list[tuple[float, int, socket.socket]] = []
         self._deadline_cv = threading.Condition()
         self._reaper: threading.Thread | None = None
@@ -105,12 +136,12 @@ class BoundedHttpServer(ThreadingHTTPServer):
         connection, but not a new thread per connection (starting one costs more CPU than
         parsing the request). At most ``max_connections`` are served at once either way."""
         peer = str(client_address[0])
-        if not self._admit_peer(peer):
+        if not self.peers.admit(peer):
             logger.warning("too many connections from %s; closing one", peer)
             self.shutdown_request(request)
             return
         if not self._slots.acquire(blocking=False):
-            self._release_peer(peer)
+            self.peers.release(peer)
             logger.warning("too many connections; closing one from %s", peer)
             self.shutdown_request(request)
             return
@@ -126,7 +157,7 @@ class BoundedHttpServer(ThreadingHTTPServer):
                 threading.Thread(target=self._worker, name="http-worker", daemon=True).start()
         except BaseException:
             self._slots.release()
-            self._release_peer(peer)
+            self.peers.release(peer)
             raise
 
     def process_request_thread(self, request: Any, client_address: Any) -> None:
@@ -135,26 +166,7 @@ class BoundedHttpServer(ThreadingHTTPServer):
             super().process_request_thread(request, client_address)
         finally:
             self._slots.release()
-            self._release_peer(str(client_address[0]))
-
-    # -- per-peer bound ------------------------------------------------------------------------
-
-    def _admit_peer(self, peer: str) -> bool:
-        if self.loopback_unbounded and is_loopback(peer):
-            return True
-        with self._peers_lock:
-            if self._peers[peer] >= self.max_per_peer:
-                return False
-            self._peers[peer] += 1
-            return True
-
-    def _release_peer(self, peer: str) -> None:
-        if self.loopback_unbounded and is_loopback(peer):
-            return
-        with self._peers_lock:
-            self._peers[peer] -= 1
-            if self._peers[peer] <= 0:
-                del self._peers[peer]
+            self.peers.release(str(client_address[0]))
 
     # -- whole-connection deadline -------------------------------------------------------------
 
