@@ -452,13 +452,13 @@ class _Handler(JsonHandler):
 
         def committed(outcome: Callable[[], Job]) -> None:
             try:
-                registered = outcome()
-            except Exception as e:
-                self._failed("POST", e)
-            else:
+                answer = job_dict(outcome(), self.server.job_views())
                 logger.info("job %s: registration from %s", job, principal)
-                self._send(HTTPStatus.OK, job_dict(registered, self.server.job_views()))
-            deliver()
+                self._send(HTTPStatus.OK, answer)
+            except Exception as e:  # refused, not committed, or a bug: one line either way
+                self._failed("POST", e)
+            finally:
+                deliver()
 
         try:
             self.server.coordinator.register_job_later(
