@@ -152,13 +152,24 @@ class EventedHttpServer:
             while not self._stop:
                 timeout = max(0.0, self._next_sweep - time.monotonic()) if self._open else None
                 for key, mask in self._selector.select(timeout):
-                    if isinstance(key.data, _Connection):
-                        self._ready(key.data, mask)
-                    else:
-                        key.data(mask)
+                    self._event(key.data, mask)
                 self._expire()
         finally:
             self._stopped.set()
+
+    def _event(self, target: Any, mask: int) -> None:
+        """One ready socket's work; a bug costs that connection, never the loop (which every
+        other connection depends on)."""
+        try:
+            if isinstance(target, _Connection):
+                self._ready(target, mask)
+            else:
+                target(mask)
+        except Exception:
+            logger.exception("internal error in the HTTP event loop")
+            if isinstance(target, _Connection):
+                target.working = False
+                self._close(target)
 
     def shutdown(self) -> None:
         """Stop `serve_forever` and wait for it to return."""

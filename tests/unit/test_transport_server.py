@@ -416,3 +416,22 @@ def test_a_header_block_without_end_is_refused_once_over_its_bound() -> None:
         assert _status(reply) == 431 and b"header block too large" in reply
     finally:
         _stop(srv)
+
+
+def test_a_bug_while_framing_one_connection_costs_that_connection_only(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    srv = _evented()
+    frame = EventedHttpServer._frame
+
+    def broken(self: EventedHttpServer, conn: object) -> None:
+        if b"/boom" in conn.inbuf:  # type: ignore[attr-defined]
+            raise RuntimeError("a bug")
+        frame(self, conn)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(EventedHttpServer, "_frame", broken)
+    try:
+        assert _raw(srv, b"GET /boom HTTP/1.1\r\n\r\n") == b""  # closed, unanswered
+        assert _status(_raw(srv, b"GET /fine HTTP/1.1\r\nConnection: close\r\n\r\n")) == 200
+    finally:
+        _stop(srv)
