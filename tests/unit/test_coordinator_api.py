@@ -307,3 +307,17 @@ def test_simultaneous_registrations_are_each_answered_once_committed(api: Api) -
         t.join(10)
     assert answers == {str(100 + i): str(100 + i) for i in range(64)}
     assert len(api.jobs()) == 64
+
+
+def test_a_registration_whose_answer_fails_to_build_still_gets_a_one_line_answer(
+    api: Api, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import slurm_cdgpc.coordinator.api as head_api  # noqa: PLC0415
+
+    def broken(*args: object) -> dict[str, object]:
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(head_api, "job_dict", broken)
+    status, data, text = api.call("POST", "/v1/jobs", json.dumps(JOB).encode())
+    assert status == 500
+    assert "internal error" in _one_line_error(data, text)
