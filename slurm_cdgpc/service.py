@@ -32,7 +32,9 @@ def settle_heap() -> None:
     of thousands: each pass took 40–50 ms, with the GIL held, and stalled every request in
     flight. Under ``bench register --concurrency 200`` those passes were the p99 (118–145 ms;
     82–86 ms with the collector off). After the freeze a full pass walks only what was
-    allocated since; garbage made at start-up is collected first, not kept forever."""
+    allocated since; garbage made at start-up is collected first, not kept forever. The price:
+    a start-up object that later falls out of use inside a reference cycle is never reclaimed,
+    a one-time cost bounded by the start-up heap."""
     gc.collect()
     gc.freeze()
 
