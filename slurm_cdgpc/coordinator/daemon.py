@@ -503,7 +503,6 @@ class Coordinator:
             job = outcome
         else:
             job = self._registrations.submit(registration)
-        _log_registration(registration)
         return job
 
     def register_job_later(
@@ -525,17 +524,7 @@ class Coordinator:
         registration = _registration(
             job_id, user, node, gpus, gpu_type, deadline_s, iterations_total, adopted=False
         )
-
-        def committed(outcome: Callable[[], Job]) -> None:
-            try:
-                outcome()
-            except Exception:  # refused or not committed: ``then`` answers it
-                pass
-            else:
-                _log_registration(registration)
-            then(outcome)
-
-        self._registrations.submit_later(registration, committed)
+        self._registrations.submit_later(registration, then)
 
     def _register_batch(self, batch: Sequence[_Registration]) -> list[Job | Exception]:
         """Register ``batch`` in one transaction; a refusal (`InputError`) is returned in place of
@@ -565,6 +554,9 @@ class Coordinator:
                     outcomes[i] = outcome
             if not self.store.in_transaction():  # committed: later batches may rely on it
                 self._typed_nodes.update(typed)
+        for r, o in zip(batch, outcomes, strict=True):
+            if isinstance(o, Job):
+                _log_registration(r)
         return [o for o in outcomes if o is not None]
 
     def _register_nodes(
