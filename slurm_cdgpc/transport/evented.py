@@ -99,10 +99,7 @@ class EventedHttpServer:
         self.request_timeout_s = request_timeout_s
         self.max_body_bytes = max_body_bytes
         self.max_connections = max_connections
-        self.peers = PeerLimit(
-            max(2, max_connections // 4) if max_per_peer is None else max_per_peer,
-            loopback_unbounded=loopback_unbounded,
-        )
+        self.peers = PeerLimit(max_connections, max_per_peer, loopback_unbounded=loopback_unbounded)
         family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
         self.socket = socket.socket(family, socket.SOCK_STREAM)
         try:

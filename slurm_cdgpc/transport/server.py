@@ -55,8 +55,11 @@ class PeerLimit:
     this host's own clients are not counted (the head's benchmarks and demo; never on a node
     agent, whose local users are the cluster's users)."""
 
-    def __init__(self, limit: int, *, loopback_unbounded: bool = False) -> None:
-        self.limit = limit
+    def __init__(
+        self, max_connections: int, limit: int | None = None, *, loopback_unbounded: bool = False
+    ) -> None:
+        """``limit`` defaults to a quarter of the server's ``max_connections`` (at least 2)."""
+        self.limit = max(2, max_connections // 4) if limit is None else limit
         self.loopback_unbounded = loopback_unbounded
         self._count: Counter[str] = Counter()
         self._lock = threading.Lock()
@@ -104,17 +107,12 @@ class BoundedHttpServer(ThreadingHTTPServer):
         max_per_peer: int | None = None,
         loopback_unbounded: bool = False,
     ) -> None:
-        """``max_per_peer`` defaults to a quarter of ``max_connections`` (at least 2);
-        ``loopback_unbounded`` lets this host's own clients past it (the head's benchmarks and
-        demo; never on a node agent, whose local users are the cluster's users)."""
+        """``max_per_peer`` and ``loopback_unbounded``: `PeerLimit`."""
         self.verifier = verifier
         self.policy = policy
         self.request_timeout_s = request_timeout_s
         self.max_body_bytes = max_body_bytes
-        self.peers = PeerLimit(
-            max(2, max_connections // 4) if max_per_peer is None else max_per_peer,
-            loopback_unbounded=loopback_unbounded,
-        )
+        self.peers = PeerLimit(max_connections, max_per_peer, loopback_unbounded=loopback_unbounded)
         self._deadlines: list[tuple[float, int, socket.socket]] = []
         self._deadline_cv = threading.Condition()
         self._reaper: threading.Thread | None = None
@@ -397,12 +395,6 @@ class Headers:
 
     def items(self) -> list[tuple[str, str]]:
         return list(self._fields)
-
-    def __contains__(self, name: object) -> bool:
-        return isinstance(name, str) and name.lower() in self._by_name
-
-    def __len__(self) -> int:
-        return len(self._fields)
 
 
 def _read_headers(rfile: io.BufferedIOBase) -> Headers:
