@@ -7,7 +7,7 @@ connection per request), register distinct jobs, each on its own node's GPUs, an
 every request is measured from the call to its parsed answer. The clients are spread over
 ``client_processes`` processes (default 4): real Prologs are separate processes on separate
 nodes, and 200 client threads in one process measure that process's lock more than the head
-(same head, same p50 of 52–54 ms: p99 109–170 ms with one client process, 74–97 ms with
+(same head, same p50 of 52–54 ms: p99 109–170 ms with one client process, 74–105 ms with
 four). They run beside the head's process on the same cores: their CPU is reported apart
 (``clients_cpu_s``).
 
