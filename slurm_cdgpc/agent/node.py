@@ -40,12 +40,15 @@ Safety rules (DESIGN.md, "Safety"):
   one: a head that lost the leader lock to a standby, and wakes up from a pause to push what it
   decided before, changes nothing. A higher epoch is recorded in the state file before the
   request is acted on, so a restarted agent still refuses the old head.
-- **State file.** Before any lock changes, the file is rewritten (temp file, fsync, rename, fsync
-  of the directory) listing every lock that may exist after the change; after the change it lists
-  what is locked. With nothing locked it is removed, unless a head's epoch is known: then it
-  stays with an empty lock list, to keep the epoch. A setpoint whose intent cannot be recorded is
-  refused. On construction, a state file that lists locks (or cannot be read) was left by a
-  crash and locks may remain: every GPU is reset FIRST, then the file is rewritten or removed as
+- **State file.** Before a GPU that the file does not list is locked, the file is rewritten
+  (temp file, fsync, rename, fsync of the directory) listing every lock that may exist after the
+  change; after any change it lists what is locked. A GPU the file already lists needs no write
+  before its clock moves: what recovery does with a listed lock (reset every GPU) does not
+  depend on the clock it names, so an interval that only moves clocks writes the file once.
+  With nothing locked it is removed, unless a head's epoch is known: then it stays with an empty
+  lock list, to keep the epoch. A setpoint whose intent cannot be recorded is refused. On
+  construction, a state file that lists locks (or cannot be read) was left by a crash and locks
+  may remain: every GPU is reset FIRST, then the file is rewritten or removed as
   above (kept as it is if a reset failed, so the next start retries).
 - **Measure, then act.** An exchange reads every GPU before it applies anything, so its answer
   describes the interval that just ended: ``locked`` and ``job_id`` are what was in force during
@@ -65,7 +68,6 @@ import logging
 import math
 import os
 import socket
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -174,6 +176,9 @@ class NodeAgent:
         self._progress: dict[tuple[str, int], ProgressReport] = {}
         self._lapsed = False
         self._epoch = 0  # the highest leader epoch seen (persisted in the state file)
+        #: the GPUs whose locks the state file on disk lists (the file never lists fewer GPUs
+        #: than are locked: a GPU not in here is written down before it is locked)
+        self._recorded: frozenset[int] = frozenset()
         self.recovered_stale_state = self._recover()
         self._lease_expires_s = self._clock() + lease_duration_s  # as the head wrote it
         self._lease_deadline = self._monotonic() + lease_duration_s  # what `tick` checks
@@ -263,7 +268,7 @@ class NodeAgent:
                     continue
                 devices[sp.gpu] = device
                 wanted[sp.gpu] = LockedClocks(lowest, sp.graphics_mhz, sp.memory_mhz)
-            if wanted and not self._write_state(intended=wanted):
+            if wanted.keys() - self._recorded and not self._write_state(intended=wanted):
                 for gpu in wanted:
                     refused.append(Refusal(gpu, "cannot record the lock in the state file"))
                 wanted = {}
@@ -517,7 +522,7 @@ class NodeAgent:
             wanted[dev.index] = LockedClocks(lowest, safe_mhz, None)
         if not wanted:
             return ()
-        if not self._write_state(intended=wanted):
+        if wanted.keys() - self._recorded and not self._write_state(intended=wanted):
             logger.error("cannot record the safe cap in the state file; applying it anyway")
         changed: list[int] = []
         for index, lock in wanted.items():
@@ -618,34 +623,39 @@ class NodeAgent:
 
     def _write_state(self, intended: dict[int, LockedClocks] | None = None) -> bool:
         """Atomically write the state file listing current (and intended) locks."""
+        locks = self._state(intended)
         document = {
             "version": STATE_VERSION,
             "node": self.node_name,
             "pid": os.getpid(),
             "written_s": self._clock(),
             "epoch": self._epoch,
-            "locks": self._state(intended),
+            "locks": locks,
         }
-        directory = self.state_file.parent
+        # json.dumps, not json.dump: dump streams through the pure-Python encoder, five times
+        # slower, and this runs on every exchange on every node
+        data = (json.dumps(document, separators=(",", ":")) + "\n").encode()
+        tmp = self.state_file.with_name(f".node-state.{self.state_file.name}.tmp")
         try:
-            directory.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(prefix=".node-state.", dir=directory)
+            fd = _create_private(tmp)
             try:
-                with os.fdopen(fd, "w", encoding="utf-8") as f:
-                    # json.dumps, not json.dump: dump streams through the pure-Python encoder,
-                    # five times slower, and this runs twice per exchange on every node
-                    f.write(json.dumps(document, separators=(",", ":")) + "\n")
-                    f.flush()
-                    os.fsync(f.fileno())
+                try:
+                    view = memoryview(data)
+                    while view:
+                        view = view[os.write(fd, view) :]
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
                 os.replace(tmp, self.state_file)
             except BaseException:
                 with contextlib.suppress(OSError):
                     os.unlink(tmp)
                 raise
-            _fsync_directory(directory)
+            _fsync_directory(self.state_file.parent)
         except OSError as e:
             logger.error("cannot write the state file %s: %s", self.state_file, e.strerror or e)
             return False
+        self._recorded = frozenset(lock["index"] for lock in locks)
         return True
 
     def _sync_state(self) -> None:
@@ -660,11 +670,28 @@ class NodeAgent:
         try:
             self.state_file.unlink()
         except FileNotFoundError:
+            self._recorded = frozenset()
             return
         except OSError as e:
             logger.error("cannot remove the state file %s: %s", self.state_file, e.strerror or e)
             return
+        self._recorded = frozenset()
         _fsync_directory(self.state_file.parent)
+
+
+def _create_private(path: Path) -> int:
+    """A new file at ``path``, mode 0600, for writing; one left there by a crash is replaced,
+    a missing directory made. Never follows a link put in its place."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    for _ in range(3):
+        try:
+            return os.open(path, flags, 0o600)
+        except FileExistsError:  # a temp file from a write that died half-way
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+        except FileNotFoundError:
+            path.parent.mkdir(parents=True, exist_ok=True)
+    return os.open(path, flags, 0o600)
 
 
 def _fsync_directory(directory: Path) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -504,6 +505,62 @@ def test_state_file_lists_the_locks_and_disappears_when_none_remain(
     assert not list(state_file.parent.glob(".node-state.*"))  # no temp files left behind
     agent.exchange(request(clock, release=(2,)))
     assert not state_file.exists()
+
+
+def test_moving_a_listed_gpus_clock_writes_the_state_file_once(
+    agent: NodeAgent,
+    gpus: GpuSet,
+    clock: ManualClock,
+    state_file: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    writes: list[Path] = []
+    replace = os.replace
+
+    def counting(src: Path, dst: Path) -> None:
+        writes.append(Path(dst))
+        replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", counting)
+    agent.exchange(request(clock, Setpoint(0, "1", 900)))
+    assert writes == [state_file, state_file]  # GPU 0 is new: recorded before it is locked
+    writes.clear()
+    agent.exchange(request(clock, Setpoint(0, "1", 1005)))
+    assert writes == [state_file]  # only its clock moved: recorded after
+    writes.clear()
+    agent.exchange(request(clock, Setpoint(0, "1", 900), Setpoint(1, "1", 900)))
+    assert writes == [state_file, state_file]  # GPU 1 is new again
+
+
+def test_a_crash_before_the_record_of_a_moved_clock_still_resets_every_gpu(
+    agent: NodeAgent, gpus: GpuSet, clock: ManualClock, make_agent: AgentFactory
+) -> None:
+    """The single write comes after the clock moves; a crash in between leaves a file naming the
+    old clock, which is enough: recovery resets every GPU the file lists, whatever the clock."""
+    agent.exchange(request(clock, Setpoint(0, "1", 900)))
+
+    def crash() -> None:
+        raise RuntimeError("the agent dies here")
+
+    agent._sync_state = crash  # type: ignore[method-assign]
+    with pytest.raises(RuntimeError):
+        agent.exchange(request(clock, Setpoint(0, "1", 1005)))
+    assert caps(gpus)[0] == 1005
+    restarted = make_agent()
+    assert restarted.recovered_stale_state
+    assert caps(gpus) == {0: None, 1: None, 2: None, 3: None}
+
+
+def test_a_temp_file_left_by_a_crash_mid_write_is_replaced(
+    agent: NodeAgent, gpus: GpuSet, clock: ManualClock, state_file: Path
+) -> None:
+    state_file.parent.mkdir(parents=True, exist_ok=True)
+    leftover = state_file.with_name(f".node-state.{state_file.name}.tmp")
+    leftover.write_text("half a document")
+    agent.exchange(request(clock, Setpoint(2, "44", 1005)))
+    assert caps(gpus)[2] == 1005
+    assert json.loads(state_file.read_text())["locks"][0]["graphics_max_mhz"] == 1005
+    assert not leftover.exists()
 
 
 def test_state_that_cannot_be_recorded_refuses_the_setpoint(
