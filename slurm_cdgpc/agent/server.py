@@ -44,7 +44,8 @@ from slurm_cdgpc.transport.auth import (
     Principal,
     Verifier,
 )
-from slurm_cdgpc.transport.server import BoundedHttpServer, JsonHandler
+from slurm_cdgpc.transport.evented import EventedHttpServer, EventLoop
+from slurm_cdgpc.transport.server import JsonHandler
 
 logger = logging.getLogger(__name__)
 
@@ -54,8 +55,15 @@ _ROUTES: Final = {EXCHANGE_PATH: "POST", RELEASE_PATH: "POST", HEALTH_PATH: "GET
 _LOOPBACK: Final = frozenset({"127.0.0.1", "::1", "::ffff:127.0.0.1"})
 
 
-class AgentHttpServer(BoundedHttpServer):
-    """A threading HTTP server bound to one `NodeAgent`, `Verifier` and `AccessPolicy`."""
+class AgentHttpServer(EventedHttpServer):
+    """An event-loop HTTP server bound to one `NodeAgent`, `Verifier` and `AccessPolicy`.
+
+    Requests are handled on the loop's thread (``workers=0``): the agent serves one exchange an
+    interval, which takes about a millisecond and holds the agent's lock throughout, so a pool
+    of threads would add two thread switches to each and overlap nothing. Sockets are still the
+    loop's: a slow or silent peer holds no thread and is cut at ``request_timeout_s``.
+    ``loop``: serve from a shared `EventLoop` (``bench exchange`` runs hundreds of agents on one).
+    """
 
     def __init__(
         self,
@@ -67,6 +75,7 @@ class AgentHttpServer(BoundedHttpServer):
         request_timeout_s: float = 10.0,
         max_body_bytes: int = MAX_MESSAGE_BYTES,
         max_connections: int = 32,
+        loop: EventLoop | None = None,
     ) -> None:
         self.agent = agent
         super().__init__(
@@ -77,6 +86,8 @@ class AgentHttpServer(BoundedHttpServer):
             request_timeout_s=request_timeout_s,
             max_body_bytes=max_body_bytes,
             max_connections=max_connections,
+            workers=0,
+            loop=loop,
         )
 
 

@@ -46,6 +46,7 @@ from slurm_cdgpc.config import SafeCap
 from slurm_cdgpc.errors import FatalError, InputError
 from slurm_cdgpc.gpu.simulated import simulated_gpus
 from slurm_cdgpc.transport.auth import AccessPolicy, HmacKey, HmacSigner, HmacVerifier
+from slurm_cdgpc.transport.evented import EventLoop
 from slurm_cdgpc.transport.http import NodeExchanger, NodeFailure, NodeTarget
 
 logger = logging.getLogger(__name__)
@@ -207,10 +208,15 @@ class Shard:
 
 
 def serve_agents(shard: Shard, conn: Connection, stop: Event, parent_pid: int) -> None:
-    """Worker: one `AgentHttpServer` per node of ``shard`` until ``stop`` (spawn target)."""
+    """Worker: one `AgentHttpServer` per node of ``shard`` until ``stop`` (spawn target).
+
+    The process's agents share one `EventLoop` and its thread, as each ``cdgpc-noded`` has one
+    of its own: a thread per agent here would measure a few hundred threads taking turns at
+    one interpreter lock, which no node has."""
     worker_preamble()
+    loop = EventLoop(workers=0)
     servers: list[AgentHttpServer] = []
-    threads: list[threading.Thread] = []
+    thread = threading.Thread(target=loop.serve_forever, name="agents", daemon=True)
     try:
         key = load_key(Path(shard.key_file))
         policy = AccessPolicy()
@@ -223,37 +229,29 @@ def serve_agents(shard: Shard, conn: Connection, stop: Event, parent_pid: int) -
                 node_name=node,
                 lease_duration_s=LEASE_S,
             )
-            server = AgentHttpServer(("127.0.0.1", 0), agent, HmacVerifier(key), policy)
-            servers.append(server)
-            thread = threading.Thread(
-                target=server.serve_forever, name=f"agent-{node}", daemon=True
+            servers.append(
+                AgentHttpServer(("127.0.0.1", 0), agent, HmacVerifier(key), policy, loop=loop)
             )
-            thread.start()
-            threads.append(thread)
+        thread.start()
         conn.send(("ready", {s.agent.node_name: s.port for s in servers}))
     except Exception as e:  # reported to the parent, which fails with it
         conn.send(("error", f"{type(e).__name__}: {e}"))
-        _close_servers(servers, threads)
+        _close_servers(loop, servers, thread)
         return
     try:
         wait_for_stop(stop, parent_pid)
     finally:
-        _close_servers(servers, threads)
+        _close_servers(loop, servers, thread)
 
 
-def _close_servers(servers: Sequence[AgentHttpServer], threads: Sequence[threading.Thread]) -> None:
-    # shutdown() waits for serve_forever's next poll (0.5 s): do them all at once
-    stoppers = [
-        threading.Thread(target=s.shutdown, daemon=True)
-        for s, t in zip(servers, threads, strict=False)
-        if t.is_alive()
-    ]
-    for t in stoppers:
-        t.start()
-    for t in stoppers:
-        t.join(timeout=5.0)
+def _close_servers(
+    loop: EventLoop, servers: Sequence[AgentHttpServer], thread: threading.Thread
+) -> None:
+    if thread.is_alive():
+        loop.shutdown()
     for s in servers:
         s.server_close()
+    loop.close()
 
 
 # -- the head's side ---------------------------------------------------------------------------

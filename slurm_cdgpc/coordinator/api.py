@@ -309,7 +309,7 @@ def _who(principal: Principal) -> str:
 
 class _Handler(JsonHandler):
     # an event-loop server, not a socketserver: it gives the handler what JsonHandler uses
-    server: HeadHttpServer  # type: ignore[assignment]
+    server: HeadHttpServer
     server_version = "cdgpcd"
 
     # -- routing --------------------------------------------------------------------------------

@@ -1,8 +1,8 @@
 """The head's HTTP server: one event-loop thread for every socket, a few threads for the work.
 
-`BoundedHttpServer` gives each connection a thread that blocks in ``recv``. On the head that
-was the cost of a burst of Prologs: 200 threads waking for their bytes, then again for their
-commit, held the one core the GIL allows. Here one thread owns every socket (``epoll``
+A server with a thread per connection, each blocked in ``recv``, was the head's cost of a
+burst of Prologs: 200 threads waking for their bytes, then again for their commit, held the one
+core the GIL allows. Here one thread owns every socket (``epoll``
 through `selectors`): it accepts, reads until a request is whole (the header block and
 ``Content-Length`` bytes of body), and writes answers. A whole request goes to a small pool of
 worker threads that run the same `JsonHandler` on the buffered bytes, so routing, checks,
@@ -10,7 +10,12 @@ limits and error answers are the handler's, byte for byte. A handler may `JsonHa
 its answer (the head's registrations wait for their group commit without holding a worker);
 whoever completes it hands the bytes back to the loop.
 
-The bounds are `BoundedHttpServer`'s: ``max_connections`` open at once and ``max_per_peer`` from
+Several servers may share one `EventLoop` (and its thread): ``bench exchange`` serves a few
+hundred node agents from each of its processes that way, one listener each. With ``workers=0``
+handlers run on the loop's thread itself, with no hand-over: what ``cdgpc-noded`` does, whose
+one request per interval takes a millisecond and would only pay for the two thread switches.
+
+The bounds: ``max_connections`` open at once and ``max_per_peer`` from
 one address (over either, a connection is closed at once), ``request_timeout_s`` for a
 connection's whole life however slowly its peer sends, and the body cap (the handler's). A
 header block over `MAX_HEADER_BLOCK_BYTES` is refused with 431 without waiting for its end.
@@ -50,6 +55,7 @@ _SWEEP_S: Final = 0.1
 
 @dataclass(eq=False, slots=True)
 class _Connection:
+    server: EventedHttpServer
     sock: socket.socket
     address: Any
     deadline: float
@@ -73,10 +79,18 @@ class _Connection:
 
 
 class EventedHttpServer:
-    """A `JsonHandler` server with one event-loop thread; the interface of `BoundedHttpServer`
-    that its users need (``port``, ``serve_forever``, ``shutdown``, ``server_close``)."""
+    """A `JsonHandler` server on an `EventLoop`, with the interface of the standard library's
+    servers that its users need (``port``, ``serve_forever``, ``shutdown``, ``server_close``).
 
-    #: the listen backlog (`BoundedHttpServer.request_queue_size` says why it is large)
+    Without ``loop`` it has one of its own, with ``workers`` threads, run by `serve_forever`.
+    Given a shared ``loop``, whoever made the loop runs it; ``workers`` is then the loop's.
+    """
+
+    #: the listen backlog: a burst of Prologs (a large array job starting) must queue, not be
+    #: refused by the kernel (the standard library's default is 5). A connection the backlog
+    #: cannot take is not refused but its SYN dropped, and the client retries one second later
+    #: (then three): with 128, 200 simultaneous Prologs met exactly that second as their p99.
+    #: Linux caps it at ``net.core.somaxconn`` (4096 since 5.4).
     request_queue_size = 1024
 
     def __init__(
@@ -92,6 +106,7 @@ class EventedHttpServer:
         max_per_peer: int | None = None,
         loopback_unbounded: bool = False,
         workers: int = DEFAULT_WORKERS,
+        loop: EventLoop | None = None,
     ) -> None:
         self.handler = handler
         self.verifier = verifier
@@ -100,6 +115,7 @@ class EventedHttpServer:
         self.max_body_bytes = max_body_bytes
         self.max_connections = max_connections
         self.peers = PeerLimit(max_connections, max_per_peer, loopback_unbounded=loopback_unbounded)
+        self.connections = 0  # open now (counted by the loop)
         family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
         self.socket = socket.socket(family, socket.SOCK_STREAM)
         try:
@@ -111,11 +127,47 @@ class EventedHttpServer:
             self.socket.close()
             raise
         self.server_address = self.socket.getsockname()
+        self._owns_loop = loop is None
+        self.loop = EventLoop(workers=workers) if loop is None else loop
+        self.loop.listen(self)
+
+    @property
+    def port(self) -> int:
+        return int(self.server_address[1])
+
+    def serve_forever(self) -> None:
+        if not self._owns_loop:
+            raise RuntimeError("this server's loop is shared: run the loop, not the server")
+        self.loop.serve_forever()
+
+    def shutdown(self) -> None:
+        """Stop `serve_forever` and wait for it to return (a shared loop is left running)."""
+        if self._owns_loop:
+            self.loop.shutdown()
+
+    def server_close(self) -> None:
+        """Close the listener and its connections (and the loop, if it is this server's)."""
+        self.loop.forget(self)
+        self.socket.close()
+        if self._owns_loop:
+            self.loop.close()
+
+    def answer(self, conn: _Connection, data: bytes, close: bool) -> None:
+        """Send a deferred answer to ``conn``: from any thread."""
+        self.loop.answer(conn, data, close)
+
+
+class EventLoop:
+    """One thread's ``epoll`` loop over the sockets of one or more `EventedHttpServer`\\ s, and
+    ``workers`` threads that run their handlers (0: the loop's thread runs them)."""
+
+    def __init__(self, *, workers: int = DEFAULT_WORKERS) -> None:
+        if workers < 0:
+            raise ValueError(f"workers must be at least 0, got {workers}")
         self._selector = selectors.DefaultSelector()
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
-        self._selector.register(self.socket, selectors.EVENT_READ, self._accept)
         self._selector.register(self._wake_r, selectors.EVENT_READ, self._woken)
         self._open: set[_Connection] = set()
         self._next_sweep = 0.0
@@ -126,16 +178,23 @@ class EventedHttpServer:
         self._work: queue.SimpleQueue[tuple[_Connection, bytes] | None] = queue.SimpleQueue()
         self._workers = [
             threading.Thread(target=self._worker, name="http-loop-worker", daemon=True)
-            for _ in range(max(1, workers))
+            for _ in range(workers)
         ]
         self._stop = False
         self._stopped = threading.Event()
         self._stopped.set()  # shutdown() before serve_forever() returns at once
         self._started = False
 
-    @property
-    def port(self) -> int:
-        return int(self.server_address[1])
+    def listen(self, server: EventedHttpServer) -> None:
+        """Accept ``server``'s connections on this loop (call before the loop runs)."""
+        self._selector.register(server.socket, selectors.EVENT_READ, server)
+
+    def forget(self, server: EventedHttpServer) -> None:
+        """Stop accepting for ``server`` and close its connections."""
+        with contextlib.suppress(KeyError, ValueError):
+            self._selector.unregister(server.socket)
+        for conn in [c for c in self._open if c.server is server]:
+            self._close(conn)
 
     # -- the loop --------------------------------------------------------------------------------
 
@@ -160,6 +219,8 @@ class EventedHttpServer:
         try:
             if isinstance(target, _Connection):
                 self._ready(target, mask)
+            elif isinstance(target, EventedHttpServer):
+                self._accept(target)
             else:
                 target(mask)
         except Exception:
@@ -174,12 +235,9 @@ class EventedHttpServer:
         self._wake()
         self._stopped.wait()
 
-    def server_close(self) -> None:
-        """Close the listener and every connection; workers end after their current request."""
+    def close(self) -> None:
+        """Close every connection; workers end after their current request."""
         self._stop = True
-        with contextlib.suppress(KeyError, ValueError):
-            self._selector.unregister(self.socket)
-        self.socket.close()
         for conn in list(self._open):
             self._close(conn)
         for _ in self._workers:
@@ -190,29 +248,31 @@ class EventedHttpServer:
 
     # -- connections -----------------------------------------------------------------------------
 
-    def _accept(self, _mask: int) -> None:
+    def _accept(self, server: EventedHttpServer) -> None:
         for _ in range(_ACCEPTS_PER_TURN):
             try:
-                sock, address = self.socket.accept()
+                sock, address = server.socket.accept()
             except (BlockingIOError, InterruptedError):
                 return
             except OSError as e:  # out of descriptors: the backlog keeps the rest for later
                 logger.warning("accept failed: %s", e)
                 return
             peer = str(address[0])
-            if len(self._open) >= self.max_connections:
+            if server.connections >= server.max_connections:
                 logger.warning("too many connections; closing one from %s", peer)
                 _close_socket(sock)
                 continue
-            if not self.peers.admit(peer):
+            if not server.peers.admit(peer):
                 logger.warning("too many connections from %s; closing one", peer)
                 _close_socket(sock)
                 continue
             sock.setblocking(False)
-            conn = _Connection(sock, address, time.monotonic() + self.request_timeout_s)
+            now = time.monotonic()
+            conn = _Connection(server, sock, address, now + server.request_timeout_s)
             if not self._open:
-                self._next_sweep = time.monotonic() + _SWEEP_S
+                self._next_sweep = now + _SWEEP_S
             self._open.add(conn)
+            server.connections += 1
             self._watch(conn, selectors.EVENT_READ)
 
     def _watch(self, conn: _Connection, events: int) -> None:
@@ -265,7 +325,7 @@ class EventedHttpServer:
                 self._send(conn, _written(handler), close=True)
             return
         length, expect = _framing(bytes(buf[:end]))
-        if length > self.max_body_bytes:
+        if length > conn.server.max_body_bytes:
             # the handler answers 413 from the header alone; the body is not read
             request = bytes(buf[:end])
             buf.clear()
@@ -295,7 +355,10 @@ class EventedHttpServer:
         self._watch(conn, 0)
         conn.working = True
         conn.close_after = close
-        self._work.put((conn, request))
+        if self._workers:
+            self._work.put((conn, request))
+        else:
+            self._serve(conn, request)
 
     def _expire(self) -> None:
         now = time.monotonic()
@@ -312,7 +375,8 @@ class EventedHttpServer:
             _close_socket(conn.sock)
         if not conn.working and conn in self._open:  # a working one goes when its answer comes
             self._open.discard(conn)
-            self.peers.release(conn.peer)
+            conn.server.connections -= 1
+            conn.server.peers.release(conn.peer)
 
     # -- answers ---------------------------------------------------------------------------------
 
@@ -386,8 +450,8 @@ class EventedHttpServer:
 
     def _handler(self, conn: _Connection, request: bytes) -> JsonHandler:
         """A handler over buffered bytes, as `BaseHTTPRequestHandler` would be over a socket."""
-        h = self.handler.__new__(self.handler)
-        h.server = self  # type: ignore[assignment]
+        h = conn.server.handler.__new__(conn.server.handler)
+        h.server = conn.server
         h.client_address = conn.address
         h.request = None
         h.rfile = io.BytesIO(request)
@@ -399,17 +463,27 @@ class EventedHttpServer:
 
     def _worker(self) -> None:
         while (item := self._work.get()) is not None:
-            conn, request = item
-            h = self._handler(conn, request)
-            try:
-                h.handle_one_request()
-            except Exception:
-                logger.exception("internal error serving %s", conn.peer)
-                if not h.deferred:
-                    self.answer(conn, b"", True)
-                continue
+            self._serve(*item)
+
+    def _serve(self, conn: _Connection, request: bytes) -> None:
+        h = self._handler(conn, request)
+        try:
+            h.handle_one_request()
+        except Exception:
+            logger.exception("internal error serving %s", conn.peer)
             if not h.deferred:
-                self.answer(conn, _written(h), h.close_connection)
+                self._reply(conn, b"", True)
+            return
+        if not h.deferred:
+            self._reply(conn, _written(h), h.close_connection)
+
+    def _reply(self, conn: _Connection, data: bytes, close: bool) -> None:
+        """A handler's answer: straight to the socket on the loop's thread, else through it."""
+        if self._workers:
+            self.answer(conn, data, close)
+        else:
+            conn.working = False
+            self._send(conn, data, close=close or conn.close_after)
 
 
 def _header_end(buf: bytearray) -> int | None:

@@ -1,6 +1,6 @@
-"""The HTTP plumbing under the head's API (`EventedHttpServer`) and the agent's listener
-(`BoundedHttpServer`): request parsing, bounds, worker threads, and the head's client side, on
-real loopback sockets. The tests of what both servers promise run on both."""
+"""The HTTP plumbing under the head's API and the agents' listeners (`EventedHttpServer`, with
+worker threads and with handlers on the loop's thread), and the head's client side, on real
+loopback sockets. The tests of what every server promises run on both ways of serving."""
 
 from __future__ import annotations
 
@@ -9,22 +9,31 @@ import http.client
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from http import HTTPStatus
+from typing import Any
 
 import pytest
 
 from slurm_cdgpc.agent.protocol import ProtocolError
 from slurm_cdgpc.transport.auth import AccessPolicy, HmacKey, HmacVerifier
-from slurm_cdgpc.transport.evented import EventedHttpServer
+from slurm_cdgpc.transport.evented import EventedHttpServer, EventLoop
 from slurm_cdgpc.transport.http import MAX_REPLY_BYTES, _request
-from slurm_cdgpc.transport.server import MAX_HEADERS, BoundedHttpServer, JsonHandler
+from slurm_cdgpc.transport.server import MAX_HEADERS, JsonHandler
 
 WAIT_S = 10.0
 BIG_REPLY_BYTES = 8 << 20  # more than loopback's socket buffers take at once
 
-Server = BoundedHttpServer | EventedHttpServer
-KINDS = pytest.mark.parametrize("kind", [BoundedHttpServer, EventedHttpServer])
+
+class _Inline(EventedHttpServer):
+    """The agents' way: handlers run on the loop's thread."""
+
+    def __init__(self, *args: Any, **kw: Any) -> None:
+        super().__init__(*args, workers=0, **kw)
+
+
+Server = EventedHttpServer
+KINDS = pytest.mark.parametrize("kind", [EventedHttpServer, _Inline], ids=["workers", "inline"])
 
 
 class _Echo(JsonHandler):
@@ -54,7 +63,7 @@ class _Echo(JsonHandler):
 def _echo_server(
     max_connections: int = 8,
     timeout_s: float = 5.0,
-    kind: type[Server] = BoundedHttpServer,
+    kind: type[Server] = EventedHttpServer,
     **kw: object,
 ) -> tuple[Server, threading.Thread]:
     """An `_Echo` server on a loopback port, serving on the thread returned."""
@@ -73,7 +82,7 @@ def _echo_server(
     return srv, thread
 
 
-@pytest.fixture(params=[BoundedHttpServer, EventedHttpServer], ids=["threads", "evented"])
+@pytest.fixture(params=[EventedHttpServer, _Inline], ids=["workers", "inline"])
 def server(request: pytest.FixtureRequest) -> Iterator[Server]:
     srv, thread = _echo_server(kind=request.param)
     yield srv
@@ -150,25 +159,6 @@ def test_expect_100_continue_is_honoured(server: Server) -> None:
         assert sock.recv(1024).startswith(b"HTTP/1.1 100")
         sock.sendall(b"ok")
         assert b"b'ok'" in sock.recv(65536) + sock.recv(65536)
-
-
-def test_connections_reuse_worker_threads_and_close_ends_them() -> None:
-    srv, thread = _echo_server()
-    workers: Callable[[], list[threading.Thread]] = lambda: [  # noqa: E731
-        t for t in threading.enumerate() if t.name == "http-worker"
-    ]
-    before = len(workers())
-    try:
-        for _ in range(30):  # one after the other: one worker serves them all
-            assert _status(_raw(srv, b"GET / HTTP/1.1\r\nConnection: close\r\n\r\n")) == 200
-        assert 1 <= len(workers()) - before <= 2  # not one thread per connection
-    finally:
-        srv.shutdown()
-        srv.server_close()
-        thread.join(WAIT_S)
-    for t in workers()[before:]:
-        t.join(WAIT_S)
-    assert len(workers()) == before
 
 
 # -- the client side ---------------------------------------------------------------------------
@@ -390,6 +380,65 @@ def test_a_deferred_answer_holds_no_worker() -> None:
         _stop(srv)
 
 
+def test_an_answer_deferred_from_the_loops_thread_still_comes() -> None:
+    srv = _echo_server(kind=_Inline)[0]
+    try:
+        with socket.create_connection(("127.0.0.1", srv.port), timeout=WAIT_S) as later:
+            later.sendall(b"GET /later HTTP/1.1\r\nConnection: close\r\n\r\n")
+            time.sleep(0.1)  # the loop is free while /later waits for its thread
+            assert _status(_raw(srv, b"GET /now HTTP/1.1\r\nConnection: close\r\n\r\n")) == 200
+            reply = later.recv(65536)
+            assert _status(reply) == 200 and b"'/later'" in reply
+    finally:
+        _stop(srv)
+
+
+class _Name(JsonHandler):
+    def _route(self, method: str) -> None:
+        self._send_bytes(HTTPStatus.OK, b"name:" + str(self.server.max_body_bytes).encode())
+
+
+def test_servers_sharing_a_loop_answer_each_for_itself_and_close_alone() -> None:
+    loop = EventLoop(workers=0)
+    verifier, policy = HmacVerifier(HmacKey(b"k" * 32)), AccessPolicy()
+
+    def serve(handler: type[JsonHandler], body_cap: int) -> EventedHttpServer:
+        return EventedHttpServer(
+            ("127.0.0.1", 0),
+            handler,
+            verifier,
+            policy,
+            request_timeout_s=5.0,
+            max_body_bytes=body_cap,
+            max_connections=1,
+            loop=loop,
+        )
+
+    first, second = serve(_Name, 111), serve(_Echo, 1024)
+    thread = threading.Thread(target=loop.serve_forever, daemon=True)
+    thread.start()
+    get = b"GET /x HTTP/1.1\r\nConnection: close\r\n\r\n"
+    try:
+        with pytest.raises(RuntimeError, match="shared"):
+            first.serve_forever()
+        assert _raw(first, get).endswith(b"name:111")
+        assert b"'/x'" in _raw(second, get)
+        # each server's bound is its own: one connection held on the first leaves the second's
+        with socket.create_connection(("127.0.0.1", first.port), timeout=WAIT_S):
+            time.sleep(0.2)
+            assert b"'/x'" in _raw(second, get)
+        first.server_close()
+        with pytest.raises(OSError):
+            _raw(first, get)
+        assert b"'/x'" in _raw(second, get)
+    finally:
+        loop.shutdown()
+        first.server_close()
+        second.server_close()
+        loop.close()
+        thread.join(WAIT_S)
+
+
 @KINDS
 def test_connections_over_the_bound_are_closed_at_once(kind: type[Server]) -> None:
     srv = _echo_server(2, timeout_s=30.0, kind=kind, loopback_unbounded=True)[0]
@@ -422,14 +471,14 @@ def test_a_bug_while_framing_one_connection_costs_that_connection_only(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     srv = _evented()
-    frame = EventedHttpServer._frame
+    frame = EventLoop._frame
 
-    def broken(self: EventedHttpServer, conn: object) -> None:
+    def broken(self: EventLoop, conn: object) -> None:
         if b"/boom" in conn.inbuf:  # type: ignore[attr-defined]
             raise RuntimeError("a bug")
         frame(self, conn)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(EventedHttpServer, "_frame", broken)
+    monkeypatch.setattr(EventLoop, "_frame", broken)
     try:
         assert _raw(srv, b"GET /boom HTTP/1.1\r\n\r\n") == b""  # closed, unanswered
         assert _status(_raw(srv, b"GET /fine HTTP/1.1\r\nConnection: close\r\n\r\n")) == 200
