@@ -143,7 +143,12 @@ class Principal:
 
 
 class Signer(Protocol):
-    """Makes credentials for outgoing requests."""
+    """Makes credentials for outgoing requests.
+
+    A signer may also say ``in_process = True`` when `sign` is cheap and blocks on nothing (no
+    program, no socket): the head's exchange then signs on its event loop's thread rather than
+    on a pool.
+    """
 
     @property
     def scheme(self) -> str: ...
@@ -483,6 +488,7 @@ class HmacSigner:
     """Signs with the shared key; claims this process's uid/gid unless told otherwise."""
 
     scheme: Final = HMAC_SCHEME
+    in_process: Final = True
 
     def __init__(
         self,

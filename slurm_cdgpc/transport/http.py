@@ -4,25 +4,38 @@ Every request is signed (`slurm_cdgpc.transport.auth.Signer`) over its method, p
 carries the credential in one ``Authorization`` header. Besides the agent's server and the
 head's API server, this is the only module that speaks HTTP.
 
-`NodeExchanger` sends one `ExchangeRequest` to each node concurrently (a thread pool, one
-connection per node), each with its own timeout; a node that does not answer in time, refuses,
-or answers garbage comes back as a `NodeFailure` with a one-line reason, never as an exception:
-one dead node must not stop the control loop. `HeadClient` is what ``cdgpc-admin`` uses to talk
-to ``cdgpcd``.
+`NodeExchanger` sends one `ExchangeRequest` to each node concurrently, one connection per
+node, each with its own timeout; a node that does not answer in time, refuses, or answers
+garbage comes back as a `NodeFailure` with a one-line reason, never as an exception: one dead
+node must not stop the control loop. Plain-HTTP nodes are served by one event loop on the
+calling thread (`_Round`): non-blocking sockets under ``epoll``, so a thousand nodes cost a
+thousand sockets, not a thousand thread switches. ``https://`` nodes, and credentials that
+take a process to make (MUNGE), go through a thread pool. `HeadClient` is what
+``cdgpc-admin`` uses to talk to ``cdgpcd``.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import functools
+import heapq
 import http.client
+import io
+import itertools
 import logging
+import os
+import re
+import resource
+import selectors
 import socket
 import ssl
+import threading
 import time
-from collections.abc import Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, BinaryIO, Final
+from typing import Any, BinaryIO, Final, NamedTuple
 from urllib.parse import urlencode, urlsplit
 
 from slurm_cdgpc.agent.protocol import (
@@ -43,6 +56,12 @@ MAX_REPLY_BYTES: Final = 4 * 1024 * 1024
 #: limits on a reply's status and header lines (the standard library's)
 _MAX_LINE_BYTES: Final = 65536
 _MAX_HEADERS: Final = 100
+#: how long a resolved agent address is reused (a node renumbered is seen within this)
+_RESOLVE_TTL_S: Final = 30.0
+#: most sockets one exchange round holds open at once (also kept under half the fd limit)
+MAX_IN_FLIGHT: Final = 1024
+_CONNECTING: Final = frozenset({errno.EINPROGRESS, errno.EAGAIN, errno.EALREADY, 0})
+_CONTENT_LENGTH_RE: Final = re.compile(rb"\r\ncontent-length:[ \t]*([0-9]{1,12})[ \t]*\r", re.I)
 
 
 class HeadUnavailableError(SoftError):
@@ -136,17 +155,8 @@ def _request(
     CPU per exchange. The request goes out in one write (head and body together)."""
     endpoint = _parse_endpoint(url)
     full_path = endpoint.prefix + path
-    lines = [
-        f"{method} {full_path} HTTP/1.1",
-        f"Host: {endpoint.host_header}",
-        "Content-Type: application/json",
-        f"Content-Length: {len(body)}",
-        "Connection: close",
-    ]
-    if signer is not None:
-        lines.append(f"Authorization: {signer.sign(method, full_path, body)}")
-    lines.append("\r\n")
-    message = "\r\n".join(lines).encode("latin-1") + body
+    credential = None if signer is None else signer.sign(method, full_path, body)
+    message = _message(endpoint, method, full_path, body, credential)
     sock = endpoint.connect(timeout_s)
     try:
         sock.sendall(message)
@@ -154,6 +164,23 @@ def _request(
             return _read_reply(reply)
     finally:
         sock.close()
+
+
+def _message(
+    endpoint: _Endpoint, method: str, full_path: str, body: bytes, credential: str | None
+) -> bytes:
+    """A whole request, head and body, to go out in one write."""
+    lines = [
+        f"{method} {full_path} HTTP/1.1",
+        f"Host: {endpoint.host_header}",
+        "Content-Type: application/json",
+        f"Content-Length: {len(body)}",
+        "Connection: close",
+    ]
+    if credential is not None:
+        lines.append(f"Authorization: {credential}")
+    lines.append("\r\n")
+    return "\r\n".join(lines).encode("latin-1") + body
 
 
 def _read_reply(reply: BinaryIO) -> tuple[int, bytes]:
@@ -220,14 +247,34 @@ def _error_text(data: bytes) -> str:
 
 
 class NodeExchanger:
-    """Concurrent, signed exchanges with node agents (``POST /v1/exchange``)."""
+    """Concurrent, signed exchanges with node agents (``POST /v1/exchange``).
 
-    def __init__(self, signer: Signer, *, timeout_s: float, max_workers: int = 64) -> None:
+    Every node has ``timeout_s`` to accept the connection and then ``timeout_s`` to answer once
+    its request is written; the whole round ends after ``2 * timeout_s`` whatever happens.
+    """
+
+    def __init__(
+        self,
+        signer: Signer,
+        *,
+        timeout_s: float,
+        max_workers: int = 64,
+        max_in_flight: int = MAX_IN_FLIGHT,
+    ) -> None:
         if not timeout_s > 0:
             raise InputError(f"exchange timeout must be positive, got {timeout_s}")
+        if max_in_flight < 1:
+            raise InputError(f"max_in_flight must be at least 1, got {max_in_flight}")
         self.signer = signer
         self.timeout_s = timeout_s
+        soft_fds = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        fd_share = max(soft_fds // 2, 16) if soft_fds != resource.RLIM_INFINITY else max_in_flight
+        self.max_in_flight = min(max_in_flight, fd_share)
+        #: an HMAC signature costs microseconds: made on the loop's thread. A signer that runs a
+        #: program (``munge``) takes milliseconds each, so a round's are made on the pool at once
+        self._sign_inline = bool(getattr(signer, "in_process", False))
         self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="exchange")
+        self._addresses = _AddressCache(_RESOLVE_TTL_S)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -236,20 +283,85 @@ class NodeExchanger:
         self, targets: Mapping[str, NodeTarget]
     ) -> dict[str, ExchangeResponse | NodeFailure]:
         """Exchange with every node at once; every node gets an answer or a `NodeFailure`."""
-        futures: dict[str, Future[ExchangeResponse | NodeFailure]] = {
-            node: self._pool.submit(self._one, node, target) for node, target in targets.items()
-        }
-        # each request has its own socket timeout; this bounds the whole round (connect, send,
-        # receive may each take up to the timeout, so allow a little more than one timeout)
-        deadline = time.monotonic() + 2 * self.timeout_s
+        started = time.monotonic()
+        deadline = started + 2 * self.timeout_s
         results: dict[str, ExchangeResponse | NodeFailure] = {}
+        plain: dict[str, NodeTarget] = {}
+        tls: dict[str, NodeTarget] = {}
+        for node, target in targets.items():
+            try:
+                scheme = _parse_endpoint(target.url).scheme
+            except CdgpcError as e:
+                results[node] = NodeFailure(_one_line(f"{target.url}: {e}"))
+                continue
+            (plain if scheme == "http" else tls)[node] = target
+        futures = {node: self._pool.submit(self._one, node, t) for node, t in tls.items()}
+        if plain:
+            results.update(self._round(plain, started, deadline))
         for node, future in futures.items():
             try:
                 results[node] = future.result(timeout=max(deadline - time.monotonic(), 0.0))
             except TimeoutError:
                 future.cancel()
                 results[node] = NodeFailure(f"no answer within {2 * self.timeout_s:g} s")
+        return {node: results[node] for node in targets}
+
+    # -- plain HTTP: one event loop ---------------------------------------------------------------
+
+    def _round(
+        self, targets: Mapping[str, NodeTarget], started: float, deadline: float
+    ) -> dict[str, ExchangeResponse | NodeFailure]:
+        results: dict[str, ExchangeResponse | NodeFailure] = {}
+        messages = self._messages(targets, results)
+        endpoints = {node: _parse_endpoint(targets[node].url) for node in messages}
+        addresses = self._addresses.resolve(
+            {(e.host, e.port) for e in endpoints.values()}, self._pool
+        )
+        calls: list[_Call] = []
+        for node, message in messages.items():
+            endpoint = endpoints[node]
+            found = addresses[(endpoint.host, endpoint.port)]
+            if isinstance(found, str):
+                results[node] = NodeFailure(_one_line(f"{targets[node].url}: {found}"))
+            else:
+                calls.append(_Call(node, targets[node].url, message, found))
+        for call, outcome in _Round(calls, self.timeout_s, self.max_in_flight).run(deadline):
+            if isinstance(outcome, NodeFailure):
+                results[call.node] = outcome
+            else:
+                results[call.node] = _answer(call.node, call.url, *outcome)
+        logger.debug(
+            "exchanged with %d node(s) in %.1f ms", len(calls), 1e3 * (time.monotonic() - started)
+        )
         return results
+
+    def _messages(
+        self, targets: Mapping[str, NodeTarget], failures: dict[str, ExchangeResponse | NodeFailure]
+    ) -> dict[str, bytes]:
+        """Each node's whole signed request; a node whose credential cannot be made fails."""
+        bodies = {node: t.request.to_json() for node, t in targets.items()}
+        paths = {node: _parse_endpoint(t.url).prefix + EXCHANGE_PATH for node, t in targets.items()}
+
+        def sign(node: str) -> str | NodeFailure:
+            try:
+                return self.signer.sign("POST", paths[node], bodies[node])
+            except CdgpcError as e:
+                return NodeFailure(_one_line(f"{targets[node].url}: {e}"))
+
+        if self._sign_inline:
+            credentials = {node: sign(node) for node in targets}
+        else:
+            credentials = dict(zip(targets, self._pool.map(sign, targets), strict=True))
+        messages: dict[str, bytes] = {}
+        for node, credential in credentials.items():
+            if isinstance(credential, NodeFailure):
+                failures[node] = credential
+                continue
+            endpoint = _parse_endpoint(targets[node].url)
+            messages[node] = _message(endpoint, "POST", paths[node], bodies[node], credential)
+        return messages
+
+    # -- https: a thread each ---------------------------------------------------------------------
 
     def _one(self, node: str, target: NodeTarget) -> ExchangeResponse | NodeFailure:
         try:
@@ -265,15 +377,247 @@ class NodeExchanger:
             return NodeFailure(_one_line(f"{target.url}: {type(e).__name__}: {e}"))
         except CdgpcError as e:
             return NodeFailure(_one_line(f"{target.url}: {e}"))
-        if status != 200:
-            return NodeFailure(f"{target.url}: HTTP {status}: {_error_text(data)}")
+        return _answer(node, target.url, status, data)
+
+
+def _answer(node: str, url: str, status: int, data: bytes) -> ExchangeResponse | NodeFailure:
+    """What a node's HTTP reply means for the exchange."""
+    if status != 200:
+        return NodeFailure(f"{url}: HTTP {status}: {_error_text(data)}")
+    try:
+        response = ExchangeResponse.from_json(data)
+    except ProtocolError as e:
+        return NodeFailure(_one_line(f"{url}: bad reply: {e}"))
+    if response.node != node:
+        logger.warning("node %s answers as %r (check its --node-name)", node, response.node)
+    return response
+
+
+class _Address(NamedTuple):
+    family: int
+    sockaddr: Any
+
+
+class _AddressCache:
+    """Agents' addresses, resolved at most once per ``ttl_s``: a round must not wait on a
+    thousand lookups one after another (misses are looked up on the pool, all at once)."""
+
+    def __init__(self, ttl_s: float) -> None:
+        self.ttl_s = ttl_s
+        self._lock = threading.Lock()
+        self._cache: dict[tuple[str, int], tuple[float, tuple[_Address, ...]]] = {}
+
+    def resolve(
+        self, wanted: Iterable[tuple[str, int]], pool: ThreadPoolExecutor
+    ) -> dict[tuple[str, int], tuple[_Address, ...] | str]:
+        """Each (host, port): its addresses, or a one-line reason it has none."""
+        now = time.monotonic()
+        found: dict[tuple[str, int], tuple[_Address, ...] | str] = {}
+        missing: list[tuple[str, int]] = []
+        with self._lock:
+            for key in wanted:
+                cached = self._cache.get(key)
+                if cached is not None and cached[0] > now:
+                    found[key] = cached[1]
+                else:
+                    missing.append(key)
+        if not missing:
+            return found
+        looked_up = list(pool.map(_lookup, missing)) if len(missing) > 1 else [_lookup(missing[0])]
+        with self._lock:
+            for key, result in zip(missing, looked_up, strict=True):
+                found[key] = result
+                if not isinstance(result, str):  # a failed lookup is retried next round
+                    self._cache[key] = (now + self.ttl_s, result)
+        return found
+
+
+def _lookup(key: tuple[str, int]) -> tuple[_Address, ...] | str:
+    host, port = key
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError as e:
+        return f"{type(e).__name__}: {e}"
+    addresses = tuple(_Address(family, sockaddr) for family, _, _, _, sockaddr in infos)
+    return addresses or f"gaierror: no address for {host}"
+
+
+class _Call:
+    """One node's request on its way: connect, write, read until the reply is whole."""
+
+    __slots__ = ("addresses", "deadline", "message", "node", "reply", "sent", "sock", "url")
+
+    def __init__(self, node: str, url: str, message: bytes, addresses: tuple[_Address, ...]):
+        self.node = node
+        self.url = url
+        self.message = message
+        self.addresses = list(addresses)  # tried in order, as `socket.create_connection` does
+        self.sock: socket.socket | None = None
+        self.sent = 0
+        self.reply = bytearray()
+        self.deadline = 0.0
+
+
+_Outcome = tuple[int, bytes] | NodeFailure
+
+
+class _Round:
+    """The event loop of one plain-HTTP exchange round (runs on the caller's thread).
+
+    At most ``max_in_flight`` sockets are open at once; the rest wait in order. A call fails
+    (`NodeFailure`) if it is not connected within ``timeout_s`` of its start, or not answered
+    within ``timeout_s`` of its request being written, or is still waiting when the round ends.
+    """
+
+    def __init__(self, calls: list[_Call], timeout_s: float, max_in_flight: int) -> None:
+        self.waiting = iter(calls)
+        self.timeout_s = timeout_s
+        self.max_in_flight = max_in_flight
+        self.selector = selectors.DefaultSelector()
+        self.deadlines: list[tuple[float, int, _Call]] = []  # a heap; stale entries skipped
+        self.order = itertools.count()
+        self.open = 0
+        self.done: list[tuple[_Call, _Outcome]] = []
+
+    def run(self, round_deadline: float) -> list[tuple[_Call, _Outcome]]:
         try:
-            response = ExchangeResponse.from_json(data)
-        except ProtocolError as e:
-            return NodeFailure(_one_line(f"{target.url}: bad reply: {e}"))
-        if response.node != node:
-            logger.warning("node %s answers as %r (check its --node-name)", node, response.node)
-        return response
+            self._start_more()
+            while self.open:
+                now = time.monotonic()
+                if now >= round_deadline:
+                    break
+                self._expire(now)
+                wait_s = round_deadline - now
+                if self.deadlines:
+                    wait_s = min(wait_s, self.deadlines[0][0] - now)
+                for key, events in self.selector.select(max(wait_s, 0.0)):
+                    call: _Call = key.data
+                    if key.fileobj is not call.sock:
+                        continue  # closed earlier in this batch (its number may be reused)
+                    if events & selectors.EVENT_WRITE:
+                        self._writable(call)
+                    else:
+                        self._readable(call)
+                self._start_more()
+        finally:
+            for key in list(self.selector.get_map().values()):
+                self._finish(key.data, NodeFailure(f"no answer within {2 * self.timeout_s:g} s"))
+            for call in self.waiting:
+                self.done.append((call, NodeFailure(f"no answer within {2 * self.timeout_s:g} s")))
+            self.selector.close()
+        return self.done
+
+    def _start_more(self) -> None:
+        while self.open < self.max_in_flight:
+            call = next(self.waiting, None)
+            if call is None:
+                return
+            self._connect(call)
+
+    def _connect(self, call: _Call) -> None:
+        address = call.addresses.pop(0)
+        try:
+            sock = socket.socket(address.family, socket.SOCK_STREAM)
+        except OSError as e:
+            self.done.append((call, _failure(call, e)))
+            return
+        sock.setblocking(False)
+        call.sock = sock
+        self.open += 1
+        code = sock.connect_ex(address.sockaddr)
+        if code not in _CONNECTING:
+            self._connect_failed(call, code)
+            return
+        self.selector.register(sock, selectors.EVENT_WRITE, call)
+        self._arm(call)
+
+    def _connect_failed(self, call: _Call, code: int) -> None:
+        if call.addresses:  # the next address of the host, as `create_connection` would
+            self._close(call)
+            self._connect(call)
+        else:
+            self._finish(call, _failure(call, OSError(code, os.strerror(code))))
+
+    def _arm(self, call: _Call) -> None:
+        call.deadline = time.monotonic() + self.timeout_s
+        heapq.heappush(self.deadlines, (call.deadline, next(self.order), call))
+
+    def _expire(self, now: float) -> None:
+        while self.deadlines and self.deadlines[0][0] <= now:
+            deadline, _, call = heapq.heappop(self.deadlines)
+            if call.sock is not None and call.deadline == deadline:
+                self._finish(call, _failure(call, TimeoutError("timed out")))
+
+    def _writable(self, call: _Call) -> None:
+        assert call.sock is not None
+        if call.sent == 0 and not call.reply:
+            code = call.sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+            if code:
+                self._connect_failed(call, code)
+                return
+        try:
+            call.sent += call.sock.send(memoryview(call.message)[call.sent :])
+        except BlockingIOError:
+            return
+        except OSError as e:
+            self._finish(call, _failure(call, e))
+            return
+        if call.sent == len(call.message):
+            self.selector.modify(call.sock, selectors.EVENT_READ, call)
+            self._arm(call)  # now the node has timeout_s to answer
+
+    def _readable(self, call: _Call) -> None:
+        assert call.sock is not None
+        try:
+            data = call.sock.recv(65536)
+        except BlockingIOError:
+            return
+        except OSError as e:
+            self._finish(call, _failure(call, e))
+            return
+        call.reply += data
+        if len(call.reply) > MAX_REPLY_BYTES + _MAX_LINE_BYTES:
+            too_large = ProtocolError(f"reply larger than {MAX_REPLY_BYTES} bytes")
+            self._finish(call, NodeFailure(f"{call.url}: {too_large}"))
+        elif not data or _whole(call.reply):
+            self._finish(call, _parse(call))
+
+    def _finish(self, call: _Call, outcome: _Outcome) -> None:
+        self._close(call)
+        self.done.append((call, outcome))
+
+    def _close(self, call: _Call) -> None:
+        if call.sock is None:
+            return
+        with contextlib.suppress(KeyError, ValueError):
+            self.selector.unregister(call.sock)
+        call.sock.close()
+        call.sock = None
+        self.open -= 1
+
+
+def _whole(reply: bytearray) -> bool:
+    """Whether ``reply`` holds a whole reply by its Content-Length (else: read to the close)."""
+    end = reply.find(b"\r\n\r\n")
+    if end < 0:
+        return False
+    if reply.startswith(b"HTTP/1.1 1") or reply.startswith(b"HTTP/1.0 1"):
+        return False  # an interim reply: the real one follows, read to the close
+    match = _CONTENT_LENGTH_RE.search(reply, 0, end + 2)
+    return match is not None and len(reply) >= end + 4 + int(match.group(1))
+
+
+def _parse(call: _Call) -> _Outcome:
+    try:
+        return _read_reply(io.BytesIO(bytes(call.reply)))
+    except (OSError, http.client.HTTPException) as e:
+        return _failure(call, e)
+    except CdgpcError as e:
+        return NodeFailure(_one_line(f"{call.url}: {e}"))
+
+
+def _failure(call: _Call, error: BaseException) -> NodeFailure:
+    return NodeFailure(_one_line(f"{call.url}: {type(error).__name__}: {error}"))
 
 
 class HeadClient:

@@ -1,0 +1,235 @@
+"""`NodeExchanger`: one round with many nodes on real loopback sockets, real agents among them.
+
+Each failure mode a node can have (nothing listening, listening but silent, garbage, a refusal,
+a reply too large, a credential that cannot be made) costs that node a one-line `NodeFailure`
+and nobody else anything; a round never outlasts twice the per-node timeout.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from slurm_cdgpc.agent.node import NodeAgent
+from slurm_cdgpc.agent.protocol import ExchangeRequest, ExchangeResponse, Setpoint
+from slurm_cdgpc.agent.server import AgentHttpServer
+from slurm_cdgpc.config import SafeCap
+from slurm_cdgpc.gpu.simulated import simulated_gpus
+from slurm_cdgpc.transport.auth import (
+    AccessPolicy,
+    AuthUnavailableError,
+    HmacKey,
+    HmacSigner,
+    HmacVerifier,
+)
+from slurm_cdgpc.transport.evented import EventLoop
+from slurm_cdgpc.transport.http import MAX_REPLY_BYTES, NodeExchanger, NodeFailure, NodeTarget
+
+KEY = HmacKey(b"k" * 32)
+CLOCK_MHZ = 1005  # an A100 graphics clock
+
+
+@pytest.fixture
+def agents(tmp_path: Path) -> Iterator[dict[str, str]]:
+    """Eight real agents on one shared loop: node name → URL."""
+    loop = EventLoop(workers=0)
+    servers = [
+        AgentHttpServer(
+            ("127.0.0.1", 0),
+            NodeAgent(
+                simulated_gpus("A100", 2, seed=i),
+                SafeCap(),
+                tmp_path / f"n{i}" / "state.json",
+                node_name=f"n{i}",
+            ),
+            HmacVerifier(KEY),
+            AccessPolicy(node_uids=frozenset({0, os.getuid()})),
+            loop=loop,
+        )
+        for i in range(8)
+    ]
+    thread = threading.Thread(target=loop.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield {s.agent.node_name: f"http://127.0.0.1:{s.port}" for s in servers}
+    finally:
+        loop.shutdown()
+        for s in servers:
+            s.server_close()
+        loop.close()
+        thread.join(5.0)
+
+
+def _targets(urls: dict[str, str]) -> dict[str, NodeTarget]:
+    return {
+        node: NodeTarget(
+            url,
+            ExchangeRequest(
+                node=node,
+                interval=1,
+                lease_expires_s=time.time() + 60,
+                setpoints=(Setpoint(0, "7", CLOCK_MHZ),),
+            ),
+        )
+        for node, url in urls.items()
+    }
+
+
+def _listener(serve: Callable[[socket.socket], None]) -> str:
+    """A raw loopback listener that hands each connection to ``serve`` on a thread of its own."""
+    sock = socket.create_server(("127.0.0.1", 0))
+
+    def accept() -> None:
+        while True:
+            try:
+                conn, _ = sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=serve, args=(conn,), daemon=True).start()
+
+    threading.Thread(target=accept, daemon=True).start()
+    return f"http://127.0.0.1:{sock.getsockname()[1]}"
+
+
+def _read_request(conn: socket.socket) -> None:
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = conn.recv(65536)
+        if not chunk:
+            return
+        data += chunk
+
+
+def _answering(reply: bytes) -> Callable[[socket.socket], None]:
+    def serve(conn: socket.socket) -> None:
+        with conn:
+            _read_request(conn)
+            conn.sendall(reply)
+
+    return serve
+
+
+def _silent(conn: socket.socket) -> None:
+    _read_request(conn)
+    time.sleep(30)  # holds the connection open and never answers
+
+
+def _closed_port() -> str:
+    with socket.create_server(("127.0.0.1", 0)) as sock:
+        port = sock.getsockname()[1]
+    return f"http://127.0.0.1:{port}"
+
+
+def test_every_agent_answers_and_applies_its_setpoint(agents: dict[str, str]) -> None:
+    exchanger = NodeExchanger(HmacSigner(KEY), timeout_s=2.0)
+    try:
+        results = exchanger.exchange(_targets(agents))
+    finally:
+        exchanger.close()
+    assert list(results) == list(agents)  # in the order asked
+    for node, result in results.items():
+        assert isinstance(result, ExchangeResponse), result
+        assert result.node == node and len(result.gpus) == 2 and not result.refused
+
+
+def test_each_broken_node_fails_alone_and_the_round_ends_in_time(agents: dict[str, str]) -> None:
+    big = b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % (MAX_REPLY_BYTES + 1)
+    broken = {
+        "nobody": _closed_port(),
+        "silent": _listener(_silent),
+        "garbage": _listener(_answering(b"SSH-2.0-OpenSSH\r\n\r\n")),
+        "refuses": _listener(
+            _answering(b'HTTP/1.1 401 Unauthorized\r\nContent-Length: 17\r\n\r\n{"error": "nope"}')
+        ),
+        "huge": _listener(_answering(big + b"x" * (MAX_REPLY_BYTES + 1))),
+        "not-json": _listener(_answering(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nhi")),
+        "bad-url": "ftp://example",
+    }
+    targets = _targets(agents) | _targets(broken)
+    exchanger = NodeExchanger(HmacSigner(KEY), timeout_s=0.5)
+    try:
+        start = time.monotonic()
+        results = exchanger.exchange(targets)
+        took_s = time.monotonic() - start
+    finally:
+        exchanger.close()
+    assert took_s < 2 * 0.5 + 0.5
+    assert all(isinstance(results[n], ExchangeResponse) for n in agents)
+    reasons = {n: r.reason for n, r in results.items() if isinstance(r, NodeFailure)}
+    assert set(reasons) == set(broken)
+    assert "ConnectionRefusedError" in reasons["nobody"]
+    assert "TimeoutError: timed out" in reasons["silent"]
+    assert "BadStatusLine" in reasons["garbage"]
+    assert reasons["refuses"].endswith("HTTP 401: nope")
+    assert f"larger than {MAX_REPLY_BYTES} bytes" in reasons["huge"]
+    assert "bad reply" in reasons["not-json"]
+    assert "not an http(s) URL" in reasons["bad-url"]
+    assert all("\n" not in reason for reason in reasons.values())
+
+
+def test_a_round_larger_than_its_socket_budget_waits_its_turn(agents: dict[str, str]) -> None:
+    exchanger = NodeExchanger(HmacSigner(KEY), timeout_s=2.0, max_in_flight=2)
+    try:
+        results = exchanger.exchange(_targets(agents))
+    finally:
+        exchanger.close()
+    assert all(isinstance(r, ExchangeResponse) for r in results.values())
+
+
+class _ProgramSigner:
+    """A signer that, like ``munge``, takes a while per credential and can fail."""
+
+    scheme = "hmac"
+
+    def __init__(self, fail_for: str) -> None:
+        self._hmac = HmacSigner(KEY)
+        self.fail_for = fail_for
+        self.threads: set[str] = set()
+
+    def sign(self, method: str, path: str, body: bytes) -> str:
+        self.threads.add(threading.current_thread().name)
+        time.sleep(0.05)
+        if f'"node":"{self.fail_for}"'.encode() in body:
+            raise AuthUnavailableError("munge failed: cannot connect to munged")
+        return self._hmac.sign(method, path, body)
+
+
+def test_credentials_that_take_a_program_are_made_on_the_pool_at_once(
+    agents: dict[str, str],
+) -> None:
+    signer = _ProgramSigner(fail_for="n3")
+    exchanger = NodeExchanger(signer, timeout_s=2.0)
+    try:
+        start = time.monotonic()
+        results = exchanger.exchange(_targets(agents))
+        took_s = time.monotonic() - start
+    finally:
+        exchanger.close()
+    assert took_s < 8 * 0.05  # not one after another
+    assert threading.current_thread().name not in signer.threads
+    failure = results.pop("n3")
+    assert isinstance(failure, NodeFailure) and "cannot connect to munged" in failure.reason
+    assert all(isinstance(r, ExchangeResponse) for r in results.values())
+
+
+def test_an_https_node_goes_through_the_pool_beside_the_loop(agents: dict[str, str]) -> None:
+    def plain_http(conn: socket.socket) -> None:
+        with conn:
+            conn.sendall(b"HTTP/1.1 400 Bad Request\r\n\r\n")  # to a TLS client hello
+
+    plain = _listener(plain_http)
+    targets = _targets(agents) | _targets({"tls": plain.replace("http://", "https://")})
+    exchanger = NodeExchanger(HmacSigner(KEY), timeout_s=1.0)
+    try:
+        results = exchanger.exchange(targets)
+    finally:
+        exchanger.close()
+    tls = results.pop("tls")
+    assert isinstance(tls, NodeFailure) and "SSLError" in tls.reason
+    assert all(isinstance(r, ExchangeResponse) for r in results.values())
