@@ -167,7 +167,10 @@ def _reject_constant(name: str) -> object:
 
 
 def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    result: dict[str, Any] = {}
+    result = dict(pairs)
+    if len(result) == len(pairs):  # the common case, without a Python loop over every key
+        return result
+    result = {}
     for key, value in pairs:
         if key in result:
             raise ProtocolError(f"duplicate field {_got(key)[4:]}")
@@ -340,6 +343,12 @@ class LockReport:
 _MAX_POWER_W: Final = 1e7
 _MAX_ENERGY_J: Final = 1e18
 _MAX_READ_S: Final = 1e11
+_FLOAT_FIELDS: Final = (
+    ("power_w", _MAX_POWER_W),
+    ("energy_j", _MAX_ENERGY_J),
+    ("enforced_limit_w", _MAX_POWER_W),
+    ("read_s", _MAX_READ_S),
+)
 
 
 @dataclass(frozen=True)
@@ -381,6 +390,16 @@ class GpuReport:
 
     @classmethod
     def from_dict(cls, value: object, where: str) -> GpuReport:
+        """The report in ``value``, else `ProtocolError` naming the field (``where``: its place).
+
+        The head parses one of these per GPU per interval, a thousand nodes' worth in one
+        round: a well-formed report takes `_gpu_report_fast`; anything that one declines is
+        parsed field by field below, which says exactly what is wrong."""
+        fast = _gpu_report_fast(value)
+        return fast if fast is not None else cls._checked(value, where)
+
+    @classmethod
+    def _checked(cls, value: object, where: str) -> GpuReport:
         keys = (
             "index",
             "uuid",
@@ -418,6 +437,95 @@ class GpuReport:
             error=_opt_text(d["error"], f"{where}.error"),
             read_s=_opt_float(d["read_s"], f"{where}.read_s", 0.0, _MAX_READ_S),
         )
+
+
+_GPU_REPORT_KEYS: Final = frozenset(
+    (
+        "index",
+        "uuid",
+        "name",
+        "power_w",
+        "energy_j",
+        "sm_clock_mhz",
+        "memory_clock_mhz",
+        "enforced_limit_w",
+        "throttle",
+        "locked",
+        "job_id",
+        "error",
+        "read_s",
+    )
+)
+_LOCK_REPORT_KEYS: Final = frozenset(("graphics_min_mhz", "graphics_max_mhz", "memory_mhz"))
+
+
+def _gpu_report_fast(value: object) -> GpuReport | None:
+    """`GpuReport.from_dict` for a report every field of which is plainly valid (floats as
+    floats, integers as integers, in range); None for anything else, which the checked path
+    then refuses or accepts with its exact rules. Accepts nothing the checked path refuses
+    (tests/unit/test_agent_protocol.py compares the two on every kind of wrong value)."""
+    if type(value) is not dict or value.keys() != _GPU_REPORT_KEYS:
+        return None
+    v = value
+    index, throttle = v["index"], v["throttle"]
+    if not (type(index) is int and 0 <= index <= MAX_GPU_INDEX):
+        return None
+    if throttle is not None and not (type(throttle) is int and 0 <= throttle <= MAX_THROTTLE):
+        return None
+    for name in ("sm_clock_mhz", "memory_clock_mhz"):
+        clock = v[name]
+        if clock is not None and not (type(clock) is int and 0 <= clock <= MAX_CLOCK_MHZ):
+            return None
+    for name, hi in _FLOAT_FIELDS:
+        number = v[name]
+        if number is not None and not (type(number) is float and 0.0 <= number <= hi):
+            return None
+    for name in ("uuid", "name", "error"):
+        text = v[name]
+        if text is None and name == "error":
+            continue
+        if not (
+            type(text) is str
+            and 0 < len(text) <= MAX_TEXT_CHARS
+            and text.isprintable()
+            and text.isascii()
+        ):
+            return None
+    job = v["job_id"]
+    if job is not None and not (type(job) is str and JOB_ID_RE.fullmatch(job)):
+        return None
+    locked = v["locked"]
+    lock = None
+    if locked is not None:
+        if type(locked) is not dict or locked.keys() != _LOCK_REPORT_KEYS:
+            return None
+        low, high, memory = (
+            locked[k] for k in ("graphics_min_mhz", "graphics_max_mhz", "memory_mhz")
+        )
+        if not (
+            type(low) is int
+            and 0 <= low <= MAX_CLOCK_MHZ
+            and type(high) is int
+            and 0 <= high <= MAX_CLOCK_MHZ
+            and (memory is None or (type(memory) is int and 0 <= memory <= MAX_CLOCK_MHZ))
+        ):
+            return None
+        lock = LockReport(low, high, memory)
+    return GpuReport(
+        index=index,
+        uuid=v["uuid"],
+        name=v["name"],
+        power_w=v["power_w"],
+        energy_j=v["energy_j"],
+        sm_clock_mhz=v["sm_clock_mhz"],
+        memory_clock_mhz=v["memory_clock_mhz"],
+        enforced_limit_w=v["enforced_limit_w"],
+        throttle=throttle,
+        locked=lock,
+        job_id=job,
+        error=v["error"],
+        read_s=v["read_s"],
+    )
 
 
 @dataclass(frozen=True)

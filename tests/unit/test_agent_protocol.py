@@ -22,6 +22,7 @@ from slurm_cdgpc.agent.protocol import (
     ProtocolError,
     Refusal,
     Setpoint,
+    _gpu_report_fast,
 )
 from slurm_cdgpc.errors import InputError
 
@@ -290,3 +291,62 @@ def test_valid_requests_round_trip(setpoints: list[Setpoint], lease_s: float) ->
         interval=3, lease_expires_s=lease_s, setpoints=tuple(setpoints), node="gpu01"
     )
     assert ExchangeRequest.from_json(req.to_json()) == req
+
+
+# -- the head's fast path for well-formed GPU reports ------------------------------------------
+
+_ODD_VALUES: tuple[object, ...] = (
+    None,
+    True,
+    False,
+    0,
+    -1,
+    1,
+    7,
+    2**64,
+    0.0,
+    -0.5,
+    312.5,
+    1e30,
+    float("nan"),
+    float("inf"),
+    "",
+    "x",
+    "123",
+    "two\nlines",
+    "é",
+    "A" * 513,
+    [],
+    {},
+    {"graphics_min_mhz": 210, "graphics_max_mhz": 1200, "memory_mhz": None},
+    {"graphics_min_mhz": 210, "graphics_max_mhz": 1200, "memory_mhz": True},
+    {"graphics_min_mhz": 210.0, "graphics_max_mhz": 1200, "memory_mhz": None},
+    {"graphics_min_mhz": 210, "graphics_max_mhz": 1200},
+    {"graphics_min_mhz": 210, "graphics_max_mhz": 1200, "memory_mhz": None, "x": 1},
+)
+
+
+def _checked_or_none(value: object) -> GpuReport | None:
+    try:
+        return GpuReport._checked(value, "gpus[0]")
+    except ProtocolError:
+        return None
+
+
+@pytest.mark.parametrize("report", [g.to_dict() for g in RESPONSE.gpus])
+def test_the_fast_path_accepts_nothing_the_checked_path_refuses(report: dict[str, Any]) -> None:
+    """Every field of a valid report, in turn, set to every kind of odd value (and removed, and
+    joined by an unknown one): the fast path either declines or gives what the checked path
+    gives, and it takes the valid reports themselves."""
+    assert _gpu_report_fast(report) == _checked_or_none(report) is not None
+    cases: list[dict[str, Any]] = [{**report, "unknown": 1}]
+    for field in report:
+        cases.append({k: v for k, v in report.items() if k != field})
+        cases += [{**report, field: value} for value in _ODD_VALUES]
+    taken = 0
+    for case in cases:
+        fast = _gpu_report_fast(case)
+        if fast is not None:
+            taken += 1
+            assert fast == _checked_or_none(case), case
+    assert taken > len(report)  # it does take valid variants, not only the one report
