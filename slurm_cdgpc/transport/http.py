@@ -33,9 +33,9 @@ import ssl
 import threading
 import time
 from collections.abc import Iterable, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, BinaryIO, Final, NamedTuple
+from typing import Any, BinaryIO, Final, NamedTuple, TypeVar
 from urllib.parse import urlencode, urlsplit
 
 from slurm_cdgpc.agent.protocol import (
@@ -49,6 +49,8 @@ from slurm_cdgpc.errors import CdgpcError, InputError, SoftError
 from slurm_cdgpc.transport.auth import Signer
 
 logger = logging.getLogger(__name__)
+_R = TypeVar("_R")
+_L = TypeVar("_L")
 
 EXCHANGE_PATH: Final = "/v1/exchange"
 #: cap on a reply body read from an agent or the head (an agent's reply is ≤ 1 MiB)
@@ -312,11 +314,13 @@ class NodeExchanger:
         self, targets: Mapping[str, NodeTarget], started: float, deadline: float
     ) -> dict[str, ExchangeResponse | NodeFailure]:
         results: dict[str, ExchangeResponse | NodeFailure] = {}
-        messages = self._messages(targets, results)
-        endpoints = {node: _parse_endpoint(targets[node].url) for node in messages}
-        addresses = self._addresses.resolve(
-            {(e.host, e.port) for e in endpoints.values()}, self._pool
-        )
+        # credentials and addresses that take a program or a resolver get one timeout in all,
+        # so that a hung munged or DNS server leaves the nodes it did not hold up their turn
+        ready_by = started + self.timeout_s
+        endpoints = {node: _parse_endpoint(t.url) for node, t in targets.items()}
+        lookups = self._addresses.start({(e.host, e.port) for e in endpoints.values()}, self._pool)
+        messages = self._messages(targets, results, ready_by)
+        addresses = self._addresses.finish(lookups, ready_by)
         calls: list[_Call] = []
         for node, message in messages.items():
             endpoint = endpoints[node]
@@ -336,9 +340,13 @@ class NodeExchanger:
         return results
 
     def _messages(
-        self, targets: Mapping[str, NodeTarget], failures: dict[str, ExchangeResponse | NodeFailure]
+        self,
+        targets: Mapping[str, NodeTarget],
+        failures: dict[str, ExchangeResponse | NodeFailure],
+        deadline: float,
     ) -> dict[str, bytes]:
-        """Each node's whole signed request; a node whose credential cannot be made fails."""
+        """Each node's whole signed request; a node whose credential cannot be made (by
+        ``deadline``, for a signer that runs a program) fails."""
         bodies = {node: t.request.to_json() for node, t in targets.items()}
         paths = {node: _parse_endpoint(t.url).prefix + EXCHANGE_PATH for node, t in targets.items()}
 
@@ -351,7 +359,16 @@ class NodeExchanger:
         if self._sign_inline:
             credentials = {node: sign(node) for node in targets}
         else:
-            credentials = dict(zip(targets, self._pool.map(sign, targets), strict=True))
+            futures = [self._pool.submit(sign, node) for node in targets]
+            made = _collect(futures, deadline, None)
+            credentials = {
+                node: NodeFailure(
+                    f"{targets[node].url}: {self.timeout_s:g} s passed before a credential was made"
+                )
+                if credential is None
+                else credential
+                for node, credential in zip(targets, made, strict=True)
+            }
         messages: dict[str, bytes] = {}
         for node, credential in credentials.items():
             if isinstance(credential, NodeFailure):
@@ -407,29 +424,51 @@ class _AddressCache:
         self._lock = threading.Lock()
         self._cache: dict[tuple[str, int], tuple[float, tuple[_Address, ...]]] = {}
 
-    def resolve(
-        self, wanted: Iterable[tuple[str, int]], pool: ThreadPoolExecutor
-    ) -> dict[tuple[str, int], tuple[_Address, ...] | str]:
-        """Each (host, port): its addresses, or a one-line reason it has none."""
+    def start(self, wanted: Iterable[tuple[str, int]], pool: ThreadPoolExecutor) -> _Lookups:
+        """Begin resolving each (host, port): from the cache, else on ``pool``."""
         now = time.monotonic()
-        found: dict[tuple[str, int], tuple[_Address, ...] | str] = {}
-        missing: list[tuple[str, int]] = []
+        lookups = _Lookups(now, {}, {})
         with self._lock:
             for key in wanted:
                 cached = self._cache.get(key)
                 if cached is not None and cached[0] > now:
-                    found[key] = cached[1]
+                    lookups.found[key] = cached[1]
                 else:
-                    missing.append(key)
-        if not missing:
-            return found
-        looked_up = list(pool.map(_lookup, missing)) if len(missing) > 1 else [_lookup(missing[0])]
+                    lookups.pending[key] = pool.submit(_lookup, key)
+        return lookups
+
+    def finish(
+        self, lookups: _Lookups, deadline: float
+    ) -> dict[tuple[str, int], tuple[_Address, ...] | str]:
+        """Each (host, port): its addresses, or a one-line reason it has none (a lookup still
+        going at ``deadline`` is one: a slow resolver must not hold up the round)."""
+        looked_up = _collect(lookups.pending.values(), deadline, "the address lookup took too long")
         with self._lock:
-            for key, result in zip(missing, looked_up, strict=True):
-                found[key] = result
+            for key, result in zip(lookups.pending, looked_up, strict=True):
+                lookups.found[key] = result
                 if not isinstance(result, str):  # a failed lookup is retried next round
-                    self._cache[key] = (now + self.ttl_s, result)
-        return found
+                    self._cache[key] = (lookups.started + self.ttl_s, result)
+        return lookups.found
+
+
+@dataclass
+class _Lookups:
+    started: float
+    found: dict[tuple[str, int], tuple[_Address, ...] | str]
+    pending: dict[tuple[str, int], Future[tuple[_Address, ...] | str]]
+
+
+def _collect(futures: Iterable[Future[_R]], deadline: float, late: _L) -> list[_R | _L]:
+    """Each future's result; ``late`` for those not done by ``deadline`` (on the
+    `time.monotonic` clock), which are abandoned."""
+    results: list[_R | _L] = []
+    for future in futures:
+        try:
+            results.append(future.result(timeout=max(deadline - time.monotonic(), 0.0)))
+        except TimeoutError:
+            future.cancel()
+            results.append(late)
+    return results
 
 
 def _lookup(key: tuple[str, int]) -> tuple[_Address, ...] | str:

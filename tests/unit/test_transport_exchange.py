@@ -183,13 +183,14 @@ def test_a_round_larger_than_its_socket_budget_waits_its_turn(agents: dict[str, 
 
 
 class _ProgramSigner:
-    """A signer that, like ``munge``, takes a while per credential and can fail."""
+    """A signer that, like ``munge``, takes a while per credential, can fail, or can hang."""
 
     scheme = "hmac"
 
-    def __init__(self, fail_for: str) -> None:
+    def __init__(self, fail_for: str = "", hang_for: str = "") -> None:
         self._hmac = HmacSigner(KEY)
         self.fail_for = fail_for
+        self.hang_for = hang_for
         self.threads: set[str] = set()
 
     def sign(self, method: str, path: str, body: bytes) -> str:
@@ -197,6 +198,8 @@ class _ProgramSigner:
         time.sleep(0.05)
         if f'"node":"{self.fail_for}"'.encode() in body:
             raise AuthUnavailableError("munge failed: cannot connect to munged")
+        if f'"node":"{self.hang_for}"'.encode() in body:
+            time.sleep(3.0)
         return self._hmac.sign(method, path, body)
 
 
@@ -233,3 +236,32 @@ def test_an_https_node_goes_through_the_pool_beside_the_loop(agents: dict[str, s
     tls = results.pop("tls")
     assert isinstance(tls, NodeFailure) and "SSLError" in tls.reason
     assert all(isinstance(r, ExchangeResponse) for r in results.values())
+
+
+def test_a_credential_that_never_comes_costs_its_node_not_the_round(
+    agents: dict[str, str],
+) -> None:
+    exchanger = NodeExchanger(_ProgramSigner(hang_for="n5"), timeout_s=0.5)
+    try:
+        start = time.monotonic()
+        results = exchanger.exchange(_targets(agents))
+        took_s = time.monotonic() - start
+    finally:
+        exchanger.close()
+    assert took_s < 2 * 0.5 + 0.5
+    late = results.pop("n5")
+    assert isinstance(late, NodeFailure) and "before a credential was made" in late.reason
+    assert all(isinstance(r, ExchangeResponse) for r in results.values()), results
+
+
+def test_host_names_are_resolved_and_each_address_tried(agents: dict[str, str]) -> None:
+    """``localhost`` may resolve to ::1 first, where no agent listens: the next address is
+    tried, as `socket.create_connection` would."""
+    by_name = {node: url.replace("127.0.0.1", "localhost") for node, url in agents.items()}
+    exchanger = NodeExchanger(HmacSigner(KEY), timeout_s=2.0)
+    try:
+        for _ in range(2):  # the second round takes the addresses from the cache
+            results = exchanger.exchange(_targets(by_name))
+            assert all(isinstance(r, ExchangeResponse) for r in results.values()), results
+    finally:
+        exchanger.close()
