@@ -2,7 +2,8 @@
 
 A few worker processes each host N/processes real `AgentHttpServer`s, one loopback port per
 node, each over a real `NodeAgent` with simulated GPUs and its own HMAC verifier (as every
-``cdgpc-noded`` has). The head side is the real `NodeExchanger` with real signing. Every interval
+``cdgpc-noded`` has); a process's agents share one event-loop thread, as each ``cdgpc-noded``
+has one of its own. The head side is the real `NodeExchanger` with real signing. Every interval
 sends every node a setpoint for each of its GPUs (alternating between two supported clocks, so
 every interval really changes the locks and rewrites each agent's state file) and a lease.
 Measured: the wall time of `NodeExchanger.exchange` per interval, the nodes that came back
@@ -47,14 +48,14 @@ from slurm_cdgpc.errors import FatalError, InputError
 from slurm_cdgpc.gpu.simulated import simulated_gpus
 from slurm_cdgpc.transport.auth import AccessPolicy, HmacKey, HmacSigner, HmacVerifier
 from slurm_cdgpc.transport.evented import EventLoop
-from slurm_cdgpc.transport.http import NodeExchanger, NodeFailure, NodeTarget
+from slurm_cdgpc.transport.http import MAX_IN_FLIGHT, NodeExchanger, NodeFailure, NodeTarget
 
 logger = logging.getLogger(__name__)
 
 #: how long worker processes may take to import, build their servers and say they are ready
 READY_TIMEOUT_S: Final = 120.0
 #: the production default of `NodeExchanger` (cdgpcd does not change it)
-DEFAULT_MAX_WORKERS: Final = 64
+DEFAULT_MAX_IN_FLIGHT: Final = MAX_IN_FLIGHT
 LEASE_S: Final = 90.0
 TMPFS: Final = Path("/dev/shm")
 _MAX_REASONS: Final = 3
@@ -275,13 +276,13 @@ def bench_exchange(
     intervals: int = 20,
     warmup: int = 1,
     timeout_s: float = 2.0,
-    max_workers: int = DEFAULT_MAX_WORKERS,
+    max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
     gpu_type: str = "A100",
 ) -> dict[str, Any]:
     if nodes < 1 or processes < 1 or intervals < 1 or gpus_per_node < 1 or warmup < 0:
         raise InputError("nodes, processes, intervals and GPUs per node must be at least 1")
-    if max_workers < 1:
-        raise InputError(f"max_workers must be at least 1, got {max_workers}")
+    if max_in_flight < 1:
+        raise InputError(f"max_in_flight must be at least 1, got {max_in_flight}")
     processes = min(processes, nodes)
     load_1m = round(os.getloadavg()[0], 2)  # other work on this machine skews every number
     clocks_mhz = _setpoint_clocks_mhz(gpu_type)
@@ -313,8 +314,9 @@ def bench_exchange(
             logger.info("%d agents ready in %.1f s", len(ports), startup_s)
             urls = {node: f"http://127.0.0.1:{ports[node]}" for node in names}
             exchanger = NodeExchanger(
-                HmacSigner(load_key(key_file)), timeout_s=timeout_s, max_workers=max_workers
+                HmacSigner(load_key(key_file)), timeout_s=timeout_s, max_in_flight=max_in_flight
             )
+            exchanger_max_in_flight = exchanger.max_in_flight  # after the open-files bound
             pids = [w.process.pid for w in workers if w.process.pid is not None]
             try:
                 measured = _run_intervals(
@@ -332,7 +334,7 @@ def bench_exchange(
         "intervals": intervals,
         "warmup_intervals": warmup,
         "exchange_timeout_s": timeout_s,
-        "exchanger_max_workers": max_workers,
+        "exchanger_max_in_flight": exchanger_max_in_flight,
         **measured,
         "agents_startup_s": round(startup_s, 2),
         "state_on_tmpfs": state_on_tmpfs,

@@ -30,11 +30,12 @@ from slurm_cdgpc.cli.output import echo_json
     help="The exchanger's per-node timeout (the round is bounded by twice this).",
 )
 @click.option(
-    "--max-workers",
+    "--max-in-flight",
     type=click.IntRange(min=1),
-    default=64,
+    default=1024,
     show_default=True,
-    help="The exchanger's thread pool (64 is what cdgpcd uses).",
+    help="Sockets the exchange holds open at once (cdgpcd's default; also at most half the "
+    "open-files limit).",
 )
 @click.option("--json", "as_json", is_flag=True, help="Accepted for symmetry: output is JSON.")
 def exchange_cmd(
@@ -43,7 +44,7 @@ def exchange_cmd(
     processes: int,
     intervals: int,
     timeout_s: float,
-    max_workers: int,
+    max_in_flight: int,
     as_json: bool,
 ) -> None:
     """Time the head's concurrent exchange with N live agents (HMAC, simulated GPUs).
@@ -60,7 +61,7 @@ def exchange_cmd(
             processes=processes,
             intervals=intervals,
             timeout_s=timeout_s,
-            max_workers=max_workers,
+            max_in_flight=max_in_flight,
         )
     )
 

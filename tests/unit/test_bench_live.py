@@ -28,7 +28,7 @@ def test_exchange_reaches_every_live_agent_and_reports_the_promised_keys() -> No
     )  # fmt: skip
     for key in (
         "nodes", "gpus", "processes", "intervals", "interval_ms_p50", "interval_ms_p99",
-        "failures", "exchange_timeout_s", "exchanger_max_workers", "refused_setpoints",
+        "failures", "exchange_timeout_s", "exchanger_max_in_flight", "refused_setpoints",
         "head_cpu_ms_per_interval", "agents_cpu_ms_per_interval",
     ):  # fmt: skip
         assert key in report, key
