@@ -43,7 +43,7 @@ from slurm_cdgpc.agent.server import AgentHttpServer
 from slurm_cdgpc.config import Config, load_config
 from slurm_cdgpc.errors import CdgpcError, FatalError, InputError
 from slurm_cdgpc.gpu.device import GpuSet
-from slurm_cdgpc.service import serve
+from slurm_cdgpc.service import serve, settle_heap
 from slurm_cdgpc.slurm.spool import DEFAULT_SPOOL_DIR, forward_spool
 from slurm_cdgpc.transport.auth import (
     AccessPolicy,
@@ -170,6 +170,7 @@ def _serve(config: Config, agent: NodeAgent, stop: threading.Event) -> bool:
             raise FatalError(
                 f"cannot listen on {address[0]}:{address[1]}: {e.strerror or e}"
             ) from e
+        settle_heap()  # start-up's objects out of the collector's full passes
         thread = threading.Thread(target=server.serve_forever, name="http", daemon=True)
         thread.start()
         threading.Thread(

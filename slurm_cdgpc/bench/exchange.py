@@ -46,6 +46,7 @@ from slurm_cdgpc.agent.server import AgentHttpServer
 from slurm_cdgpc.config import SafeCap
 from slurm_cdgpc.errors import FatalError, InputError
 from slurm_cdgpc.gpu.simulated import simulated_gpus
+from slurm_cdgpc.service import settle_heap
 from slurm_cdgpc.transport.auth import AccessPolicy, HmacKey, HmacSigner, HmacVerifier
 from slurm_cdgpc.transport.evented import EventLoop
 from slurm_cdgpc.transport.http import MAX_IN_FLIGHT, NodeExchanger, NodeFailure, NodeTarget
@@ -233,6 +234,7 @@ def serve_agents(shard: Shard, conn: Connection, stop: Event, parent_pid: int) -
             servers.append(
                 AgentHttpServer(("127.0.0.1", 0), agent, HmacVerifier(key), policy, loop=loop)
             )
+        settle_heap()  # as cdgpc-noded does before it serves
         thread.start()
         conn.send(("ready", {s.agent.node_name: s.port for s in servers}))
     except Exception as e:  # reported to the parent, which fails with it
@@ -318,6 +320,7 @@ def bench_exchange(
             )
             exchanger_max_in_flight = exchanger.max_in_flight  # after the open-files bound
             pids = [w.process.pid for w in workers if w.process.pid is not None]
+            settle_heap()  # as cdgpcd does before its control loop starts
             try:
                 measured = _run_intervals(
                     exchanger, urls, gpus_per_node, clocks_mhz, warmup, intervals, pids
