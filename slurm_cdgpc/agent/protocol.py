@@ -207,6 +207,8 @@ def dump_json(data: object) -> bytes:
 
 # -- the exchange request ----------------------------------------------------------------------
 
+_SETPOINT_KEYS: Final = frozenset(("gpu", "job_id", "graphics_mhz", "memory_mhz"))
+
 
 @dataclass(frozen=True)
 class Setpoint:
@@ -227,6 +229,26 @@ class Setpoint:
 
     @classmethod
     def from_dict(cls, value: object, where: str) -> Setpoint:
+        """The setpoint in ``value``, else `ProtocolError` naming the field. A plainly valid
+        one (every agent parses one per GPU per interval) takes a single pass; anything else
+        the field-by-field path, which says exactly what is wrong."""
+        if type(value) is dict and value.keys() <= _SETPOINT_KEYS:
+            gpu, job, graphics = value.get("gpu"), value.get("job_id"), value.get("graphics_mhz")
+            memory = value.get("memory_mhz")
+            if (
+                type(gpu) is int
+                and 0 <= gpu <= MAX_GPU_INDEX
+                and type(graphics) is int
+                and 1 <= graphics <= MAX_CLOCK_MHZ
+                and (memory is None or (type(memory) is int and 1 <= memory <= MAX_CLOCK_MHZ))
+                and type(job) is str
+                and JOB_ID_RE.fullmatch(job)
+            ):
+                return cls(gpu, job, graphics, memory)
+        return cls._checked(value, where)
+
+    @classmethod
+    def _checked(cls, value: object, where: str) -> Setpoint:
         d = _fields(value, where, ("gpu", "job_id", "graphics_mhz"), ("memory_mhz",))
         return cls(
             gpu=_int(d["gpu"], f"{where}.gpu", 0, MAX_GPU_INDEX),

@@ -350,3 +350,27 @@ def test_the_fast_path_accepts_nothing_the_checked_path_refuses(report: dict[str
             taken += 1
             assert fast == _checked_or_none(case), case
     assert taken > len(report)  # it does take valid variants, not only the one report
+
+
+def test_a_setpoint_is_parsed_the_same_by_either_path() -> None:
+    """`Setpoint.from_dict` takes plainly valid setpoints in one pass: for every field set to
+    every kind of odd value (or removed, or joined by an unknown one) it gives what the
+    field-by-field path gives, the same value or the same one-line refusal."""
+    valid = {"gpu": 3, "job_id": "124_7", "graphics_mhz": 900, "memory_mhz": 7251}
+    cases: list[object] = [valid, {**valid, "unknown": 1}, [], "x", None]
+    for field in valid:
+        cases.append({k: v for k, v in valid.items() if k != field})
+        cases += [{**valid, field: value} for value in _ODD_VALUES]
+
+    def outcome(parse: Any, value: object) -> object:
+        try:
+            return parse(value, "setpoints[0]")
+        except ProtocolError as e:
+            return str(e)
+
+    taken = 0
+    for case in cases:
+        expected = outcome(Setpoint._checked, case)
+        assert outcome(Setpoint.from_dict, case) == expected, case
+        taken += isinstance(expected, Setpoint)
+    assert taken > len(valid)
