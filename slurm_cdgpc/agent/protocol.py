@@ -422,22 +422,7 @@ class GpuReport:
 
     @classmethod
     def _checked(cls, value: object, where: str) -> GpuReport:
-        keys = (
-            "index",
-            "uuid",
-            "name",
-            "power_w",
-            "energy_j",
-            "sm_clock_mhz",
-            "memory_clock_mhz",
-            "enforced_limit_w",
-            "throttle",
-            "locked",
-            "job_id",
-            "error",
-            "read_s",
-        )
-        d = _fields(value, where, keys)
+        d = _fields(value, where, _GPU_REPORT_FIELDS)
         return cls(
             index=_int(d["index"], f"{where}.index", 0, MAX_GPU_INDEX),
             uuid=_text(d["uuid"], f"{where}.uuid"),
@@ -461,23 +446,22 @@ class GpuReport:
         )
 
 
-_GPU_REPORT_KEYS: Final = frozenset(
-    (
-        "index",
-        "uuid",
-        "name",
-        "power_w",
-        "energy_j",
-        "sm_clock_mhz",
-        "memory_clock_mhz",
-        "enforced_limit_w",
-        "throttle",
-        "locked",
-        "job_id",
-        "error",
-        "read_s",
-    )
+_GPU_REPORT_FIELDS: Final = (
+    "index",
+    "uuid",
+    "name",
+    "power_w",
+    "energy_j",
+    "sm_clock_mhz",
+    "memory_clock_mhz",
+    "enforced_limit_w",
+    "throttle",
+    "locked",
+    "job_id",
+    "error",
+    "read_s",
 )
+_GPU_REPORT_KEYS: Final = frozenset(_GPU_REPORT_FIELDS)
 _LOCK_REPORT_KEYS: Final = frozenset(("graphics_min_mhz", "graphics_max_mhz", "memory_mhz"))
 
 

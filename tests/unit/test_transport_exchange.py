@@ -33,6 +33,7 @@ from slurm_cdgpc.transport.http import MAX_REPLY_BYTES, NodeExchanger, NodeFailu
 
 KEY = HmacKey(b"k" * 32)
 CLOCK_MHZ = 1005  # an A100 graphics clock
+SIGN_S = 0.2  # what a credential takes from a signer that runs a program
 
 
 @pytest.fixture
@@ -126,6 +127,18 @@ def _closed_port() -> str:
     return f"http://127.0.0.1:{port}"
 
 
+def _round(
+    exchanger: NodeExchanger, targets: dict[str, NodeTarget]
+) -> tuple[dict[str, ExchangeResponse | NodeFailure], float]:
+    """One exchange round and its wall time in seconds; the exchanger is closed after it."""
+    try:
+        start = time.monotonic()
+        results = exchanger.exchange(targets)
+        return results, time.monotonic() - start
+    finally:
+        exchanger.close()
+
+
 def test_every_agent_answers_and_applies_its_setpoint(agents: dict[str, str]) -> None:
     exchanger = NodeExchanger(HmacSigner(KEY), timeout_s=2.0)
     try:
@@ -152,13 +165,7 @@ def test_each_broken_node_fails_alone_and_the_round_ends_in_time(agents: dict[st
         "bad-url": "ftp://example",
     }
     targets = _targets(agents) | _targets(broken)
-    exchanger = NodeExchanger(HmacSigner(KEY), timeout_s=0.5)
-    try:
-        start = time.monotonic()
-        results = exchanger.exchange(targets)
-        took_s = time.monotonic() - start
-    finally:
-        exchanger.close()
+    results, took_s = _round(NodeExchanger(HmacSigner(KEY), timeout_s=0.5), targets)
     assert took_s < 2 * 0.5 + 0.5
     assert all(isinstance(results[n], ExchangeResponse) for n in agents)
     reasons = {n: r.reason for n, r in results.items() if isinstance(r, NodeFailure)}
@@ -195,7 +202,7 @@ class _ProgramSigner:
 
     def sign(self, method: str, path: str, body: bytes) -> str:
         self.threads.add(threading.current_thread().name)
-        time.sleep(0.05)
+        time.sleep(SIGN_S)
         if f'"node":"{self.fail_for}"'.encode() in body:
             raise AuthUnavailableError("munge failed: cannot connect to munged")
         if f'"node":"{self.hang_for}"'.encode() in body:
@@ -207,14 +214,8 @@ def test_credentials_that_take_a_program_are_made_on_the_pool_at_once(
     agents: dict[str, str],
 ) -> None:
     signer = _ProgramSigner(fail_for="n3")
-    exchanger = NodeExchanger(signer, timeout_s=2.0)
-    try:
-        start = time.monotonic()
-        results = exchanger.exchange(_targets(agents))
-        took_s = time.monotonic() - start
-    finally:
-        exchanger.close()
-    assert took_s < 8 * 0.05  # not one after another
+    results, took_s = _round(NodeExchanger(signer, timeout_s=2.0), _targets(agents))
+    assert took_s < 4 * SIGN_S  # not one after another (that takes 8 × SIGN_S)
     assert threading.current_thread().name not in signer.threads
     failure = results.pop("n3")
     assert isinstance(failure, NodeFailure) and "cannot connect to munged" in failure.reason
@@ -242,12 +243,7 @@ def test_a_credential_that_never_comes_costs_its_node_not_the_round(
     agents: dict[str, str],
 ) -> None:
     exchanger = NodeExchanger(_ProgramSigner(hang_for="n5"), timeout_s=0.5)
-    try:
-        start = time.monotonic()
-        results = exchanger.exchange(_targets(agents))
-        took_s = time.monotonic() - start
-    finally:
-        exchanger.close()
+    results, took_s = _round(exchanger, _targets(agents))
     assert took_s < 2 * 0.5 + 0.5
     late = results.pop("n5")
     assert isinstance(late, NodeFailure) and "before a credential was made" in late.reason
