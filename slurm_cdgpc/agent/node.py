@@ -552,6 +552,54 @@ class NodeAgent:
 
     # -- shutdown -------------------------------------------------------------------------------
 
+    def hold_job(self, job_id: str, gpus: Sequence[int]) -> tuple[list[int], list[Refusal]]:
+        """The job is about to start on ``gpus`` (its Prolog says so): hold them at the safe cap,
+        as the job's, until the head's first setpoint for the job takes over.
+
+        Between two intervals the head has not planned the job, and a GPU left at default
+        clocks would draw its full power against a budget that did not count it, for up to an
+        interval. The safe cap is where a lapsed lease puts a GPU anyway, so a job whose head
+        is away runs as every other job does then. A GPU already at or below the safe cap keeps
+        its clock (never raised); one the head gave another job is refused and left alone."""
+        with self._lock:
+            held: list[int] = []
+            refused: list[Refusal] = []
+            wanted: dict[int, LockedClocks] = {}
+            devices: dict[int, GpuDevice] = {}
+            for gpu in dict.fromkeys(gpus):
+                device = self._device(gpu)
+                owner = self._jobs.get(gpu)
+                if device is None:
+                    refused.append(Refusal(gpu, f"no GPU with index {gpu} on this node"))
+                    continue
+                if owner is not None and owner != job_id:
+                    refused.append(Refusal(gpu, f"the head gave it to job {owner}"))
+                    continue
+                try:
+                    safe_mhz = safe_clock_mhz(device, self.safe_cap)
+                    lowest = device.supported_clocks().graphics_for(None)[-1]
+                except CdgpcError as e:
+                    refused.append(Refusal(gpu, _one_line(e)))
+                    continue
+                current = device.locked
+                if current is not None and current.graphics_max_mhz <= safe_mhz:
+                    self._jobs[gpu] = job_id  # already at or below the safe cap: kept
+                    held.append(gpu)
+                    continue
+                devices[gpu] = device
+                wanted[gpu] = LockedClocks(lowest, safe_mhz, None)
+            if wanted.keys() - self._recorded and not self._write_state(intended=wanted):
+                for gpu in wanted:
+                    refused.append(Refusal(gpu, "cannot record the lock in the state file"))
+                wanted = {}
+            for gpu, lock in wanted.items():
+                if self._apply(devices[gpu], lock.graphics_max_mhz, None, refused):
+                    self._jobs[gpu] = job_id
+                    self._lapse_capped.discard(gpu)
+                    held.append(gpu)
+            self._sync_state()
+            return sorted(held), refused
+
     def release_job(self, job_id: str) -> tuple[list[int], list[Refusal]]:
         """The job ended (its Epilog says so): reset the GPUs the head gave it, now, without
         waiting for the head. Only GPUs this agent knows to be the job's are touched."""

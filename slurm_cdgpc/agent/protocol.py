@@ -49,6 +49,8 @@ VERSION: Final = 1
 MAX_MESSAGE_BYTES: Final = 1024 * 1024
 #: the Epilog asks its node's agent to reset a finished job's GPUs here (loopback only)
 RELEASE_PATH: Final = "/v1/release"
+#: the Prolog asks its node's agent to hold a starting job's GPUs at the safe cap (loopback only)
+HOLD_PATH: Final = "/v1/hold"
 MAX_PROGRESS_LINE_BYTES: Final = 1024
 MAX_GPUS: Final = 1024  # entries in setpoints/release/gpus/refused
 MAX_PROGRESS_ENTRIES: Final = 4096

@@ -6,6 +6,10 @@ Routes:
   the method, the path and the body (`slurm_cdgpc.transport.auth`). Only principals allowed
   `Operation.NODE` (root, the Slurm user; any HMAC key holder) may exchange. Answers the
   `ExchangeResponse` JSON.
+- ``POST /v1/release`` (the Epilog) and ``POST /v1/hold`` (the Prolog): from this node only
+  (loopback), authenticated like an exchange. ``{"job_id": "..."}`` resets the GPUs the job
+  held; ``{"job_id": "...", "gpus": [0, 1]}`` holds a starting job's GPUs at the safe cap until
+  the head's first setpoint for it (`NodeAgent.hold_job`).
 - ``GET /v1/health``: unauthenticated, answers ``{"ok": true}`` and nothing else.
 
 Every refusal is a one-line JSON error ``{"error": "..."}`` and changes nothing: 400 bad JSON or
@@ -14,18 +18,21 @@ captured on its way there: the credential binds the body, and so the node), 403 
 404 unknown path, 405 wrong method, 409 an exchange from a head whose leader epoch is older than
 one already seen (it lost the leader lock), 411 no Content-Length, 413 body over the cap, 503
 authentication backend down, 500 a bug (logged with its traceback). The body is authenticated
-before it is parsed. Each connection has a socket timeout, and at most `max_connections` are
-served at once (more are closed at once).
+before it is parsed. Each connection has a deadline, and at most `max_connections` are served
+at once (more are closed at once).
 """
 
 from __future__ import annotations
 
 import logging
 from http import HTTPStatus
-from typing import Final
+from typing import Any, Final
 
 from slurm_cdgpc.agent.node import NodeAgent, StaleEpochError, WrongNodeError
 from slurm_cdgpc.agent.protocol import (
+    HOLD_PATH,
+    MAX_GPU_INDEX,
+    MAX_GPUS,
     MAX_MESSAGE_BYTES,
     RELEASE_PATH,
     ExchangeRequest,
@@ -51,7 +58,12 @@ logger = logging.getLogger(__name__)
 
 EXCHANGE_PATH: Final = "/v1/exchange"
 HEALTH_PATH: Final = "/v1/health"
-_ROUTES: Final = {EXCHANGE_PATH: "POST", RELEASE_PATH: "POST", HEALTH_PATH: "GET"}
+_ROUTES: Final = {
+    EXCHANGE_PATH: "POST",
+    RELEASE_PATH: "POST",
+    HOLD_PATH: "POST",
+    HEALTH_PATH: "GET",
+}
 _LOOPBACK: Final = frozenset({"127.0.0.1", "::1", "::ffff:127.0.0.1"})
 
 
@@ -108,6 +120,8 @@ class _Handler(JsonHandler):
                 self._send(HTTPStatus.OK, {"ok": True})
             elif self.path == RELEASE_PATH:
                 self._release_job()
+            elif self.path == HOLD_PATH:
+                self._hold_job()
             else:
                 self._exchange()
         except (TimeoutError, ConnectionError) as e:
@@ -144,30 +158,69 @@ class _Handler(JsonHandler):
             return None
         return principal
 
-    def _release_job(self) -> None:
-        peer = self.client_address[0]
-        if peer not in _LOOPBACK:
-            self._error(HTTPStatus.FORBIDDEN, "release is only for this node's own Epilog")
-            return
+    def _local_request(self, what: str, fields: frozenset[str]) -> dict[str, Any] | None:
+        """The body of a request this node's own Prolog or Epilog makes (loopback only,
+        authenticated, exactly ``fields``), or None after answering 400/401/403."""
+        if self.client_address[0] not in _LOOPBACK:
+            self._error(HTTPStatus.FORBIDDEN, f"{what} is only for this node's own Slurm hooks")
+            return None
         body = self._body()
         if body is None:
-            return
+            return None
         principal = self._authorised(body)
         if principal is None:
-            return
+            return None
         try:
             data = load_json(body)
-            if not isinstance(data, dict) or set(data) != {"job_id"}:
-                raise ProtocolError('release: the body must be {"job_id": "..."}')
-            job = job_id(data["job_id"])
+            if not isinstance(data, dict) or set(data) != fields:
+                names = ", ".join(f'"{f}"' for f in sorted(fields))
+                raise ProtocolError(f"{what}: the body must be an object with {names}")
+            data["job_id"] = job_id(data["job_id"])
         except ProtocolError as e:
             self._error(HTTPStatus.BAD_REQUEST, str(e))
+            return None
+        data["principal"] = principal
+        return data
+
+    def _release_job(self) -> None:
+        data = self._local_request("release", frozenset({"job_id"}))
+        if data is None:
             return
+        job = data["job_id"]
         released, refused = self.server.agent.release_job(job)
-        logger.info("job %s: Epilog (%s) released GPU(s) %s", job, principal, released or "none")
+        logger.info(
+            "job %s: Epilog (%s) released GPU(s) %s", job, data["principal"], released or "none"
+        )
         self._send(
             HTTPStatus.OK,
             {"job_id": job, "released": released, "refused": [r.to_dict() for r in refused]},
+        )
+
+    def _hold_job(self) -> None:
+        data = self._local_request("hold", frozenset({"job_id", "gpus"}))
+        if data is None:
+            return
+        job, gpus = data["job_id"], data["gpus"]
+        if not (
+            isinstance(gpus, list)
+            and 0 < len(gpus) <= MAX_GPUS
+            and all(type(g) is int and 0 <= g <= MAX_GPU_INDEX for g in gpus)
+        ):
+            self._error(
+                HTTPStatus.BAD_REQUEST,
+                f"hold: gpus must be a list of 1..{MAX_GPUS} GPU indices",
+            )
+            return
+        held, refused = self.server.agent.hold_job(job, gpus)
+        logger.info(
+            "job %s: Prolog (%s) held GPU(s) %s at the safe cap",
+            job,
+            data["principal"],
+            held or "none",
+        )
+        self._send(
+            HTTPStatus.OK,
+            {"job_id": job, "held": held, "refused": [r.to_dict() for r in refused]},
         )
 
     def _exchange(self) -> None:

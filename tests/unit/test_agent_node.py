@@ -697,6 +697,46 @@ def test_bad_lapse_action_is_refused(make_agent: AgentFactory) -> None:
         make_agent(on_lapse="panic")
 
 
+def test_a_prolog_hold_caps_the_jobs_gpus_until_the_heads_setpoint(
+    agent: NodeAgent, gpus: GpuSet, clock: ManualClock, state_file: Path
+) -> None:
+    held, refused = agent.hold_job("77", [1, 2])
+    assert (held, refused) == ([1, 2], [])
+    assert caps(gpus) == {0: None, 1: SAFE_MHZ, 2: SAFE_MHZ, 3: None}
+    locks = json.loads(state_file.read_text())["locks"]
+    assert {(lock["index"], lock["job_id"]) for lock in locks} == {(1, "77"), (2, "77")}
+    response = agent.exchange(request(clock, Setpoint(1, "77", 1200)))
+    assert report(response, 2).job_id == "77"  # the readings name the job before the head does
+    assert caps(gpus)[1] == 1200  # the head's setpoint takes over
+    assert agent.release_job("77") == ([1, 2], [])  # the Epilog resets held GPUs too
+    assert caps(gpus) == {0: None, 1: None, 2: None, 3: None}
+
+
+def test_a_hold_never_raises_a_clock_nor_takes_another_jobs_gpu(
+    agent: NodeAgent, gpus: GpuSet, clock: ManualClock
+) -> None:
+    agent.exchange(request(clock, Setpoint(0, "5", 600), Setpoint(3, "6", 1200)))
+    agent.release_job("6")  # GPU 3 is free again
+    gpus[3].set_locked_clocks(405)  # below the safe cap, left there (say, by a lapse)
+    held, refused = agent.hold_job("77", [0, 3, 9])
+    assert held == [3] and caps(gpus)[3] == 405  # kept, not raised to the safe cap
+    assert {r.gpu: r.reason for r in refused} == {
+        0: "the head gave it to job 5",
+        9: "no GPU with index 9 on this node",
+    }
+    assert caps(gpus)[0] == 600
+
+
+def test_a_hold_that_cannot_be_recorded_changes_nothing(
+    agent: NodeAgent, gpus: GpuSet, state_file: Path
+) -> None:
+    state_file.parent.mkdir(parents=True, exist_ok=True)
+    state_file.mkdir()  # a directory where the file should be: the write fails
+    held, refused = agent.hold_job("77", [1])
+    assert held == [] and [r.gpu for r in refused] == [1]
+    assert caps(gpus)[1] is None
+
+
 def test_epilog_release_resets_only_that_jobs_gpus(
     agent: NodeAgent, gpus: GpuSet, clock: ManualClock, state_file: Path
 ) -> None:

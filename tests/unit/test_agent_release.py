@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from slurm_cdgpc.agent.node import NodeAgent
-from slurm_cdgpc.agent.protocol import RELEASE_PATH, ExchangeRequest, Setpoint
+from slurm_cdgpc.agent.protocol import HOLD_PATH, RELEASE_PATH, ExchangeRequest, Setpoint
 from slurm_cdgpc.agent.server import AgentHttpServer
 from slurm_cdgpc.config import SafeCap
 from slurm_cdgpc.gpu.simulated import ManualClock, simulated_gpus
@@ -84,3 +84,44 @@ def test_a_forged_release_is_refused(served: tuple[AgentHttpServer, NodeAgent]) 
         _client(server, secret=b"x" * 32).post(RELEASE_PATH, {"job_id": "41"})
     assert err.value.status == 401
     assert agent.gpus[0].locked is not None
+
+
+def test_a_prolog_hold_caps_the_new_jobs_gpus(served: tuple[AgentHttpServer, NodeAgent]) -> None:
+    server, agent = served
+    _client(server).post(RELEASE_PATH, {"job_id": "42"})  # GPU 1 free again
+    reply = _client(server).post(HOLD_PATH, {"job_id": "43", "gpus": [1]})
+    assert reply == {"job_id": "43", "held": [1], "refused": []}
+    lock = agent.gpus[1].locked
+    assert lock is not None and lock.graphics_max_mhz < 1200  # the safe cap (0.6 of the top)
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        {"job_id": "43"},
+        {"job_id": "43", "gpus": []},
+        {"job_id": "43", "gpus": [True]},
+        {"job_id": "43", "gpus": [-1]},
+        {"job_id": "43", "gpus": "1"},
+        {"job_id": "43", "gpus": [1], "clock": 100},
+        {"job_id": "x", "gpus": [1]},
+    ],
+)
+def test_bad_holds_change_nothing(
+    served: tuple[AgentHttpServer, NodeAgent], payload: dict[str, object]
+) -> None:
+    server, agent = served
+    before = [g.locked for g in agent.gpus]
+    with pytest.raises(HeadRefusedError) as err:
+        _client(server).post(HOLD_PATH, payload)
+    assert err.value.status == 400 and "\n" not in str(err.value)
+    assert [g.locked for g in agent.gpus] == before
+
+
+def test_a_forged_hold_is_refused(served: tuple[AgentHttpServer, NodeAgent]) -> None:
+    server, agent = served
+    _client(server).post(RELEASE_PATH, {"job_id": "42"})
+    with pytest.raises(HeadRefusedError) as err:
+        _client(server, secret=b"x" * 32).post(HOLD_PATH, {"job_id": "43", "gpus": [1]})
+    assert err.value.status == 401
+    assert agent.gpus[1].locked is None
