@@ -5,8 +5,9 @@ later ones that fit start meanwhile (backfill without reservations: Slurm's defa
 backfills too, and a strict FIFO head-of-line job would idle a quarter of this small cluster).
 When a job is placed, the replayer does what slurmd does, in its order: the real Prolog logic
 (`slurm_cdgpc.slurm.hooks.run_prolog`, with the job's deadline and iteration count in its
-``--comment``) registers it with the head, then the job's work starts on the node's simulated
-GPUs (a launch file, `slurm_cdgpc.gpu.workloads`). When the node says the work is done (the exit
+``--comment``) registers it with the head and holds its GPUs at the safe cap through the node's
+agent, then the job's work starts on the node's simulated GPUs (a launch file,
+`slurm_cdgpc.gpu.workloads`). When the node says the work is done (the exit
 file), the real Epilog logic (`run_epilog`) resets the GPUs through the node's agent and
 deregisters the job, and the GPUs are free again.
 
@@ -36,7 +37,13 @@ from slurm_cdgpc.demo.cluster import LocalCluster, Node
 from slurm_cdgpc.demo.trace import TraceJob
 from slurm_cdgpc.gpu.workloads import EXIT_SUFFIX, LAUNCH_SUFFIX, Launch, write_atomically
 from slurm_cdgpc.slurm.env import HookEnv
-from slurm_cdgpc.slurm.hooks import HookSettings, make_local_release, run_epilog, run_prolog
+from slurm_cdgpc.slurm.hooks import (
+    HookSettings,
+    make_local_hold,
+    make_local_release,
+    run_epilog,
+    run_prolog,
+)
 from slurm_cdgpc.slurm.spool import Spool
 from slurm_cdgpc.transport.credentials import signer_from_config
 from slurm_cdgpc.transport.http import HeadClient
@@ -77,6 +84,7 @@ class Replayer:
     _free: dict[str, set[int]] = field(default_factory=dict)
     _clients: dict[str, HeadClient] = field(default_factory=dict)
     _releases: dict[str, Callable[[str], str]] = field(default_factory=dict)
+    _holds: dict[str, Callable[[str, Sequence[int]], str]] = field(default_factory=dict)
     _user: str = ""
 
     def start(self, now_wall_s: float | None = None) -> None:
@@ -89,9 +97,9 @@ class Replayer:
             self._clients[node.spec.name] = HeadClient(
                 config.head.url, signer_from_config(config, 1.0), timeout_s=1.0
             )
-            self._releases[node.spec.name] = make_local_release(
-                HookSettings(config_path=node.config_path, timeout_s=1.0), env
-            )
+            settings = HookSettings(config_path=node.config_path, timeout_s=1.0)
+            self._releases[node.spec.name] = make_local_release(settings, env)
+            self._holds[node.spec.name] = make_local_hold(settings, env)
 
     def trace_s(self, wall_s: float) -> float:
         """Trace seconds since the start of the replay at wall-clock time ``wall_s``."""
@@ -138,8 +146,9 @@ class Replayer:
             now_s=time.time(),
             until_s=time.monotonic() + HOOK_BUDGET_S,
             times=lambda _job: None,
+            hold=self._holds[node.spec.name],
         )
-        if outcome.action != "registered":
+        if outcome.action != "registered" or "local hold failed" in outcome.line:
             self.hook_failures += 1
             logger.warning("prolog: %s", outcome.line)
         launch = Launch(job.job_id, gpus, job.model, job.iterations, job.iteration_time_s)

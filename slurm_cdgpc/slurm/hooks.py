@@ -4,6 +4,9 @@ Prolog: read the job from the environment (`slurm_cdgpc.slurm.env`), its deadlin
 count from the comment (`slurm_cdgpc.slurm.comment`; ``scontrol show job`` only when the submit
 time, ``--deadline`` or the time limit is needed), and ``POST /v1/jobs`` this node's GPUs. A
 multi-node job's Prolog runs on every node and each registers its own GPUs; the head merges them.
+The Prolog then asks the node's agent to hold the job's GPUs at the safe cap until the head's
+first setpoint for the job (the head plans each interval ahead, and a job starting between two
+would otherwise run at default clocks that the plan did not count).
 Epilog: ``DELETE /v1/jobs/{id}``; the head releases the GPUs at its next exchange with the agent
 (404 is fine: another node's Epilog was first, or the job had no GPUs). Jobs without GPUs on this
 node are left alone.
@@ -37,7 +40,7 @@ from pathlib import Path
 from typing import Final
 
 from slurm_cdgpc.agent.forward import agent_url
-from slurm_cdgpc.agent.protocol import RELEASE_PATH
+from slurm_cdgpc.agent.protocol import HOLD_PATH, RELEASE_PATH
 from slurm_cdgpc.config import load_config
 from slurm_cdgpc.errors import CdgpcError, InputError
 from slurm_cdgpc.slurm.comment import (
@@ -161,8 +164,31 @@ def run_prolog(
     until_s: float,
     times: Callable[[str], JobTimes | None],
     client_error: str = "",
+    hold: Callable[[str, Sequence[int]], str] | None = None,
 ) -> HookOutcome:
-    """Register this node's share of the job (or spool it); never raises `CdgpcError`."""
+    """Register this node's share of the job (or spool it), then hold its GPUs here at the safe
+    cap through the local agent (``hold``) until the head plans the job; never raises
+    `CdgpcError`. The job starts only when the Prolog returns, so it never runs on GPUs at
+    default clocks that the head's plan for the current interval did not count."""
+    outcome = _register(env, client, spool, now_s, until_s, times, client_error)
+    if hold is None or not env.gpus:
+        return outcome
+    try:
+        note = hold(env.job_id, env.gpus)
+    except CdgpcError as e:
+        note = f"local hold failed ({' '.join(str(e).split())})"
+    return HookOutcome(outcome.action, f"{outcome.line}; {note}", outcome.priority)
+
+
+def _register(
+    env: HookEnv,
+    client: JobsClient | None,
+    spool: Spool,
+    now_s: float,
+    until_s: float,
+    times: Callable[[str], JobTimes | None],
+    client_error: str,
+) -> HookOutcome:
     where = f"job {env.display_id} on {env.node}"
     if env.job_id != env.display_id:
         where += f" (id {env.job_id})"
@@ -271,23 +297,46 @@ def make_client(settings: HookSettings, environ: Mapping[str, str]) -> HeadClien
     )
 
 
+def _local_agent(settings: HookSettings, environ: Mapping[str, str]) -> HeadClient:
+    config = load_config(settings.config_path, env=environ)
+    return HeadClient(
+        agent_url(config),
+        signer_from_config(config, settings.timeout_s),
+        timeout_s=settings.timeout_s,
+        peer="the local agent",
+    )
+
+
 def make_local_release(settings: HookSettings, environ: Mapping[str, str]) -> Callable[[str], str]:
     """Ask this node's agent to reset a finished job's GPUs now (``POST /v1/release``); the
     config is read when the release is made, so every failure surfaces as a `CdgpcError`."""
 
     def release(job_id: str) -> str:
-        config = load_config(settings.config_path, env=environ)
-        agent = HeadClient(
-            agent_url(config),
-            signer_from_config(config, settings.timeout_s),
-            timeout_s=settings.timeout_s,
-            peer="the local agent",
-        )
-        reply = agent.post(RELEASE_PATH, {"job_id": job_id})
+        reply = _local_agent(settings, environ).post(RELEASE_PATH, {"job_id": job_id})
         released = reply.get("released", []) if isinstance(reply, dict) else []
         return f"GPU(s) {released or 'none'} reset here"
 
     return release
+
+
+def make_local_hold(
+    settings: HookSettings, environ: Mapping[str, str]
+) -> Callable[[str, Sequence[int]], str]:
+    """Ask this node's agent to hold a starting job's GPUs at the safe cap (``POST /v1/hold``)
+    until the head's first setpoint for the job; failures surface as a `CdgpcError`."""
+
+    def hold(job_id: str, gpus: Sequence[int]) -> str:
+        reply = _local_agent(settings, environ).post(
+            HOLD_PATH, {"job_id": job_id, "gpus": list(gpus)}
+        )
+        held = reply.get("held", []) if isinstance(reply, dict) else []
+        refused = reply.get("refused", []) if isinstance(reply, dict) else []
+        line = f"GPU(s) {held or 'none'} held at the safe cap here"
+        if refused:
+            line += f" ({len(refused)} refused: {' '.join(str(refused[0]).split())[:120]})"
+        return line
+
+    return hold
 
 
 def _parser(kind: str) -> argparse.ArgumentParser:
@@ -329,6 +378,8 @@ def run(
     client_factory: Callable[[HookSettings, Mapping[str, str]], JobsClient] = make_client,
     release_factory: Callable[[HookSettings, Mapping[str, str]], Callable[[str], str]]
     | None = make_local_release,
+    hold_factory: Callable[[HookSettings, Mapping[str, str]], Callable[[str, Sequence[int]], str]]
+    | None = make_local_hold,
 ) -> int:
     """One hook run: the exit status (0 unless strict and nothing recorded); one ``emit`` line."""
     start_s = time.monotonic()
@@ -356,6 +407,7 @@ def run(
                 job, scontrol=settings.scontrol, timeout_s=min(0.5, settings.timeout_s)
             ),
             client_error=client_error,
+            hold=None if hold_factory is None else hold_factory(settings, environ),
         )
     else:
         release = None if release_factory is None else release_factory(settings, environ)

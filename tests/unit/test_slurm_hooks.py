@@ -105,6 +105,50 @@ def test_job_without_gpus_is_left_alone(tmp_path: Path) -> None:
     assert head.calls == []
 
 
+def test_prolog_holds_the_jobs_gpus_after_registering_and_whatever_the_head_says(
+    tmp_path: Path,
+) -> None:
+    order: list[str] = []
+
+    class Head(FakeHead):
+        def post(self, path: str, payload: dict[str, object]) -> Any:
+            order.append("register")
+            return super().post(path, payload)
+
+    def hold(job_id: str, gpus: object) -> str:
+        order.append(f"hold {job_id} {gpus}")
+        return "GPU(s) [0, 1] held at the safe cap here"
+
+    env = read_hook_env(ENV)
+    out = run_prolog(
+        env, Head(), Spool(tmp_path), now_s=NOW_S, until_s=1e18, times=_times, hold=hold
+    )
+    assert out.action == "registered" and out.line.endswith("held at the safe cap here")
+    assert order == ["register", "hold 42 (0, 1)"]
+    # the head away: spooled, and held all the same
+    spooled = run_prolog(
+        env, Head(down=True), Spool(tmp_path), now_s=NOW_S, until_s=1e18, times=_times, hold=hold
+    )
+    assert spooled.action == "spooled" and "held at the safe cap" in spooled.line
+
+
+def test_a_hold_that_fails_is_noted_and_changes_nothing_else(tmp_path: Path) -> None:
+    def hold(job_id: str, gpus: object) -> str:
+        raise HeadUnavailableError("cannot reach the local agent at http://127.0.0.1:8464")
+
+    out = run_prolog(
+        read_hook_env(ENV),
+        FakeHead(),
+        Spool(tmp_path),
+        now_s=NOW_S,
+        until_s=1e18,
+        times=_times,
+        hold=hold,
+    )
+    assert out.action == "registered" and "local hold failed (cannot reach" in out.line
+    assert "\n" not in out.line
+
+
 def test_run_exits_0_with_one_line_unless_strict(tmp_path: Path) -> None:
     lines: list[str] = []
     settings = HookSettings(spool_dir=tmp_path / "spool")
