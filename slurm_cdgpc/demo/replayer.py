@@ -39,6 +39,7 @@ from slurm_cdgpc.gpu.workloads import EXIT_SUFFIX, LAUNCH_SUFFIX, Launch, write_
 from slurm_cdgpc.slurm.env import HookEnv
 from slurm_cdgpc.slurm.hooks import (
     HookSettings,
+    hold_gpus,
     make_local_hold,
     make_local_release,
     run_epilog,
@@ -146,8 +147,8 @@ class Replayer:
             now_s=time.time(),
             until_s=time.monotonic() + HOOK_BUDGET_S,
             times=lambda _job: None,
-            hold=self._holds[node.spec.name],
         )
+        outcome = hold_gpus(self._hook_env(placed), outcome, self._holds[node.spec.name])
         if outcome.action != "registered" or "local hold failed" in outcome.line:
             self.hook_failures += 1
             logger.warning("prolog: %s", outcome.line)

@@ -164,31 +164,9 @@ def run_prolog(
     until_s: float,
     times: Callable[[str], JobTimes | None],
     client_error: str = "",
-    hold: Callable[[str, Sequence[int]], str] | None = None,
 ) -> HookOutcome:
-    """Register this node's share of the job (or spool it), then hold its GPUs here at the safe
-    cap through the local agent (``hold``) until the head plans the job; never raises
-    `CdgpcError`. The job starts only when the Prolog returns, so it never runs on GPUs at
-    default clocks that the head's plan for the current interval did not count."""
-    outcome = _register(env, client, spool, now_s, until_s, times, client_error)
-    if hold is None or not env.gpus:
-        return outcome
-    try:
-        note = hold(env.job_id, env.gpus)
-    except CdgpcError as e:
-        note = f"local hold failed ({' '.join(str(e).split())})"
-    return HookOutcome(outcome.action, f"{outcome.line}; {note}", outcome.priority)
-
-
-def _register(
-    env: HookEnv,
-    client: JobsClient | None,
-    spool: Spool,
-    now_s: float,
-    until_s: float,
-    times: Callable[[str], JobTimes | None],
-    client_error: str,
-) -> HookOutcome:
+    """Register this node's share of the job (or spool it); never raises `CdgpcError`. Then
+    `hold_gpus`."""
     where = f"job {env.display_id} on {env.node}"
     if env.job_id != env.display_id:
         where += f" (id {env.job_id})"
@@ -220,6 +198,23 @@ def _register(
         f"{where}: head unavailable ({reason}); GPUs {gpus}, {detail}; spooled as {path.name}",
         syslog.LOG_WARNING,
     )
+
+
+def hold_gpus(
+    env: HookEnv, outcome: HookOutcome, hold: Callable[[str, Sequence[int]], str]
+) -> HookOutcome:
+    """After the Prolog's registration (or spool), hold the job's GPUs here at the safe cap
+    through the local agent (``hold``) until the head plans the job; the note goes on the
+    Prolog's line. The job starts only when the Prolog returns, so it never runs on GPUs at
+    default clocks that the head's plan for the current interval did not count. A hold that
+    fails is noted and changes nothing else; never raises `CdgpcError`."""
+    if not env.gpus:
+        return outcome
+    try:
+        note = hold(env.job_id, env.gpus)
+    except CdgpcError as e:
+        note = f"local hold failed ({' '.join(str(e).split())})"
+    return HookOutcome(outcome.action, f"{outcome.line}; {note}", outcome.priority)
 
 
 def run_epilog(
@@ -407,8 +402,9 @@ def run(
                 job, scontrol=settings.scontrol, timeout_s=min(0.5, settings.timeout_s)
             ),
             client_error=client_error,
-            hold=None if hold_factory is None else hold_factory(settings, environ),
         )
+        if hold_factory is not None:
+            outcome = hold_gpus(env, outcome, hold_factory(settings, environ))
     else:
         release = None if release_factory is None else release_factory(settings, environ)
         outcome = run_epilog(

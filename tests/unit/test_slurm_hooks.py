@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -11,7 +12,7 @@ import pytest
 
 from slurm_cdgpc.errors import InputError
 from slurm_cdgpc.slurm.env import parse_gpu_indices, read_hook_env
-from slurm_cdgpc.slurm.hooks import HookSettings, run, run_epilog, run_prolog
+from slurm_cdgpc.slurm.hooks import HookSettings, hold_gpus, run, run_epilog, run_prolog
 from slurm_cdgpc.slurm.install import render_hook
 from slurm_cdgpc.slurm.scontrol import JobTimes, parse_show_job
 from slurm_cdgpc.slurm.spool import Spool, forward_spool
@@ -105,48 +106,56 @@ def test_job_without_gpus_is_left_alone(tmp_path: Path) -> None:
     assert head.calls == []
 
 
-def test_prolog_holds_the_jobs_gpus_after_registering_and_whatever_the_head_says(
+def test_the_prolog_holds_the_jobs_gpus_after_registering_whatever_the_head_says(
     tmp_path: Path,
 ) -> None:
     order: list[str] = []
+    lines: list[str] = []
 
     class Head(FakeHead):
         def post(self, path: str, payload: dict[str, object]) -> Any:
             order.append("register")
             return super().post(path, payload)
 
-    def hold(job_id: str, gpus: object) -> str:
-        order.append(f"hold {job_id} {gpus}")
-        return "GPU(s) [0, 1] held at the safe cap here"
+    def holder(_s: HookSettings, _e: object) -> Callable[[str, Sequence[int]], str]:
+        def hold(job_id: str, gpus: Sequence[int]) -> str:
+            order.append(f"hold {job_id} {list(gpus)}")
+            return "GPU(s) [0, 1] held at the safe cap here"
 
-    env = read_hook_env(ENV)
-    out = run_prolog(
-        env, Head(), Spool(tmp_path), now_s=NOW_S, until_s=1e18, times=_times, hold=hold
-    )
-    assert out.action == "registered" and out.line.endswith("held at the safe cap here")
-    assert order == ["register", "hold 42 (0, 1)"]
-    # the head away: spooled, and held all the same
-    spooled = run_prolog(
-        env, Head(down=True), Spool(tmp_path), now_s=NOW_S, until_s=1e18, times=_times, hold=hold
-    )
-    assert spooled.action == "spooled" and "held at the safe cap" in spooled.line
+        return hold
+
+    settings = HookSettings(spool_dir=tmp_path / "spool")
+    for down, action in ((False, "registered"), (True, "spooled")):
+        order.clear()
+        lines.clear()
+        status = run(
+            "prolog",
+            settings,
+            ENV,
+            emit=lambda _p, m: lines.append(m),
+            client_factory=lambda _s, _e, down=down: Head(down=down),
+            hold_factory=holder,
+        )
+        assert status == 0 and order == ["register", "hold 42 [0, 1]"]
+        [line] = lines
+        assert action in line and "held at the safe cap here" in line
 
 
 def test_a_hold_that_fails_is_noted_and_changes_nothing_else(tmp_path: Path) -> None:
-    def hold(job_id: str, gpus: object) -> str:
-        raise HeadUnavailableError("cannot reach the local agent at http://127.0.0.1:8464")
+    reason = "cannot reach the local agent at http://127.0.0.1:8464"
 
-    out = run_prolog(
-        read_hook_env(ENV),
-        FakeHead(),
-        Spool(tmp_path),
-        now_s=NOW_S,
-        until_s=1e18,
-        times=_times,
-        hold=hold,
+    def hold(job_id: str, gpus: Sequence[int]) -> str:
+        raise HeadUnavailableError(reason)
+
+    env = read_hook_env(ENV)
+    registered = run_prolog(
+        env, FakeHead(), Spool(tmp_path), now_s=NOW_S, until_s=1e18, times=_times
     )
-    assert out.action == "registered" and "local hold failed (cannot reach" in out.line
-    assert "\n" not in out.line
+    out = hold_gpus(env, registered, hold)
+    assert out.action == "registered" and out.priority == registered.priority
+    assert out.line == f"{registered.line}; local hold failed ({reason})"
+    no_gpus = read_hook_env({**ENV, "SLURM_JOB_GPUS": ""})
+    assert hold_gpus(no_gpus, registered, hold) == registered  # nothing to hold
 
 
 def test_run_exits_0_with_one_line_unless_strict(tmp_path: Path) -> None:
