@@ -158,11 +158,11 @@ class _Handler(JsonHandler):
             return None
         return principal
 
-    def _local_request(self, what: str, fields: frozenset[str]) -> dict[str, Any] | None:
-        """The body of a request this node's own Prolog or Epilog makes (loopback only,
-        authenticated, exactly ``fields``), or None after answering 400/401/403."""
+    def _local_request(self, what: str, hook: str, fields: frozenset[str]) -> dict[str, Any] | None:
+        """The body of a request this node's own ``hook`` (Prolog, Epilog) makes: loopback only,
+        authenticated, exactly ``fields``; None after answering 400/401/403."""
         if self.client_address[0] not in _LOOPBACK:
-            self._error(HTTPStatus.FORBIDDEN, f"{what} is only for this node's own Slurm hooks")
+            self._error(HTTPStatus.FORBIDDEN, f"{what} is only for this node's own {hook}")
             return None
         body = self._body()
         if body is None:
@@ -183,7 +183,7 @@ class _Handler(JsonHandler):
         return data
 
     def _release_job(self) -> None:
-        data = self._local_request("release", frozenset({"job_id"}))
+        data = self._local_request("release", "Epilog", frozenset({"job_id"}))
         if data is None:
             return
         job = data["job_id"]
@@ -197,7 +197,7 @@ class _Handler(JsonHandler):
         )
 
     def _hold_job(self) -> None:
-        data = self._local_request("hold", frozenset({"job_id", "gpus"}))
+        data = self._local_request("hold", "Prolog", frozenset({"job_id", "gpus"}))
         if data is None:
             return
         job, gpus = data["job_id"], data["gpus"]

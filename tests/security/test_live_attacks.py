@@ -29,7 +29,7 @@ from typing import Any
 import pytest
 
 from slurm_cdgpc.agent import server as agent_server
-from slurm_cdgpc.agent.protocol import RELEASE_PATH
+from slurm_cdgpc.agent.protocol import HOLD_PATH, RELEASE_PATH
 from slurm_cdgpc.coordinator import api as head_api
 from slurm_cdgpc.transport.auth import HmacKey, HmacSigner
 from tests.evidence import record
@@ -91,6 +91,7 @@ ENDPOINTS = (
     Endpoint("agent", "GET", "/v1/health", "none"),
     Endpoint("agent", "POST", "/v1/exchange", "node"),
     Endpoint("agent", "POST", "/v1/release", "node"),
+    Endpoint("agent", "POST", "/v1/hold", "node"),
 )
 AUTHENTICATED = [e for e in ENDPOINTS if e.auth != "none"]
 WITH_BODY = [e for e in AUTHENTICATED if e.has_body]
@@ -197,6 +198,8 @@ def attack_body(endpoint: Endpoint) -> bytes:
     if endpoint.server == "agent":
         if endpoint.path == RELEASE_PATH:
             return json.dumps({"job_id": VICTIM_JOB}).encode()
+        if endpoint.path == HOLD_PATH:  # the victim's GPU once the victim is released
+            return json.dumps({"job_id": "666", "gpus": [0]}).encode()
         return exchange_body([(0, "666", 1410)], [1])
     bodies: dict[str, object] = {
         "/v1/jobs": {"job_id": "666", "user": "root", "node": "ghost", "gpus": [1]},
@@ -283,7 +286,9 @@ def test_the_table_covers_every_route_in_the_code() -> None:
     api = REPO / "slurm_cdgpc" / "coordinator" / "api.py"
     assert _route_literals(api) <= head_paths, "a head route is missing from ENDPOINTS"
     server = REPO / "slurm_cdgpc" / "agent" / "server.py"
-    assert _route_literals(server) | {RELEASE_PATH} <= agent_paths, "an agent route is missing"
+    assert _route_literals(server) | {RELEASE_PATH, HOLD_PATH} <= agent_paths, (
+        "an agent route is missing"
+    )
 
     documented = set(re.findall(r"``([A-Z]+) (/\S+)``", head_api.__doc__ or ""))
     assert documented == {(e.method, e.path) for e in ENDPOINTS if e.server == "head"}
@@ -471,6 +476,11 @@ def test_replayed(cluster: Cluster, endpoint: Endpoint) -> None:
         cred, body = _signed(d, "POST", path, {"job_id": "102"})
         _accept(d, "POST", path, cred, body)
         _settle(agent, [(1, "102", MHZ_C)])
+    elif endpoint.name == "agent POST /v1/hold":
+        agent.ok("POST", RELEASE_PATH, {"job_id": "101"})
+        cred, body = _signed(d, "POST", path, {"job_id": "103", "gpus": [1]})
+        _accept(d, "POST", path, cred, body)
+        agent.ok("POST", RELEASE_PATH, {"job_id": "103"})  # the job ended: GPU 1 is free
     else:
         assert endpoint.method == "GET", endpoint
         cred, body = _signed(d, "GET", path, None)
@@ -481,7 +491,7 @@ def test_replayed(cluster: Cluster, endpoint: Endpoint) -> None:
         return [Attempt("sent again", reply, (401,))]
 
     _judge(cluster, "replayed", endpoint, attack)
-    if endpoint.name == "agent POST /v1/release":
+    if endpoint.name in ("agent POST /v1/release", "agent POST /v1/hold"):
         _settle(agent, [(1, "101", MHZ_B)])
 
 
@@ -521,6 +531,7 @@ REQUIRED: dict[str, tuple[str, ...]] = {
     "/v1/budget": ("budget_w",),
     "/v1/exchange": ("version", "node", "interval", "lease_expires_s", "setpoints", "release"),
     "/v1/release": ("job_id",),
+    "/v1/hold": ("job_id", "gpus"),
 }
 SPECIFIC: dict[str, list[dict[str, object]]] = {
     "/v1/jobs": [{"gpus": []}, {"gpus": [0, 0]}, {"gpus": [-1]}, {"gpus": [5000]}, {"job_id": 7}],
@@ -539,6 +550,7 @@ SPECIFIC: dict[str, list[dict[str, object]]] = {
         {"node": "../etc"},
     ],
     "/v1/release": [{"job_id": ""}, {"job_id": 100}],
+    "/v1/hold": [{"gpus": []}, {"gpus": [-1]}, {"gpus": [True]}, {"gpus": "0"}, {"job_id": 100}],
 }
 
 
