@@ -158,9 +158,12 @@ class _Handler(JsonHandler):
             return None
         return principal
 
-    def _local_request(self, what: str, hook: str, fields: frozenset[str]) -> dict[str, Any] | None:
-        """The body of a request this node's own ``hook`` (Prolog, Epilog) makes: loopback only,
-        authenticated, exactly ``fields``; None after answering 400/401/403."""
+    def _local_request(
+        self, what: str, hook: str, fields: frozenset[str]
+    ) -> tuple[dict[str, Any], Principal] | None:
+        """The body of a request this node's own ``hook`` (Prolog, Epilog) makes, and its
+        sender: loopback only, authenticated, exactly ``fields`` (``job_id`` checked); None
+        after answering 400/401/403."""
         if self.client_address[0] not in _LOOPBACK:
             self._error(HTTPStatus.FORBIDDEN, f"{what} is only for this node's own {hook}")
             return None
@@ -179,27 +182,26 @@ class _Handler(JsonHandler):
         except ProtocolError as e:
             self._error(HTTPStatus.BAD_REQUEST, str(e))
             return None
-        data["principal"] = principal
-        return data
+        return data, principal
 
     def _release_job(self) -> None:
-        data = self._local_request("release", "Epilog", frozenset({"job_id"}))
-        if data is None:
+        request = self._local_request("release", "Epilog", frozenset({"job_id"}))
+        if request is None:
             return
+        data, principal = request
         job = data["job_id"]
         released, refused = self.server.agent.release_job(job)
-        logger.info(
-            "job %s: Epilog (%s) released GPU(s) %s", job, data["principal"], released or "none"
-        )
+        logger.info("job %s: Epilog (%s) released GPU(s) %s", job, principal, released or "none")
         self._send(
             HTTPStatus.OK,
             {"job_id": job, "released": released, "refused": [r.to_dict() for r in refused]},
         )
 
     def _hold_job(self) -> None:
-        data = self._local_request("hold", "Prolog", frozenset({"job_id", "gpus"}))
-        if data is None:
+        request = self._local_request("hold", "Prolog", frozenset({"job_id", "gpus"}))
+        if request is None:
             return
+        data, principal = request
         job, gpus = data["job_id"], data["gpus"]
         if not (
             isinstance(gpus, list)
@@ -215,7 +217,7 @@ class _Handler(JsonHandler):
         logger.info(
             "job %s: Prolog (%s) held GPU(s) %s at the safe cap",
             job,
-            data["principal"],
+            principal,
             held or "none",
         )
         self._send(
