@@ -392,19 +392,21 @@ def run(
     spool = Spool(settings.spool_dir)
     until_s = _until(start_s, settings.budget_s)
     if kind == "prolog":
+        # the hold comes last and may take one request timeout: the spool gets that much less
+        hold = None if hold_factory is None else hold_factory(settings, environ)
         outcome = run_prolog(
             env,
             client,
             spool,
             now_s=time.time(),
-            until_s=until_s,
+            until_s=until_s if hold is None else until_s - settings.timeout_s,
             times=lambda job: job_times(
                 job, scontrol=settings.scontrol, timeout_s=min(0.5, settings.timeout_s)
             ),
             client_error=client_error,
         )
-        if hold_factory is not None:
-            outcome = hold_gpus(env, outcome, hold_factory(settings, environ))
+        if hold is not None:
+            outcome = hold_gpus(env, outcome, hold)
     else:
         release = None if release_factory is None else release_factory(settings, environ)
         outcome = run_epilog(
