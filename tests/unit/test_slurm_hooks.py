@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -11,6 +12,7 @@ from typing import Any
 import pytest
 
 from slurm_cdgpc.errors import InputError
+from slurm_cdgpc.slurm import hooks
 from slurm_cdgpc.slurm.env import parse_gpu_indices, read_hook_env
 from slurm_cdgpc.slurm.hooks import HookSettings, hold_gpus, run, run_epilog, run_prolog
 from slurm_cdgpc.slurm.install import render_hook
@@ -241,3 +243,33 @@ def test_squeue_json_22_05_and_24_11_shapes() -> None:
     [b] = parse_squeue_json(new)
     assert (a.job_id, a.state, a.time_limit_s, a.start_s) == ("3", "RUNNING", 3600.0, 100.0)
     assert (b.job_id, b.state, b.time_limit_s, b.array_job_id) == ("4", "RUNNING", 1800.0, None)
+
+
+def test_the_prologs_spool_leaves_the_hold_one_timeout_of_the_budget(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The hook's bound: no step outlives the budget by more than one timeout. With a hold
+    after it, the spool's forwarding must stop one timeout earlier."""
+    budgets: list[float] = []
+
+    def forward(_client: object, _spool: object, until_s: float) -> str:
+        budgets.append(until_s - time.monotonic())
+        return ""
+
+    monkeypatch.setattr(hooks, "_forward", forward)
+    settings = HookSettings(spool_dir=tmp_path / "spool", timeout_s=0.5, budget_s=2.0)
+
+    def holder(_s: HookSettings, _e: object) -> Callable[[str, Sequence[int]], str]:
+        return lambda _job, _gpus: "held"
+
+    for hold_factory in (holder, None):
+        run(
+            "prolog",
+            settings,
+            ENV,
+            emit=lambda _p, _m: None,
+            client_factory=lambda _s, _e: FakeHead(),
+            hold_factory=hold_factory,
+        )
+    with_hold, without = budgets
+    assert 1.0 < with_hold <= 1.5 and 1.5 < without <= 2.0
