@@ -507,19 +507,25 @@ class NodeAgent:
                 return TickResult(lapsed=True, changed=tuple(changed))
             return TickResult(lapsed=True, changed=self._apply_safe_cap())
 
+    def _safe_cap_lock(self, device: GpuDevice) -> LockedClocks | None:
+        """The lock that puts ``device`` at the safe cap; None when it is already at or below
+        it (a clock is never raised to the safe cap). `CdgpcError` if it cannot be computed."""
+        safe_mhz = safe_clock_mhz(device, self.safe_cap)
+        current = device.locked
+        if current is not None and current.graphics_max_mhz <= safe_mhz:
+            return None
+        return LockedClocks(device.supported_clocks().graphics_for(None)[-1], safe_mhz, None)
+
     def _apply_safe_cap(self) -> tuple[int, ...]:
         wanted: dict[int, LockedClocks] = {}
         for dev in self.gpus:
             try:
-                safe_mhz = safe_clock_mhz(dev, self.safe_cap)
-                lowest = dev.supported_clocks().graphics_for(None)[-1]
+                lock = self._safe_cap_lock(dev)
             except CdgpcError as e:
                 logger.error("GPU %d: cannot compute the safe cap: %s", dev.index, e)
                 continue
-            current = dev.locked
-            if current is not None and current.graphics_max_mhz <= safe_mhz:
-                continue  # already at or below the safe cap: never raise a clock on a lapse
-            wanted[dev.index] = LockedClocks(lowest, safe_mhz, None)
+            if lock is not None:
+                wanted[dev.index] = lock
         if not wanted:
             return ()
         if wanted.keys() - self._recorded and not self._write_state(intended=wanted):
@@ -576,18 +582,16 @@ class NodeAgent:
                     refused.append(Refusal(gpu, f"the head gave it to job {owner}"))
                     continue
                 try:
-                    safe_mhz = safe_clock_mhz(device, self.safe_cap)
-                    lowest = device.supported_clocks().graphics_for(None)[-1]
+                    lock = self._safe_cap_lock(device)
                 except CdgpcError as e:
                     refused.append(Refusal(gpu, _one_line(e)))
                     continue
-                current = device.locked
-                if current is not None and current.graphics_max_mhz <= safe_mhz:
-                    self._jobs[gpu] = job_id  # already at or below the safe cap: kept
+                if lock is None:  # already at or below the safe cap: kept
+                    self._jobs[gpu] = job_id
                     held.append(gpu)
                     continue
                 devices[gpu] = device
-                wanted[gpu] = LockedClocks(lowest, safe_mhz, None)
+                wanted[gpu] = lock
             if wanted.keys() - self._recorded and not self._write_state(intended=wanted):
                 for gpu in wanted:
                     refused.append(Refusal(gpu, "cannot record the lock in the state file"))
