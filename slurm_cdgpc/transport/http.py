@@ -288,47 +288,53 @@ class NodeExchanger:
         started = time.monotonic()
         deadline = started + 2 * self.timeout_s
         results: dict[str, ExchangeResponse | NodeFailure] = {}
-        plain: dict[str, NodeTarget] = {}
+        plain: dict[str, tuple[NodeTarget, _Endpoint]] = {}
         tls: dict[str, NodeTarget] = {}
         for node, target in targets.items():
             try:
-                scheme = _parse_endpoint(target.url).scheme
+                endpoint = _parse_endpoint(target.url)
             except CdgpcError as e:
                 results[node] = NodeFailure(_one_line(f"{target.url}: {e}"))
                 continue
-            (plain if scheme == "http" else tls)[node] = target
+            if endpoint.scheme == "http":
+                plain[node] = (target, endpoint)
+            else:
+                tls[node] = target
         futures = {node: self._pool.submit(self._one, node, t) for node, t in tls.items()}
         if plain:
             results.update(self._round(plain, started, deadline))
+        late = _too_late(self.timeout_s)
         for node, future in futures.items():
             try:
                 results[node] = future.result(timeout=max(deadline - time.monotonic(), 0.0))
             except TimeoutError:
                 future.cancel()
-                results[node] = NodeFailure(f"no answer within {2 * self.timeout_s:g} s")
+                results[node] = late
         return {node: results[node] for node in targets}
 
     # -- plain HTTP: one event loop ---------------------------------------------------------------
 
     def _round(
-        self, targets: Mapping[str, NodeTarget], started: float, deadline: float
+        self,
+        targets: Mapping[str, tuple[NodeTarget, _Endpoint]],
+        started: float,
+        deadline: float,
     ) -> dict[str, ExchangeResponse | NodeFailure]:
         results: dict[str, ExchangeResponse | NodeFailure] = {}
         # credentials and addresses that take a program or a resolver get one timeout in all,
         # so that a hung munged or DNS server leaves the nodes it did not hold up their turn
         ready_by = started + self.timeout_s
-        endpoints = {node: _parse_endpoint(t.url) for node, t in targets.items()}
-        lookups = self._addresses.start({(e.host, e.port) for e in endpoints.values()}, self._pool)
+        lookups = self._addresses.start({(e.host, e.port) for _, e in targets.values()}, self._pool)
         messages = self._messages(targets, results, ready_by)
         addresses = self._addresses.finish(lookups, ready_by)
         calls: list[_Call] = []
         for node, message in messages.items():
-            endpoint = endpoints[node]
+            target, endpoint = targets[node]
             found = addresses[(endpoint.host, endpoint.port)]
             if isinstance(found, str):
-                results[node] = NodeFailure(_one_line(f"{targets[node].url}: {found}"))
+                results[node] = NodeFailure(_one_line(f"{target.url}: {found}"))
             else:
-                calls.append(_Call(node, targets[node].url, message, found))
+                calls.append(_Call(node, target.url, message, found))
         for call, outcome in _Round(calls, self.timeout_s, self.max_in_flight).run(deadline):
             if isinstance(outcome, NodeFailure):
                 results[call.node] = outcome
@@ -341,20 +347,20 @@ class NodeExchanger:
 
     def _messages(
         self,
-        targets: Mapping[str, NodeTarget],
+        targets: Mapping[str, tuple[NodeTarget, _Endpoint]],
         failures: dict[str, ExchangeResponse | NodeFailure],
         deadline: float,
     ) -> dict[str, bytes]:
         """Each node's whole signed request; a node whose credential cannot be made (by
         ``deadline``, for a signer that runs a program) fails."""
-        bodies = {node: t.request.to_json() for node, t in targets.items()}
-        paths = {node: _parse_endpoint(t.url).prefix + EXCHANGE_PATH for node, t in targets.items()}
+        bodies = {node: t.request.to_json() for node, (t, _) in targets.items()}
+        paths = {node: e.prefix + EXCHANGE_PATH for node, (_, e) in targets.items()}
 
         def sign(node: str) -> str | NodeFailure:
             try:
                 return self.signer.sign("POST", paths[node], bodies[node])
             except CdgpcError as e:
-                return NodeFailure(_one_line(f"{targets[node].url}: {e}"))
+                return NodeFailure(_one_line(f"{targets[node][0].url}: {e}"))
 
         if self._sign_inline:
             credentials = {node: sign(node) for node in targets}
@@ -363,7 +369,8 @@ class NodeExchanger:
             made = _collect(futures, deadline, None)
             credentials = {
                 node: NodeFailure(
-                    f"{targets[node].url}: {self.timeout_s:g} s passed before a credential was made"
+                    f"{targets[node][0].url}: {self.timeout_s:g} s passed before a credential "
+                    "was made"
                 )
                 if credential is None
                 else credential
@@ -374,7 +381,7 @@ class NodeExchanger:
             if isinstance(credential, NodeFailure):
                 failures[node] = credential
                 continue
-            endpoint = _parse_endpoint(targets[node].url)
+            endpoint = targets[node][1]
             messages[node] = _message(endpoint, "POST", paths[node], bodies[node], credential)
         return messages
 
@@ -395,6 +402,11 @@ class NodeExchanger:
         except CdgpcError as e:
             return NodeFailure(_one_line(f"{target.url}: {e}"))
         return _answer(node, target.url, status, data)
+
+
+def _too_late(timeout_s: float) -> NodeFailure:
+    """A node still waiting when the round ends, at twice the per-node timeout."""
+    return NodeFailure(f"no answer within {2 * timeout_s:g} s")
 
 
 def _answer(node: str, url: str, status: int, data: bytes) -> ExchangeResponse | NodeFailure:
@@ -539,10 +551,11 @@ class _Round:
                         self._readable(call)
                 self._start_more()
         finally:
+            late = _too_late(self.timeout_s)
             for key in list(self.selector.get_map().values()):
-                self._finish(key.data, NodeFailure(f"no answer within {2 * self.timeout_s:g} s"))
+                self._finish(key.data, late)
             for call in self.waiting:
-                self.done.append((call, NodeFailure(f"no answer within {2 * self.timeout_s:g} s")))
+                self.done.append((call, late))
             self.selector.close()
         return self.done
 
