@@ -152,10 +152,6 @@ class EventedHttpServer:
         if self._owns_loop:
             self.loop.close()
 
-    def answer(self, conn: _Connection, data: bytes, close: bool) -> None:
-        """Send a deferred answer to ``conn``: from any thread."""
-        self.loop.answer(conn, data, close)
-
 
 class EventLoop:
     """One thread's ``epoll`` loop over the sockets of one or more `EventedHttpServer`\\ s, and
@@ -399,9 +395,12 @@ class EventLoop:
         with self._wake_lock:
             self._wake_pending = False
         while self._outbox:
-            conn, data, close = self._outbox.popleft()
-            conn.working = False
-            self._send(conn, data, close=close or conn.close_after)
+            self._deliver(*self._outbox.popleft())
+
+    def _deliver(self, conn: _Connection, data: bytes, close: bool) -> None:
+        """On the loop's thread: the answer to the request ``conn`` had with a handler."""
+        conn.working = False
+        self._send(conn, data, close=close or conn.close_after)
 
     def _send(self, conn: _Connection, data: bytes, *, close: bool) -> None:
         """Write an answer to ``conn``, the rest when the socket can take it; then close, or
@@ -482,8 +481,7 @@ class EventLoop:
         if self._workers:
             self.answer(conn, data, close)
         else:
-            conn.working = False
-            self._send(conn, data, close=close or conn.close_after)
+            self._deliver(conn, data, close)
 
 
 def _header_end(buf: bytearray) -> int | None:
