@@ -41,7 +41,7 @@ import math
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Any, Final, TypeGuard
 
 from slurm_cdgpc.errors import InputError
 
@@ -121,13 +121,17 @@ def _opt_float(value: object, where: str, lo: float, hi: float) -> float | None:
     return None if value is None else _float(value, where, lo, hi)
 
 
-def _text(value: object, where: str) -> str:
-    if (
+def _is_text(value: object) -> TypeGuard[str]:
+    return (
         isinstance(value, str)
         and 0 < len(value) <= MAX_TEXT_CHARS
         and value.isprintable()
         and value.isascii()
-    ):
+    )
+
+
+def _text(value: object, where: str) -> str:
+    if _is_text(value):
         return value
     raise ProtocolError(
         f"{where}: must be 1..{MAX_TEXT_CHARS} printable ASCII characters, {_got(value)}"
@@ -488,17 +492,9 @@ def _gpu_report_fast(value: object) -> GpuReport | None:
         number = v[name]
         if number is not None and not (type(number) is float and 0.0 <= number <= hi):
             return None
-    for name in ("uuid", "name", "error"):
-        text = v[name]
-        if text is None and name == "error":
-            continue
-        if not (
-            type(text) is str
-            and 0 < len(text) <= MAX_TEXT_CHARS
-            and text.isprintable()
-            and text.isascii()
-        ):
-            return None
+    error = v["error"]
+    if not (_is_text(v["uuid"]) and _is_text(v["name"]) and (error is None or _is_text(error))):
+        return None
     job = v["job_id"]
     if job is not None and not (type(job) is str and JOB_ID_RE.fullmatch(job)):
         return None
@@ -531,7 +527,7 @@ def _gpu_report_fast(value: object) -> GpuReport | None:
         throttle=throttle,
         locked=lock,
         job_id=job,
-        error=v["error"],
+        error=error,
         read_s=v["read_s"],
     )
 
