@@ -566,7 +566,9 @@ class NodeAgent:
         clocks would draw its full power against a budget that did not count it, for up to an
         interval. The safe cap is where a lapsed lease puts a GPU anyway, so a job whose head
         is away runs as every other job does then. A GPU already at or below the safe cap keeps
-        its clock (never raised); one the head gave another job is refused and left alone."""
+        its clock (never raised); one the head gave another job is refused and left alone; one
+        already the job's keeps its clock too: the head's setpoint may come before the hold (the
+        Prolog holds after it registers), and an older hold has capped it already."""
         with self._lock:
             held: list[int] = []
             refused: list[Refusal] = []
@@ -578,7 +580,10 @@ class NodeAgent:
                 if device is None:
                     refused.append(Refusal(gpu, f"no GPU with index {gpu} on this node"))
                     continue
-                if owner is not None and owner != job_id:
+                if owner == job_id:
+                    held.append(gpu)
+                    continue
+                if owner is not None:
                     refused.append(Refusal(gpu, f"the head gave it to job {owner}"))
                     continue
                 try:

@@ -727,6 +727,18 @@ def test_a_hold_never_raises_a_clock_nor_takes_another_jobs_gpu(
     assert caps(gpus)[0] == 600
 
 
+def test_a_hold_after_the_heads_setpoint_keeps_the_setpoint(
+    agent: NodeAgent, gpus: GpuSet, clock: ManualClock
+) -> None:
+    # the Prolog holds after it registers: within one interval the head may plan the job first
+    agent.exchange(request(clock, Setpoint(1, "77", 1200)))
+    held, refused = agent.hold_job("77", [1, 2])
+    assert (held, refused) == ([1, 2], [])
+    assert caps(gpus) == {0: None, 1: 1200, 2: SAFE_MHZ, 3: None}
+    assert agent.hold_job("77", [1, 2]) == ([1, 2], [])  # a hold repeated changes nothing
+    assert caps(gpus) == {0: None, 1: 1200, 2: SAFE_MHZ, 3: None}
+
+
 def test_a_hold_that_cannot_be_recorded_changes_nothing(
     agent: NodeAgent, gpus: GpuSet, state_file: Path
 ) -> None:
