@@ -127,6 +127,9 @@ class Cluster:
             out[(job, node)] = (float(t0), float(t1), int(rc))
         return out
 
+    def agent_log(self, node: str) -> str:
+        return (self.tmp / f"{node}.log").read_text(errors="replace")
+
     def logs(self) -> str:
         parts = [
             f"== {p.name}\n{p.read_text(errors='replace')[-2000:]}" for p in self.tmp.glob("*.log")
@@ -205,6 +208,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
                 f'progress_socket = "{tmp / node / "progress.sock"}"\n'
                 f'listen_address = "127.0.0.1"\nlisten_port = {port}\n'
             )
+            # this node's hooks reach this node's agent (the hook config is shared)
+            (lab / "hooks" / "env" / node).write_text(f"CDGPC_NODE_LISTEN_PORT={port}\n")
             c.start(
                 node, "-m", "slurm_cdgpc.agent.main", "--config", str(config), "--node-name", node
             )
@@ -271,8 +276,19 @@ def test_job_registers_gets_clocks_and_is_deregistered(slurm: Cluster) -> None:
         "clocks applied on the job's GPUs", lambda: set(slurm.locks(node)) == {0, 1}, 5, slurm.logs
     )
     assert slurm.locks(other) == {}
+    # the Prolog held the job's GPUs through its own node's agent (at the safe cap, or at the
+    # head's setpoint if that came first); the other node's agent heard nothing of the job
+    held = rf"job {job}: Prolog \(root \(uid 0\b.*\) held GPU\(s\) \[0, 1\] at the safe cap"
+    assert re.search(held, slurm.agent_log(node)), slurm.logs()
+    assert f"job {job}:" not in slurm.agent_log(other)
     wait("job deregistered after it ended", lambda: job not in slurm.jobs(), 15, slurm.logs)
     wait("GPUs released", lambda: slurm.locks(node) == {}, 5, slurm.logs)
+    wait(
+        "the Epilog's release reached the agent",
+        lambda: re.search(rf"job {job}: Epilog \(root .*\) released GPU", slurm.agent_log(node)),
+        5,
+        slurm.logs,
+    )
 
 
 def test_malformed_deadline_is_refused_at_submit(slurm: Cluster) -> None:

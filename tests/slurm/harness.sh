@@ -14,6 +14,9 @@
 #   CDGPC_PYTHON             interpreter the hooks run with (absolute)   default: .venv, else python3
 #   CDGPC_SLURM_HOOK_CONFIG  cdgpc.toml the hooks read                    default: none (defaults)
 #   CDGPC_SLURM_SKIP_INSTALL=1  never run apt-get
+# $LAB/hooks/env/NODE (optional, KEY=VALUE lines) is exported to NODE's hooks only: every node
+# here shares one host and one hook config, so a test names each node's own agent that way
+# (CDGPC_NODE_LISTEN_PORT=...), as each real node's /etc/cdgpc/cdgpc.toml would.
 # Every hook run appends "job node start_s end_s rc" to $LAB/log/{prolog,epilog}-times.log.
 # Exit status of start: 0 ready; 1 failed (logs printed); 3 Slurm not installable here.
 set -euo pipefail
@@ -87,6 +90,7 @@ write_hooks() {
         cat >"$LAB/hooks/$kind" <<EOF
 #!/bin/bash
 t0=\$EPOCHREALTIME
+if [ -r "$LAB/hooks/env/\$SLURMD_NODENAME" ]; then set -a; . "$LAB/hooks/env/\$SLURMD_NODENAME"; set +a; fi
 $LAB/hooks/real/cdgpc-$kind
 rc=\$?
 echo "\$SLURM_JOB_ID \$SLURMD_NODENAME \$t0 \$EPOCHREALTIME \$rc" >>$LAB/log/$kind-times.log
@@ -111,7 +115,7 @@ put_etc() {  # put_etc NAME: move a foreign /etc/slurm/NAME aside; ours is repla
 
 do_config() {
     local i n idx
-    mkdir -p "$LAB"/{state/ctld,log,run,hooks/real,spool,out,etc-orig} "$ETC"
+    mkdir -p "$LAB"/{state/ctld,log,run,hooks/real,hooks/env,spool,out,etc-orig} "$ETC"
     chmod 700 "$LAB/spool"
     for n in "${NODES[@]}"; do mkdir -p "$LAB/state/$n" "$LAB/dev/$n"; done
     idx=0
