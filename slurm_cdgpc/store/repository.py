@@ -15,7 +15,7 @@ import math
 import re
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from contextvars import ContextVar
 from typing import Any, TypeVar, cast
 
@@ -263,15 +263,18 @@ class Store:
         if checked:
             with self._begin(write=True) as session:
                 session.flush()  # a joined transaction's pending ORM changes come first
+                sql = _JobSql.of(session)
                 for attempt in range(_REGISTER_ATTEMPTS):
                     try:
-                        with session.begin_nested():
-                            _register_checked(session, checked, outcomes)
+                        with sql.attempt(session):
+                            _register_checked(session, sql, checked, outcomes)
                         break
                     except _RegistrationRaceError:
                         # PostgreSQL: another writer inserted one of our new job ids after we
                         # looked; start over from the savepoint, now seeing that row
                         logger.info("job registration raced another writer (attempt %d)", attempt)
+                        if not sql.may_race:  # no savepoint to start over from
+                            raise StoreError("job registration raced another writer") from None
                 else:
                     raise StoreError("job registration kept racing another writer; try again")
                 if session.identity_map:  # rows a joined transaction loaded may be stale now
@@ -767,8 +770,59 @@ def _job(row: JobRow) -> Job:
     )
 
 
+_JOB_COLUMNS: tuple[str, ...] = tuple(c.name for c in _JOBS.columns)
+#: rows per multi-row INSERT: 8 columns each stays far under either database's bind limit
+_INSERT_ROWS = 500
+
+
+@dataclasses.dataclass(frozen=True)
+class _JobSql:
+    """The registration's three hot statements as the driver's own SQL, made once per dialect.
+
+    Through SQLAlchemy Core each statement cost more than the database's work on it (building
+    the statement, its cache key, the per-row parameter processing), and a batch of 40
+    registrations spent 2.3-3.3 ms in the store, a third of the head's CPU under a burst of
+    Prologs; as driver SQL the same batch takes 1.2 ms. They still run on the session's
+    connection, in its transaction, with SQLAlchemy's error handling. The columns are plain
+    text, floats and integers, which both drivers bind and return as they are.
+    """
+
+    placeholder: str
+    #: another writer can insert a job id between our read and our write (PostgreSQL); SQLite's
+    #: ``BEGIN IMMEDIATE`` shuts every other writer out until the commit
+    may_race: bool
+
+    @staticmethod
+    def of(session: Session) -> _JobSql:
+        dialect = session.get_bind().dialect
+        placeholder = "?" if dialect.paramstyle == "qmark" else "%s"
+        return _JobSql(placeholder, may_race=dialect.name != "sqlite")
+
+    def attempt(self, session: Session) -> AbstractContextManager[object]:
+        """A savepoint to start over from where a race is possible; nothing where it is not
+        (two statements a batch)."""
+        return session.begin_nested() if self.may_race else nullcontext()
+
+    def select_jobs(self, count: int) -> str:
+        lock = " FOR UPDATE" if self.may_race else ""
+        marks = ", ".join([self.placeholder] * count)
+        return f"SELECT {', '.join(_JOB_COLUMNS)} FROM jobs WHERE job_id IN ({marks}){lock}"
+
+    def insert_jobs(self, count: int) -> str:
+        row = "(" + ", ".join([self.placeholder] * len(_JOB_COLUMNS)) + ")"
+        return (
+            f"INSERT INTO jobs ({', '.join(_JOB_COLUMNS)}) VALUES {', '.join([row] * count)} "
+            "ON CONFLICT (job_id) DO NOTHING RETURNING job_id"
+        )
+
+    def insert_gpus(self) -> str:
+        marks = ", ".join([self.placeholder] * 3)
+        return f"INSERT INTO job_gpus (job_id, node, gpu_index) VALUES ({marks})"
+
+
 def _register_checked(
     session: Session,
+    sql: _JobSql,
     checked: Sequence[tuple[int, JobRegistration, list[dict[str, Any]], float]],
     outcomes: list[Job | InputError | None],
 ) -> None:
@@ -779,8 +833,8 @@ def _register_checked(
     ids = sorted({r.job_id for _, r, _, _ in checked})
     rows: dict[str, dict[str, Any]] = {}
     for chunk in _chunks(ids):
-        query = select(jobs).where(jobs.c.job_id.in_(chunk)).with_for_update()
-        rows.update((row.job_id, dict(row._mapping)) for row in connection.execute(query))
+        found = connection.exec_driver_sql(sql.select_jobs(len(chunk)), tuple(chunk))
+        rows.update((row[0], dict(zip(_JOB_COLUMNS, row, strict=True))) for row in found)
     held: dict[str, dict[str, set[int]]] = {job_id: {} for job_id in rows}
     for chunk in _chunks(sorted(rows)):
         query = select(job_gpus).where(job_gpus.c.job_id.in_(chunk))
@@ -835,14 +889,11 @@ def _register_checked(
             held[r.job_id][g["node"]].add(g["gpu_index"])
         changed.add(r.job_id)
         outcomes[i] = _job_record(row, held[r.job_id])
-    if new_ids:
-        inserted = connection.execute(
-            _upsert(session, jobs)
-            .on_conflict_do_nothing(index_elements=["job_id"])
-            .returning(jobs.c.job_id),
-            [rows[job_id] for job_id in new_ids],
-        ).all()
-        if len(inserted) != len(new_ids):
+    for start in range(0, len(new_ids), _INSERT_ROWS):
+        chunk = new_ids[start : start + _INSERT_ROWS]
+        values = tuple(rows[job_id][c] for job_id in chunk for c in _JOB_COLUMNS)
+        inserted = connection.exec_driver_sql(sql.insert_jobs(len(chunk)), values).all()
+        if len(inserted) != len(chunk):
             raise _RegistrationRaceError()
     known = sorted(changed.difference(new_ids))
     if known:
@@ -856,13 +907,13 @@ def _register_checked(
         for chunk in _chunks(known):
             connection.execute(delete(job_gpus).where(job_gpus.c.job_id.in_(chunk)))
     gpu_rows = [
-        {"job_id": job_id, "node": node, "gpu_index": index}
+        (job_id, node, index)
         for job_id in sorted(changed)
         for node, indices in held[job_id].items()
         for index in indices
     ]
     if gpu_rows:
-        connection.execute(insert(job_gpus), gpu_rows)
+        connection.exec_driver_sql(sql.insert_gpus(), gpu_rows)
 
 
 def _job_record(values: Mapping[str, Any], held: Mapping[str, Iterable[int]]) -> Job:
