@@ -184,6 +184,15 @@ def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return result
 
 
+#: made once: ``json.loads`` and ``json.dumps`` with options build a new decoder or encoder on
+#: every call, a few microseconds each on every request and answer (both are stateless between
+#: calls, as the standard library's own shared default ones are)
+_DECODER: Final = json.JSONDecoder(
+    parse_constant=_reject_constant, object_pairs_hook=_no_duplicates
+)
+_ENCODER: Final = json.JSONEncoder(separators=(",", ":"), allow_nan=False)
+
+
 def load_json(data: bytes | str, limit_bytes: int = MAX_MESSAGE_BYTES) -> object:
     """Decode one JSON document of at most ``limit_bytes`` UTF-8 bytes, strictly."""
     raw = data.encode("utf-8", "surrogatepass") if isinstance(data, str) else data
@@ -196,7 +205,7 @@ def load_json(data: bytes | str, limit_bytes: int = MAX_MESSAGE_BYTES) -> object
     except UnicodeDecodeError:
         raise ProtocolError("message is not UTF-8") from None
     try:
-        return json.loads(text, parse_constant=_reject_constant, object_pairs_hook=_no_duplicates)
+        return _DECODER.decode(text)
     except ProtocolError:
         raise
     except RecursionError:
@@ -208,7 +217,7 @@ def load_json(data: bytes | str, limit_bytes: int = MAX_MESSAGE_BYTES) -> object
 
 def dump_json(data: object) -> bytes:
     """Compact, ASCII-only JSON (NaN and Infinity are refused: they are not JSON)."""
-    return json.dumps(data, separators=(",", ":"), allow_nan=False).encode("ascii")
+    return _ENCODER.encode(data).encode("ascii")
 
 
 # -- the exchange request ----------------------------------------------------------------------
