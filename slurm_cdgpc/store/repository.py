@@ -777,7 +777,7 @@ _INSERT_ROWS = 500
 
 @dataclasses.dataclass(frozen=True)
 class _JobSql:
-    """The registration's three hot statements as the driver's own SQL, made once per dialect.
+    """The registration's three hot statements as the driver's own SQL, for one dialect.
 
     Through SQLAlchemy Core each statement cost more than the database's work on it (building
     the statement, its cache key, the per-row parameter processing), and a batch of 40
