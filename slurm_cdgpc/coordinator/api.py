@@ -452,9 +452,7 @@ class _Handler(JsonHandler):
 
         def committed(outcome: Callable[[], Job]) -> None:
             try:
-                answer = job_dict(outcome(), self.server.job_views())
-                logger.info("job %s: registration from %s", job, principal)
-                self._send(HTTPStatus.OK, answer)
+                self._send(HTTPStatus.OK, job_dict(outcome(), self.server.job_views()))
             except Exception as e:  # refused, not committed, or a bug: one line either way
                 self._failed("POST", e)
             finally:
@@ -470,6 +468,7 @@ class _Handler(JsonHandler):
                 gpu_type=gpu_type,
                 deadline_s=deadline_s,
                 iterations_total=iterations_total,
+                sender=principal,
             )
         except BaseException:
             self.deferred = False  # refused before queueing: answered when this returns

@@ -328,6 +328,8 @@ class _Registration:
     deadline_s: float | None
     iterations_total: int | None
     adopted: bool = False
+    #: who sent it (the API's authenticated principal), for the log line
+    sender: object = None
 
 
 def _registration(
@@ -339,24 +341,28 @@ def _registration(
     deadline_s: float | None,
     iterations_total: int | None,
     adopted: bool,
+    sender: object = None,
 ) -> _Registration:
     if not gpus:
         raise InputError(f"job {job_id}: no GPUs on node {node}")
     spec = None if gpu_type is None else catalog_spec(gpu_type)
     return _Registration(
-        job_id, user, node, tuple(gpus), spec, deadline_s, iterations_total, adopted
+        job_id, user, node, tuple(gpus), spec, deadline_s, iterations_total, adopted, sender
     )
 
 
 def _log_registration(r: _Registration) -> None:
+    """One line per registration, with its sender when it came through the API."""
     logger.info(
-        "job %s: registered by %s on %s GPU(s) %s (deadline %s, %s iterations)",
+        "job %s: registered by %s on %s GPU(s) %s (deadline %s, %s iterations)%s%s",
         r.job_id,
         r.user,
         r.node,
         ",".join(map(str, r.gpus)),
         r.deadline_s,
         r.iterations_total,
+        "" if r.sender is None else ", sent by ",
+        "" if r.sender is None else r.sender,
     )
 
 
@@ -516,13 +522,15 @@ class Coordinator:
         gpu_type: str | None = None,
         deadline_s: float | None = None,
         iterations_total: int | None = None,
+        sender: object = None,
     ) -> None:
         """`register_job` without waiting: once committed (or refused), ``then(outcome)`` is
         called, where ``outcome()`` returns the job or raises, on the thread that committed the
         batch (this one when none was in progress). ``then`` must not block. A request that is
-        malformed (`InputError`) raises here, before anything is queued."""
+        malformed (`InputError`) raises here, before anything is queued. ``sender``: who sent
+        it, named in the registration's log line."""
         registration = _registration(
-            job_id, user, node, gpus, gpu_type, deadline_s, iterations_total, adopted=False
+            job_id, user, node, gpus, gpu_type, deadline_s, iterations_total, False, sender
         )
         self._registrations.submit_later(registration, then)
 
