@@ -16,6 +16,8 @@ from collections.abc import Callable
 from slurm_cdgpc.errors import CdgpcError, InputError
 
 DEBUG_ENV = "CDGPC_DEBUG"
+#: one line per event; journald adds the time
+LOG_FORMAT = "%(levelname)s %(name)s: %(message)s"
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +47,7 @@ def serve(prog: str, body: Callable[[], int]) -> int:
     logging.basicConfig(
         stream=sys.stderr,
         level=logging.DEBUG if debug else logging.INFO,
-        format="%(levelname)s %(name)s: %(message)s",
+        format=LOG_FORMAT,
     )
     try:
         return body()
