@@ -215,7 +215,7 @@ class _Handler(JsonHandler):
             return
         held, refused = self.server.agent.hold_job(job, gpus)
         logger.info(
-            "job %s: Prolog (%s) held GPU(s) %s at the safe cap",
+            "job %s: Prolog (%s) held GPU(s) %s (safe cap, or the head's earlier setpoint)",
             job,
             principal,
             held or "none",

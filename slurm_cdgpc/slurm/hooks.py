@@ -326,7 +326,7 @@ def make_local_hold(
         )
         held = reply.get("held", []) if isinstance(reply, dict) else []
         refused = reply.get("refused", []) if isinstance(reply, dict) else []
-        line = f"GPU(s) {held or 'none'} held at the safe cap here"
+        line = f"GPU(s) {held or 'none'} held here (safe cap, or the head's earlier setpoint)"
         if refused:
             line += f" ({len(refused)} refused: {' '.join(str(refused[0]).split())[:120]})"
         return line

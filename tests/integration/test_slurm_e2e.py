@@ -278,7 +278,7 @@ def test_job_registers_gets_clocks_and_is_deregistered(slurm: Cluster) -> None:
     assert slurm.locks(other) == {}
     # the Prolog held the job's GPUs through its own node's agent (at the safe cap, or at the
     # head's setpoint if that came first); the other node's agent heard nothing of the job
-    held = rf"job {job}: Prolog \(root \(uid 0\b.*\) held GPU\(s\) \[0, 1\] at the safe cap"
+    held = rf"job {job}: Prolog \(root \(uid 0\b.*\) held GPU\(s\) \[0, 1\] \(safe cap"
     assert re.search(held, slurm.agent_log(node)), slurm.logs()
     assert f"job {job}:" not in slurm.agent_log(other)
     wait("job deregistered after it ended", lambda: job not in slurm.jobs(), 15, slurm.logs)

@@ -122,7 +122,7 @@ def test_the_prolog_holds_the_jobs_gpus_after_registering_whatever_the_head_says
     def holder(_s: HookSettings, _e: object) -> Callable[[str, Sequence[int]], str]:
         def hold(job_id: str, gpus: Sequence[int]) -> str:
             order.append(f"hold {job_id} {list(gpus)}")
-            return "GPU(s) [0, 1] held at the safe cap here"
+            return "GPU(s) [0, 1] held here (safe cap, or the head's earlier setpoint)"
 
         return hold
 
@@ -140,7 +140,7 @@ def test_the_prolog_holds_the_jobs_gpus_after_registering_whatever_the_head_says
         )
         assert status == 0 and order == ["register", "hold 42 [0, 1]"]
         [line] = lines
-        assert action in line and "held at the safe cap here" in line
+        assert action in line and "GPU(s) [0, 1] held here" in line
 
 
 def test_a_hold_that_fails_is_noted_and_changes_nothing_else(tmp_path: Path) -> None:
