@@ -161,6 +161,14 @@ def _list(value: object, where: str, limit: int) -> list[Any]:
     return value
 
 
+def gpu_indices(value: object, where: str) -> tuple[int, ...]:
+    """A JSON array of GPU indices (at most `MAX_GPUS`), else `ProtocolError` naming the entry."""
+    return tuple(
+        _int(item, f"{where}[{i}]", 0, MAX_GPU_INDEX)
+        for i, item in enumerate(_list(value, where, MAX_GPUS))
+    )
+
+
 def _version(data: Mapping[str, Any]) -> int:
     version = data["version"]
     if isinstance(version, int) and not isinstance(version, bool) and version == VERSION:
@@ -320,10 +328,7 @@ class ExchangeRequest:
             Setpoint.from_dict(item, f"setpoints[{i}]")
             for i, item in enumerate(_list(d["setpoints"], "setpoints", MAX_GPUS))
         )
-        release = tuple(
-            _int(item, f"release[{i}]", 0, MAX_GPU_INDEX)
-            for i, item in enumerate(_list(d["release"], "release", MAX_GPUS))
-        )
+        release = gpu_indices(d["release"], "release")
         seen: set[int] = set()
         for i, s in enumerate(setpoints):
             if s.gpu in seen:

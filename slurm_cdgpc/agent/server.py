@@ -31,14 +31,13 @@ from typing import Any, Final
 from slurm_cdgpc.agent.node import NodeAgent, StaleEpochError, WrongNodeError
 from slurm_cdgpc.agent.protocol import (
     HOLD_PATH,
-    MAX_GPU_INDEX,
-    MAX_GPUS,
     MAX_MESSAGE_BYTES,
     RELEASE_PATH,
     ExchangeRequest,
     MessageTooLargeError,
     ProtocolError,
     dump_json,
+    gpu_indices,
     job_id,
     load_json,
 )
@@ -202,16 +201,13 @@ class _Handler(JsonHandler):
         if request is None:
             return
         data, principal = request
-        job, gpus = data["job_id"], data["gpus"]
-        if not (
-            isinstance(gpus, list)
-            and 0 < len(gpus) <= MAX_GPUS
-            and all(type(g) is int and 0 <= g <= MAX_GPU_INDEX for g in gpus)
-        ):
-            self._error(
-                HTTPStatus.BAD_REQUEST,
-                f"hold: gpus must be a list of 1..{MAX_GPUS} GPU indices",
-            )
+        job = data["job_id"]
+        try:
+            gpus = gpu_indices(data["gpus"], "hold: gpus")
+            if not gpus:
+                raise ProtocolError("hold: gpus: at least one GPU index is needed")
+        except ProtocolError as e:
+            self._error(HTTPStatus.BAD_REQUEST, str(e))
             return
         held, refused = self.server.agent.hold_job(job, gpus)
         logger.info(
