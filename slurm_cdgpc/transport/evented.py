@@ -477,21 +477,23 @@ class EventLoop:
 
     def _serve(self, conn: _Connection, request: bytes) -> None:
         h = self._handler(conn, request)
+        failed = False
         try:
             h.handle_one_request()
         except Exception:
             logger.exception("internal error serving %s", conn.peer)
-            if not h.deferred:
-                h.deliver = None
-                self._reply(conn, b"", True)
+            failed = True
+        if h.deferred:
             return
-        if not h.deferred:
-            # the handler and its ``deliver`` form a cycle: broken here (or by ``deliver``
-            # itself, when the handler deferred), every request's objects go as soon as it
-            # is answered, not at the collector's next pass. Left to the collector they were
-            # most of what it walked: a tenth of the head's CPU under a burst of Prologs, and
-            # full passes of 13-40 ms with the GIL held.
-            h.deliver = None
+        # the handler and its ``deliver`` form a cycle: broken here (or by ``deliver`` itself,
+        # when the handler deferred), every request's objects go as soon as it is answered,
+        # not at the collector's next pass. Left to the collector they were most of what it
+        # walked: a tenth of the head's CPU under a burst of Prologs, and full passes of
+        # 13-40 ms with the GIL held.
+        h.deliver = None
+        if failed:
+            self._reply(conn, b"", True)
+        else:
             self._reply(conn, _written(h), h.close_connection)
 
     def _reply(self, conn: _Connection, data: bytes, close: bool) -> None:
