@@ -13,7 +13,7 @@ The schema lives in versioned SQL files under ``sql/`` (`slurm_cdgpc.store.migra
 
 from __future__ import annotations
 
-from slurm_cdgpc.store.engine import StoreError, make_engine
+from slurm_cdgpc.store.engine import StoreBusyError, StoreError, make_engine
 from slurm_cdgpc.store.migrate import MigrationError, current_version, upgrade
 from slurm_cdgpc.store.records import (
     ACTIVE_STATES,
@@ -42,6 +42,7 @@ __all__ = [
     "RlsState",
     "Setpoint",
     "Store",
+    "StoreBusyError",
     "StoreError",
     "current_version",
     "make_engine",

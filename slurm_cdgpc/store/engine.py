@@ -28,6 +28,9 @@ logger = logging.getLogger(__name__)
 
 #: Connection execution option: this transaction writes (SQLite: ``BEGIN IMMEDIATE``).
 WRITE = "cdgpc_write"
+#: Connection execution option: this write transaction takes the write lock now or fails
+#: (SQLite's busy timeout is 0 for its ``BEGIN IMMEDIATE`` alone); see `Store.transaction`.
+NOWAIT = "cdgpc_nowait"
 #: Seconds a SQLite connection waits for another writer before giving up.
 SQLITE_BUSY_TIMEOUT_S = 30.0
 #: PostgreSQL ends a session whose transaction sat idle this long (a head paused mid-write, its
@@ -37,6 +40,11 @@ IDLE_IN_TRANSACTION_S = 30
 
 class StoreError(SoftError):
     """The database could not be reached or refused a write; nothing was changed."""
+
+
+class StoreBusyError(StoreError):
+    """A transaction that was not to wait found another writer holding the database: it did
+    nothing, and the same transaction may be run by a thread that can wait."""
 
 
 def make_engine(url: str, *, echo: bool = False) -> Engine:
@@ -92,8 +100,23 @@ def _postgresql_connect(dbapi_connection: Any, _record: Any) -> None:
 
 
 def _sqlite_begin(connection: Connection) -> None:
-    write = connection.get_execution_options().get(WRITE, False)
-    connection.exec_driver_sql("BEGIN IMMEDIATE" if write else "BEGIN")
+    options = connection.get_execution_options()
+    if not options.get(NOWAIT, False):
+        connection.exec_driver_sql("BEGIN IMMEDIATE" if options.get(WRITE, False) else "BEGIN")
+        return
+    connection.exec_driver_sql("PRAGMA busy_timeout = 0")
+    try:
+        connection.exec_driver_sql("BEGIN IMMEDIATE")
+    finally:  # the pooled connection waits again, inside this transaction and after it
+        connection.exec_driver_sql(f"PRAGMA busy_timeout = {round(SQLITE_BUSY_TIMEOUT_S * 1000)}")
+
+
+def is_busy(error: SQLAlchemyError) -> bool:
+    """Whether ``error`` is SQLite's: another connection holds the lock asked for."""
+    return getattr(getattr(error, "orig", None), "sqlite_errorname", "") in {
+        "SQLITE_BUSY",
+        "SQLITE_BUSY_SNAPSHOT",
+    }
 
 
 @contextmanager

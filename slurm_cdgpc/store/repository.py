@@ -34,13 +34,21 @@ from sqlalchemy import (
     update,
 )
 from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, selectinload
 
 from slurm_cdgpc.errors import InputError
 from slurm_cdgpc.model.estimator import JobStatics
 from slurm_cdgpc.model.families import TIME_PARAMS, power_family
 from slurm_cdgpc.store.codec import decode_f64, encode_f64, vector_length
-from slurm_cdgpc.store.engine import WRITE, StoreError, translated_errors
+from slurm_cdgpc.store.engine import (
+    NOWAIT,
+    WRITE,
+    StoreBusyError,
+    StoreError,
+    is_busy,
+    translated_errors,
+)
 from slurm_cdgpc.store.records import (
     BudgetChange,
     DecisionRecord,
@@ -113,25 +121,38 @@ class Store:
     # -- transactions ----------------------------------------------------------------------
 
     @contextmanager
-    def transaction(self) -> Iterator[Connection]:
+    def transaction(self, *, wait: bool = True) -> Iterator[Connection]:
         """Every store call inside the block commits together at its end, or not at all. Yields
         the transaction's connection, for a statement of the caller's own to join it (the
-        leader lock's renewal, `LeaderLock.confirm`)."""
-        with self._begin(write=True) as session:
+        leader lock's renewal, `LeaderLock.confirm`).
+
+        ``wait=False`` (a thread that must not block: the API's event loop) raises
+        `StoreBusyError` before the block runs, having done nothing, when another writer holds
+        SQLite's write lock; on PostgreSQL, where every statement is a round trip to a server
+        that may itself wait, always."""
+        with self._begin(write=True, wait=wait) as session:
             yield session.connection()
 
     @contextmanager
-    def _begin(self, *, write: bool) -> Iterator[Session]:
+    def _begin(self, *, write: bool, wait: bool = True) -> Iterator[Session]:
         joined = self._session.get(None)
         if joined is not None:
             yield joined
             return
+        if not wait and self.engine.dialect.name != "sqlite":
+            raise StoreBusyError(f"store: a {self.engine.dialect.name} transaction may wait")
         with (
             translated_errors("store"),
             self.engine.connect() as connection,
         ):
-            connection.execution_options(**{WRITE: write})  # in place (SQLAlchemy 2)
-            with connection.begin(), Session(bind=connection, expire_on_commit=False) as session:
+            connection.execution_options(**{WRITE: write, NOWAIT: not wait})  # in place
+            try:
+                transaction = connection.begin()
+            except SQLAlchemyError as e:
+                if not wait and is_busy(e):
+                    raise StoreBusyError("store: another writer holds the database") from None
+                raise
+            with transaction, Session(bind=connection, expire_on_commit=False) as session:
                 token = self._session.set(session)
                 try:
                     yield session

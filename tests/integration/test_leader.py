@@ -261,12 +261,12 @@ class PausingStore(Store):
     armed: tuple[LeaderLock, LeaderLock] | None = None
 
     @contextmanager
-    def transaction(self) -> Iterator[Connection]:
+    def transaction(self, *, wait: bool = True) -> Iterator[Connection]:
         if self.armed is not None:
             (paused, taker), self.armed = self.armed, None
             _expire(paused)
             assert taker.try_acquire()
-        with super().transaction() as connection:
+        with super().transaction(wait=wait) as connection:
             yield connection
 
 

@@ -28,6 +28,7 @@ from slurm_cdgpc.store import (
     RlsState,
     Setpoint,
     Store,
+    StoreBusyError,
     StoreError,
     current_version,
     make_engine,
@@ -480,6 +481,31 @@ def test_an_interval_commits_whole_or_not_at_all(store: Store, engine: Engine) -
         _decide(store, 1)
         store.record_measurements([_sample(T0_S)])
     assert len(store.decisions()) == 1 and len(store.measurements()) == 1
+
+
+def test_a_transaction_that_may_not_wait_fails_at_once_while_another_writer_holds_the_store(
+    store: Store, engine: Engine
+) -> None:
+    if engine.dialect.name != "sqlite":  # every PostgreSQL statement is a round trip: never
+        with pytest.raises(StoreBusyError, match="may wait"), store.transaction(wait=False):
+            store.set_budget(1e3, "root")
+        assert store.current_budget() is None
+        return
+    with engine.connect() as other:
+        other.execution_options(cdgpc_write=True)
+        with other.begin():  # BEGIN IMMEDIATE: another writer holds the write lock
+            started = time.monotonic()
+            with (
+                pytest.raises(StoreBusyError, match="another writer"),
+                store.transaction(wait=False),
+            ):
+                raise AssertionError("the block ran without the write lock")
+            assert time.monotonic() - started < 5.0  # at once, not after the 30 s busy timeout
+    with store.transaction(wait=False):  # free again: it writes, and commits
+        store.set_budget(2e3, "root")
+    assert store.current_budget().budget_w == 2e3  # type: ignore[union-attr]
+    with engine.connect() as conn:  # and the pooled connection waits for writers again
+        assert conn.exec_driver_sql("PRAGMA busy_timeout").scalar() == 30_000
 
 
 @pytest.mark.postgres
