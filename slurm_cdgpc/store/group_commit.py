@@ -15,6 +15,11 @@ failed.
 `GroupCommit.submit_later` queues a request with a function to call with its outcome instead
 of waiting for it (the head's event-loop front end answers registrations that way, without a
 thread per request): nobody waits on such a request, so whoever leads keeps leading through it.
+
+A thread that must never block (an event loop's) queues with ``lead=False`` and commits what
+it queued at a moment of its choosing with `GroupCommit.lead_queued`, giving a batch function
+that refuses to wait (`WouldBlockError`, before it has done anything): the batch then stays queued
+as it was, and a thread that may wait commits it.
 """
 
 from __future__ import annotations
@@ -29,6 +34,11 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 R = TypeVar("R")
+
+
+class WouldBlockError(Exception):
+    """Raised by a batch function given to `GroupCommit.lead_queued` when it could start only
+    by waiting (for a lock another writer holds); it has done nothing of the batch."""
 
 
 @dataclass(eq=False)
@@ -91,33 +101,60 @@ class GroupCommit(Generic[T, R]):
             ticket.ready.wait()
             if not ticket.lead:
                 return ticket.outcome()
-        self._lead()
+        self._lead(self._apply)
         return ticket.outcome()
 
-    def submit_later(self, item: T, then: Callable[[Callable[[], R]], None]) -> None:
+    def submit_later(
+        self, item: T, then: Callable[[Callable[[], R]], None], *, lead: bool = True
+    ) -> None:
         """Queue ``item``; once its batch has committed or failed, ``then(outcome)`` is called on
         the thread that applied the batch (this one, when no batch was in progress), where
-        ``outcome()`` returns the result or raises the error. ``then`` must not block."""
+        ``outcome()`` returns the result or raises the error. ``then`` must not block.
+
+        With ``lead=False`` this only queues, even with no batch in progress: the caller then
+        has what it queued committed by `lead_queued`."""
         ticket: _Ticket[T, R] = _Ticket(item, then=lambda t: then(t.outcome))
         with self._lock:
             self._queue.append(ticket)
-            if self._busy:
+            if self._busy or not lead:
                 return
             self._busy = ticket.lead = True
-        self._lead()
+        self._lead(self._apply)
 
-    def _lead(self) -> None:
+    def lead_queued(
+        self, apply: Callable[[Sequence[T]], Sequence[R | Exception]] | None = None
+    ) -> bool:
+        """Commit what is queued, batch after batch, unless a batch is in progress (its leader
+        takes it). ``apply`` stands in for the batch function; when it raises `WouldBlockError`, its
+        batch goes back to the head of the queue as it was and this returns False: the caller
+        must then have it committed by a thread that may wait (``lead_queued()`` there)."""
+        if not self._queue:  # unlocked: a request queued just now is its submitter's to lead
+            return True
+        with self._lock:
+            if self._busy or not self._queue:
+                return True
+            self._busy = True
+        return self._lead(self._apply if apply is None else apply)
+
+    def _lead(self, apply: Callable[[Sequence[T]], Sequence[R | Exception]]) -> bool:
+        """Lead batches until nobody is left for whom this thread must; False when ``apply``
+        would block (its batch is queued again, first)."""
         while True:
             with self._lock:
                 batch = self._queue[: self.max_batch]
                 self._queue = self._queue[self.max_batch :]
             try:
-                self._run(batch)
+                applied = self._run(batch, apply)
             except BaseException:
                 self._pass_lead(keep=False)
                 raise
+            if not applied:
+                with self._lock:
+                    self._queue[:0] = batch
+                self._pass_lead(keep=False)
+                return False
             if not self._pass_lead(keep=True):
-                return
+                return True
 
     def _pass_lead(self, *, keep: bool) -> bool:
         """After a batch, hand the lead to the caller waiting on the next one; True when nobody
@@ -134,13 +171,21 @@ class GroupCommit(Generic[T, R]):
         following.ready.set()
         return False
 
-    def _run(self, batch: list[_Ticket[T, R]]) -> None:
+    def _run(
+        self,
+        batch: list[_Ticket[T, R]],
+        apply: Callable[[Sequence[T]], Sequence[R | Exception]],
+    ) -> bool:
+        """Apply ``batch`` and hand each request its outcome; False, nothing done, when
+        ``apply`` would block."""
         try:
-            outcomes = self._apply([t.item for t in batch])
+            outcomes = apply([t.item for t in batch])
             if len(outcomes) != len(batch):
                 raise RuntimeError(
                     f"group commit: {len(outcomes)} outcome(s) for {len(batch)} request(s)"
                 )
+        except WouldBlockError:
+            return False
         except BaseException as e:
             for t in batch:
                 t.error, t.done = e, True
@@ -151,15 +196,18 @@ class GroupCommit(Generic[T, R]):
                 else:
                     t.value = outcome
                 t.done = True
-        finally:
-            self.batches += 1
-            self.largest_batch = max(self.largest_batch, len(batch))
-            for t in batch:
-                if t.then is not None:
-                    try:
-                        t.then(t)
-                    except Exception:
-                        logger.exception("group commit: an outcome's consumer failed")
-                elif not t.lead:
-                    assert t.ready is not None
-                    t.ready.set()
+        self._finish(batch)
+        return True
+
+    def _finish(self, batch: list[_Ticket[T, R]]) -> None:
+        self.batches += 1
+        self.largest_batch = max(self.largest_batch, len(batch))
+        for t in batch:
+            if t.then is not None:
+                try:
+                    t.then(t)
+                except Exception:
+                    logger.exception("group commit: an outcome's consumer failed")
+            elif not t.lead:
+                assert t.ready is not None
+                t.ready.set()

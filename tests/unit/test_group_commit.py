@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from slurm_cdgpc.errors import InputError
-from slurm_cdgpc.store.group_commit import GroupCommit
+from slurm_cdgpc.store.group_commit import GroupCommit, WouldBlockError
 
 WAIT_S = 10.0  # correctness deadline on a loaded machine, never a speed bound
 
@@ -190,3 +190,61 @@ def test_a_failed_batch_reaches_every_later_request_and_a_bad_consumer_harms_nob
     assert [str(e) for e in seen] == ["disk full"]
     recorder.fail_with = None
     assert group.submit(3) == 9  # the group still works
+
+
+# -- lead=False and lead_queued: a thread that must not block (an event loop's) ----------------
+
+
+def _busy(items: Sequence[int]) -> list[int | Exception]:
+    raise WouldBlockError
+
+
+def test_requests_queued_without_leading_commit_together_when_their_thread_leads() -> None:
+    recorder = _Recorder()
+    group: GroupCommit[int, int] = GroupCommit(recorder)
+    seen: dict[int, Any] = {}
+    for item in (1, -2, 3):
+        group.submit_later(
+            item, lambda get, item=item: seen.__setitem__(item, _outcome(get)), lead=False
+        )
+    assert recorder.batches == [] and group.waiting() == 3  # queued, nothing applied
+    assert group.lead_queued() is True
+    assert recorder.batches == [[1, -2, 3]]
+    assert seen[1] == 1 and seen[3] == 9 and isinstance(seen[-2], InputError)
+    assert group.lead_queued() is True and recorder.batches == [[1, -2, 3]]  # nothing left
+
+
+def test_a_batch_that_would_block_stays_queued_as_it_was_for_a_thread_that_may_wait() -> None:
+    recorder = _Recorder()
+    group: GroupCommit[int, int] = GroupCommit(recorder)
+    seen: list[tuple[int, Any]] = []
+    for item in (4, 5, 6):
+        group.submit_later(
+            item, lambda get, item=item: seen.append((item, _outcome(get))), lead=False
+        )
+    assert group.lead_queued(_busy) is False
+    assert seen == [] and recorder.batches == [] and group.waiting() == 3
+    assert group.batches == 0  # a batch that would block is no batch
+    group.submit_later(7, lambda get: seen.append((7, _outcome(get))), lead=False)
+    waiter = threading.Thread(target=group.lead_queued, name="may-wait", daemon=True)
+    waiter.start()
+    waiter.join(WAIT_S)
+    assert recorder.batches == [[4, 5, 6, 7]]  # in the order they came, none lost or doubled
+    assert seen == [(4, 16), (5, 25), (6, 36), (7, 49)]
+    assert group.submit(2) == 4  # the lead was given back
+
+
+def test_leading_what_is_queued_while_a_batch_is_in_progress_leaves_it_to_that_leader() -> None:
+    recorder = _Recorder()
+    group: GroupCommit[int, int] = GroupCommit(recorder)
+    recorder.release.clear()
+    leader = threading.Thread(target=group.submit, args=(1,), daemon=True)
+    leader.start()
+    _until(lambda: len(recorder.batches) == 1)
+    seen: list[Any] = []
+    group.submit_later(2, lambda get: seen.append(_outcome(get)), lead=False)
+    assert group.lead_queued() is True  # at once: the batch in progress holds the lead
+    assert seen == []
+    recorder.release.set()
+    leader.join(WAIT_S)
+    assert recorder.batches == [[1], [2]] and seen == [4]
