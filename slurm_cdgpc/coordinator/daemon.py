@@ -95,9 +95,10 @@ from slurm_cdgpc.store import (
     ModelSnapshot,
     Node,
     Store,
+    StoreBusyError,
 )
 from slurm_cdgpc.store import Setpoint as StoredSetpoint
-from slurm_cdgpc.store.group_commit import GroupCommit
+from slurm_cdgpc.store.group_commit import GroupCommit, WouldBlockError
 from slurm_cdgpc.store.leader import LeadershipLostError
 from slurm_cdgpc.store.repository import JobRegistration
 from slurm_cdgpc.transport.http import NodeFailure, NodeTarget
@@ -523,23 +524,43 @@ class Coordinator:
         deadline_s: float | None = None,
         iterations_total: int | None = None,
         sender: object = None,
+        lead: bool = True,
     ) -> None:
         """`register_job` without waiting: once committed (or refused), ``then(outcome)`` is
         called, where ``outcome()`` returns the job or raises, on the thread that committed the
         batch (this one when none was in progress). ``then`` must not block. A request that is
         malformed (`InputError`) raises here, before anything is queued. ``sender``: who sent
-        it, named in the registration's log line."""
+        it, named in the registration's log line. ``lead=False``: only queue it, even with no
+        batch in progress, for `commit_queued_registrations`."""
         registration = _registration(
             job_id, user, node, gpus, gpu_type, deadline_s, iterations_total, False, sender
         )
-        self._registrations.submit_later(registration, then)
+        self._registrations.submit_later(registration, then, lead=lead)
 
-    def _register_batch(self, batch: Sequence[_Registration]) -> list[Job | Exception]:
+    def commit_queued_registrations(self, *, wait: bool) -> bool:
+        """Commit the registrations queued with ``lead=False``, unless a batch is in progress
+        (its leader takes them). ``wait=False`` (an event loop's thread): if another writer
+        holds the store, commit nothing and return False; they are then to be committed by a
+        thread that may wait, with ``wait=True``."""
+        if wait:
+            return self._registrations.lead_queued()
+        return self._registrations.lead_queued(self._register_batch_now)
+
+    def _register_batch_now(self, batch: Sequence[_Registration]) -> list[Job | Exception]:
+        return self._register_batch(batch, wait=False)
+
+    def _register_batch(
+        self, batch: Sequence[_Registration], *, wait: bool = True
+    ) -> list[Job | Exception]:
         """Register ``batch`` in one transaction; a refusal (`InputError`) is returned in place of
-        its job and changes nothing of it. Raises, committing nothing, if the store fails."""
+        its job and changes nothing of it. Raises, committing nothing, if the store fails.
+        ``wait=False``: raises `WouldBlockError`, having done nothing, rather than wait for another
+        writer (this head's, or another process's)."""
         outcomes: list[Job | Exception | None] = [None] * len(batch)
-        with self._write_lock:
-            with self.store.transaction():
+        if not self._write_lock.acquire(blocking=wait):
+            raise WouldBlockError
+        try:
+            with self.store.transaction(wait=wait):
                 refused, typed = self._register_nodes(batch)
                 accepted = [i for i, r in enumerate(batch) if r.node not in refused]
                 for i, r in enumerate(batch):
@@ -562,6 +583,10 @@ class Coordinator:
                     outcomes[i] = outcome
             if not self.store.in_transaction():  # committed: later batches may rely on it
                 self._typed_nodes.update(typed)
+        except StoreBusyError:
+            raise WouldBlockError from None
+        finally:
+            self._write_lock.release()
         for r, o in zip(batch, outcomes, strict=True):
             if isinstance(o, Job):
                 _log_registration(r)

@@ -159,7 +159,11 @@ class Signer(Protocol):
 
 
 class Verifier(Protocol):
-    """Checks credentials of incoming requests."""
+    """Checks credentials of incoming requests.
+
+    A verifier may also say ``in_process = True`` when `verify` is cheap and blocks on nothing:
+    the head then checks registrations on its event loop's thread rather than on a worker.
+    """
 
     @property
     def scheme(self) -> str: ...
@@ -516,6 +520,7 @@ class HmacVerifier:
     """Checks shared-key credentials; see the module docstring for what the claimed uid means."""
 
     scheme: Final = HMAC_SCHEME
+    in_process: Final = True
 
     def __init__(
         self,

@@ -14,6 +14,10 @@ Several servers may share one `EventLoop` (and its thread): ``bench exchange`` s
 hundred node agents from each of its processes that way, one listener each. With ``workers=0``
 handlers run on the loop's thread itself, with no hand-over: what ``cdgpc-noded`` does, whose
 one request per interval takes a millisecond and would only pay for the two thread switches.
+A server with workers may still choose requests to handle on the loop's thread
+(`EventedHttpServer.inline`: those whose handler blocks on nothing), and is told when each turn
+of the loop ends (`EventedHttpServer.turn_ended`), to finish together what those requests
+queued: the head checks HMAC-signed registrations that way and commits each turn's at once.
 
 The bounds: ``max_connections`` open at once and ``max_per_peer`` from
 one address (over either, a connection is closed at once), ``request_timeout_s`` for a
@@ -25,6 +29,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import io
 import logging
 import queue
@@ -32,6 +37,7 @@ import selectors
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -135,6 +141,15 @@ class EventedHttpServer:
     def port(self) -> int:
         return int(self.server_address[1])
 
+    def inline(self, request: bytes) -> bool:
+        """Whether to handle ``request`` (whole, as received) on the loop's thread rather than
+        hand it to a worker: only for a handler that blocks on nothing."""
+        return False
+
+    def turn_ended(self) -> None:
+        """Called on the loop's thread once a turn's ready sockets are served: what inline
+        handlers queued during the turn can be done together here (without blocking)."""
+
     def serve_forever(self) -> None:
         if not self._owns_loop:
             raise RuntimeError("this server's loop is shared: run the loop, not the server")
@@ -171,11 +186,13 @@ class EventLoop:
         self._outbox: collections.deque[tuple[_Connection, bytes, bool]] = collections.deque()
         self._wake_lock = threading.Lock()
         self._wake_pending = False
-        self._work: queue.SimpleQueue[tuple[_Connection, bytes] | None] = queue.SimpleQueue()
+        self._work: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._workers = [
             threading.Thread(target=self._worker, name="http-loop-worker", daemon=True)
             for _ in range(workers)
         ]
+        self._servers: list[EventedHttpServer] = []  # those with a `turn_ended` of their own
+        self._thread: int | None = None  # the loop's, while it runs
         self._stop = False
         self._stopped = threading.Event()
         self._stopped.set()  # shutdown() before serve_forever() returns at once
@@ -184,11 +201,15 @@ class EventLoop:
     def listen(self, server: EventedHttpServer) -> None:
         """Accept ``server``'s connections on this loop (call before the loop runs)."""
         self._selector.register(server.socket, selectors.EVENT_READ, server)
+        if type(server).turn_ended is not EventedHttpServer.turn_ended:
+            self._servers.append(server)  # told of every turn: not hundreds of agents for naught
 
     def forget(self, server: EventedHttpServer) -> None:
         """Stop accepting for ``server`` and close its connections."""
         with contextlib.suppress(KeyError, ValueError):
             self._selector.unregister(server.socket)
+        with contextlib.suppress(ValueError):
+            self._servers.remove(server)
         for conn in [c for c in self._open if c.server is server]:
             self._close(conn)
 
@@ -196,6 +217,7 @@ class EventLoop:
 
     def serve_forever(self) -> None:
         self._stopped.clear()
+        self._thread = threading.get_ident()
         if not self._started:
             self._started = True
             for t in self._workers:
@@ -205,9 +227,30 @@ class EventLoop:
                 timeout = max(0.0, self._next_sweep - time.monotonic()) if self._open else None
                 for key, mask in self._selector.select(timeout):
                     self._event(key.data, mask)
+                self._turn_ended()
                 self._expire()
         finally:
+            self._thread = None
             self._stopped.set()
+
+    def in_loop_thread(self) -> bool:
+        """Whether the caller runs on this loop's thread (an inline handler does)."""
+        return threading.get_ident() == self._thread
+
+    def run_in_worker(self, work: Callable[[], None]) -> None:
+        """Run ``work`` on a worker thread (on this one when the loop has none): work that may
+        block, which the loop's thread must never do."""
+        if self._workers:
+            self._work.put(work)
+        else:
+            work()
+
+    def _turn_ended(self) -> None:
+        for server in self._servers:
+            try:
+                server.turn_ended()
+            except Exception:
+                logger.exception("internal error after an HTTP event-loop turn")
 
     def _event(self, target: Any, mask: int) -> None:
         """One ready socket's work; a bug costs that connection, never the loop (which every
@@ -357,8 +400,8 @@ class EventLoop:
         self._watch(conn, 0)
         conn.working = True
         conn.close_after = close
-        if self._workers:
-            self._work.put((conn, request))
+        if self._workers and not conn.server.inline(request):
+            self._work.put(functools.partial(self._serve, conn, request))
         else:
             self._serve(conn, request)
 
@@ -383,7 +426,10 @@ class EventLoop:
     # -- answers ---------------------------------------------------------------------------------
 
     def answer(self, conn: _Connection, data: bytes, close: bool) -> None:
-        """Send a worker's (or a deferred handler's) answer to ``conn``: from any thread."""
+        """Send a handler's answer to ``conn``: from any thread (the loop's own sends it now)."""
+        if threading.get_ident() == self._thread:
+            self._deliver(conn, data, close)
+            return
         self._outbox.append((conn, data, close))
         self._wake()
 
@@ -472,8 +518,11 @@ class EventLoop:
         return h
 
     def _worker(self) -> None:
-        while (item := self._work.get()) is not None:
-            self._serve(*item)
+        while (work := self._work.get()) is not None:
+            try:
+                work()
+            except Exception:  # `_serve` answers its own errors: this is other work's
+                logger.exception("internal error in an HTTP worker")
 
     def _serve(self, conn: _Connection, request: bytes) -> None:
         h = self._handler(conn, request)
@@ -492,16 +541,9 @@ class EventLoop:
         # 13-40 ms with the GIL held.
         h.deliver = None
         if failed:
-            self._reply(conn, b"", True)
+            self.answer(conn, b"", True)
         else:
-            self._reply(conn, _written(h), h.close_connection)
-
-    def _reply(self, conn: _Connection, data: bytes, close: bool) -> None:
-        """A handler's answer: straight to the socket on the loop's thread, else through it."""
-        if self._workers:
-            self.answer(conn, data, close)
-        else:
-            self._deliver(conn, data, close)
+            self.answer(conn, _written(h), h.close_connection)
 
 
 def _header_end(buf: bytearray) -> int | None:

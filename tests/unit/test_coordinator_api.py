@@ -6,7 +6,9 @@ import http.client
 import json
 import secrets
 import socket
+import sqlite3
 import threading
+import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -85,7 +87,7 @@ def api(tmp_path: Path) -> Iterator[Api]:
     server = HeadHttpServer(
         ("127.0.0.1", 0), coordinator, HmacVerifier(key), AccessPolicy(hmac_is_admin=False)
     )
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread = threading.Thread(target=server.serve_forever, name="http-loop", daemon=True)
     thread.start()
     yield Api(server, coordinator, HmacSigner(key, uid=0, gid=0))
     server.shutdown()
@@ -321,3 +323,48 @@ def test_a_registration_whose_answer_fails_to_build_still_gets_a_one_line_answer
     status, data, text = api.call("POST", "/v1/jobs", json.dumps(JOB).encode())
     assert status == 500
     assert "internal error" in _one_line_error(data, text)
+
+
+def test_hmac_registrations_are_checked_and_committed_on_the_loop_thread(
+    api: Api, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """HMAC blocks on nothing: the loop checks each registration itself and commits a turn's
+    together, with no worker in between."""
+    batches: list[tuple[str, int]] = []
+    apply = api.coordinator._register_batch
+
+    def spy(batch: list[object], **kwargs: bool) -> list[object]:
+        batches.append((threading.current_thread().name, len(batch)))
+        return apply(batch, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(api.coordinator, "_register_batch", spy)
+    status, data = api.post("/v1/jobs", JOB)
+    assert (status, data["job_id"]) == (200, "42")
+    assert batches == [("http-loop", 1)]
+    assert [j["job_id"] for j in api.jobs()] == ["42"]
+
+
+def test_a_registration_waiting_for_a_busy_store_leaves_the_loop_serving(
+    api: Api, tmp_path: Path
+) -> None:
+    """Another writer holds the database (the control loop's interval, another process): the
+    turn's registrations are handed to a worker, which waits; the loop answers everyone else."""
+    writer = sqlite3.connect(tmp_path / "head.db", isolation_level=None)
+    writer.execute("BEGIN IMMEDIATE")
+    answers: list[tuple[int, dict[str, object]]] = []
+    prolog = threading.Thread(target=lambda: answers.append(api.post("/v1/jobs", JOB)))
+    try:
+        prolog.start()
+        deadline = time.monotonic() + 10
+        while not api.coordinator._registrations._busy:  # a worker leads it, waiting
+            assert time.monotonic() < deadline, "the registration was never handed to a worker"
+            time.sleep(0.01)
+        assert api.call("GET", "/v1/health")[0] == 200  # the loop is not the one waiting
+        assert api.call("GET", "/metrics")[0] == 200
+        assert api.jobs() == [] and answers == []  # not committed, so not acknowledged
+    finally:
+        writer.execute("ROLLBACK")
+        writer.close()
+    prolog.join(10)
+    assert [(status, data["job_id"]) for status, data in answers] == [(200, "42")]
+    assert [j["job_id"] for j in api.jobs()] == ["42"]

@@ -33,8 +33,29 @@ class _Inline(EventedHttpServer):
         super().__init__(*args, workers=0, **kw)
 
 
+class _Chosen(EventedHttpServer):
+    """The head's way for HMAC registrations: a pool of workers, but the requests the server
+    chooses (here those to ``/now``) are handled on the loop's thread; ``turn_ended`` counts
+    the loop's turns, and its first call fails (a bug there must not stop the loop)."""
+
+    def __init__(self, *args: Any, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.turns = 0
+        self.handled_on: list[str] = []
+
+    def inline(self, request: bytes) -> bool:
+        return request.startswith(b"GET /now ")
+
+    def turn_ended(self) -> None:
+        self.turns += 1
+        if self.turns == 1:
+            raise RuntimeError("a bug after a turn")
+
+
 Server = EventedHttpServer
-KINDS = pytest.mark.parametrize("kind", [EventedHttpServer, _Inline], ids=["workers", "inline"])
+KINDS = pytest.mark.parametrize(
+    "kind", [EventedHttpServer, _Inline, _Chosen], ids=["workers", "inline", "chosen"]
+)
 
 
 class _Echo(JsonHandler):
@@ -48,6 +69,8 @@ class _Echo(JsonHandler):
             self._send_bytes(HTTPStatus.OK, b"b" * BIG_REPLY_BYTES, "text/plain")
             return
         text = repr((method, self.path, self.headers.items(), body)).encode()
+        if isinstance(self.server, _Chosen):
+            self.server.handled_on.append(threading.current_thread().name)
         if self.path == "/later":
             deliver = self.defer()
 
@@ -83,7 +106,7 @@ def _echo_server(
     return srv, thread
 
 
-@pytest.fixture(params=[EventedHttpServer, _Inline], ids=["workers", "inline"])
+@pytest.fixture(params=[EventedHttpServer, _Inline, _Chosen], ids=["workers", "inline", "chosen"])
 def server(request: pytest.FixtureRequest) -> Iterator[Server]:
     srv, thread = _echo_server(kind=request.param)
     yield srv
@@ -413,6 +436,18 @@ def test_an_answer_deferred_from_the_loops_thread_still_comes() -> None:
             assert _status(_raw(srv, b"GET /now HTTP/1.1\r\nConnection: close\r\n\r\n")) == 200
             reply = later.recv(65536)
             assert _status(reply) == 200 and b"'/later'" in reply
+    finally:
+        _stop(srv)
+
+
+def test_requests_the_server_chooses_are_handled_on_the_loops_thread_and_turns_are_told() -> None:
+    srv, thread = _echo_server(kind=_Chosen)
+    assert isinstance(srv, _Chosen)
+    try:
+        assert _status(_raw(srv, b"GET /now HTTP/1.1\r\nConnection: close\r\n\r\n")) == 200
+        assert _status(_raw(srv, b"GET /else HTTP/1.1\r\nConnection: close\r\n\r\n")) == 200
+        assert srv.handled_on == [thread.name, "http-loop-worker"]
+        assert srv.turns >= 2  # the first one's bug was logged, and the loop went on
     finally:
         _stop(srv)
 
