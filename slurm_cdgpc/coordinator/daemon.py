@@ -1209,6 +1209,10 @@ class Coordinator:
             raise
         except CdgpcError as e:
             logger.error("interval %d: not recorded in the store: %s", k, e)
+        try:  # here, not on the commit that happens to fill the log: often the API's loop's
+            self.store.checkpoint()
+        except CdgpcError as e:
+            logger.warning("interval %d: %s", k, e)
         self._planned_reported_w = self._planned_w  # what this exchange's reports measured
         self._planned_w = (
             {}

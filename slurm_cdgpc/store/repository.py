@@ -160,6 +160,14 @@ class Store:
                 finally:
                     self._session.reset(token)
 
+    def checkpoint(self) -> None:
+        """SQLite: copy the write-ahead log into the database, as far as no reader needs it
+        (``PASSIVE``: it waits for nobody, and writers go on meanwhile). PostgreSQL: nothing."""
+        if self.engine.dialect.name != "sqlite":
+            return
+        with translated_errors("store checkpoint"), self.engine.connect() as connection:
+            connection.exec_driver_sql("PRAGMA wal_checkpoint(PASSIVE)")
+
     def in_transaction(self) -> bool:
         """Whether this thread (context) is inside `transaction`: its writes are not durable
         until that block ends."""

@@ -679,6 +679,28 @@ def test_sqlite_runs_with_wal_and_foreign_keys(tmp_path: Path) -> None:
         engine.dispose()
 
 
+def test_sqlite_checkpoints_when_told_and_commits_leave_it_until_the_log_is_large(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "cdgpc.db"
+    engine = make_engine(f"sqlite:///{path}")
+    try:
+        upgrade(engine)
+        store = Store(engine)
+        store.checkpoint()
+        with engine.connect() as conn:
+            assert conn.exec_driver_sql("PRAGMA wal_autocheckpoint").scalar() == 10_000
+        size = path.stat().st_size
+        for i in range(300):  # well past SQLite's default of 1,000 pages of log
+            store.register_job(str(i), "alice", {f"n{i}": list(range(8))})
+        assert path.stat().st_size == size  # every page is still in the log
+        store.checkpoint()
+        assert path.stat().st_size > size  # now in the database
+        assert len(store.jobs()) == 300
+    finally:
+        engine.dispose()
+
+
 def test_an_unreachable_database_is_one_line_store_error(tmp_path: Path) -> None:
     engine = make_engine(f"sqlite:///{tmp_path / 'missing' / 'cdgpc.db'}")
     try:

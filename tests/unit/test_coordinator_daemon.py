@@ -30,7 +30,7 @@ from slurm_cdgpc.coordinator.daemon import (
 from slurm_cdgpc.coordinator.jobs import GpuRef, GpuSample
 from slurm_cdgpc.gpu.catalog import CATALOG
 from slurm_cdgpc.gpu.simulated import ManualClock, SimulatedGpu, simulated_gpus
-from slurm_cdgpc.store import Store, make_engine, upgrade
+from slurm_cdgpc.store import Store, StoreError, make_engine, upgrade
 from slurm_cdgpc.transport.http import NodeFailure, NodeTarget
 
 T0_S = 1_767_225_600.0
@@ -180,6 +180,31 @@ def test_registered_job_gets_setpoints_on_its_gpus_in_the_next_interval(
     cluster.tick()
     assert cluster.store.job("7").state == "running"  # measured under its setpoint
     assert cluster.store.decisions()[0].measured_power_w is not None
+
+
+def test_each_interval_checkpoints_the_store_and_a_failed_checkpoint_costs_nothing_else(
+    make_cluster: MakeCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The control loop checkpoints SQLite's log, not whichever commit fills it (often the
+    API's event loop, committing registrations)."""
+    cluster = make_cluster()
+    calls: list[int] = []
+    checkpoint = cluster.store.checkpoint
+
+    def counted() -> None:
+        calls.append(cluster.head.interval)
+        if len(calls) == 2:
+            raise StoreError("store checkpoint: disk I/O error")
+        checkpoint()
+
+    monkeypatch.setattr(cluster.store, "checkpoint", counted)
+    cluster.tick()
+    cluster.tick()  # its checkpoint fails: logged, and the interval is whole
+    _register(cluster, "7", "n1", 0)
+    report = cluster.tick()
+    assert calls == [0, 1, 2]
+    assert [j.job_id for j in report.jobs if j.controlled] == ["7"]
+    assert len(cluster.store.decisions()) >= 1
 
 
 def test_budget_change_is_honoured_within_one_interval(make_cluster: MakeCluster) -> None:
