@@ -22,6 +22,7 @@ import functools
 import heapq
 import http.client
 import io
+import ipaddress
 import itertools
 import logging
 import os
@@ -99,6 +100,8 @@ class _Endpoint:
     host: str
     port: int
     prefix: str
+    #: the address family when ``host`` is an IP address (no scope), to connect without a lookup
+    literal_family: int | None = None
 
     @classmethod
     def parse(cls, url: str) -> _Endpoint:
@@ -111,7 +114,16 @@ class _Endpoint:
         return host if self.port == default else f"{host}:{self.port}"
 
     def connect(self, timeout_s: float) -> socket.socket:
-        sock = socket.create_connection((self.host, self.port), timeout=timeout_s)
+        if self.literal_family is None:
+            sock = socket.create_connection((self.host, self.port), timeout=timeout_s)
+        else:  # what create_connection does, less the address lookup: 30 of a Prolog's 70 us
+            sock = socket.socket(self.literal_family, socket.SOCK_STREAM)
+            try:
+                sock.settimeout(timeout_s)
+                sock.connect((self.host, self.port))
+            except BaseException:
+                sock.close()
+                raise
         if self.scheme != "https":
             return sock
         try:
@@ -132,7 +144,23 @@ def _parse_endpoint(url: str) -> _Endpoint:
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise InputError(f"not an http(s) URL: {url!r}")
     default = 443 if parts.scheme == "https" else 80
-    return _Endpoint(parts.scheme, parts.hostname, port or default, parts.path.rstrip("/"))
+    return _Endpoint(
+        parts.scheme,
+        parts.hostname,
+        port or default,
+        parts.path.rstrip("/"),
+        _literal_family(parts.hostname),
+    )
+
+
+def _literal_family(host: str) -> int | None:
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return None  # a name: looked up as usual
+    if address.version == 4:
+        return socket.AF_INET
+    return None if address.scope_id else socket.AF_INET6  # a scope is for the lookup to read
 
 
 @functools.cache

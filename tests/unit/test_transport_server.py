@@ -224,6 +224,30 @@ def test_client_reads_a_reply_by_its_length_or_to_the_close() -> None:
     )
 
 
+def test_client_connects_to_an_address_without_a_lookup_and_to_a_name_with_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    looked_up: list[object] = []
+    getaddrinfo = socket.getaddrinfo
+
+    def spy(host: object, *args: Any, **kw: Any) -> Any:
+        looked_up.append(host)
+        return getaddrinfo(host, *args, **kw)
+
+    monkeypatch.setattr(socket, "getaddrinfo", spy)
+    ok = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}"
+    assert _ask(ok) == (200, b"{}")  # http://127.0.0.1:PORT
+    assert looked_up == []
+    url, thread = _one_reply_server(ok)
+    try:
+        assert _request(url.replace("127.0.0.1", "localhost"), "GET", "/", b"", None, WAIT_S)[0]
+    finally:
+        thread.join(WAIT_S)
+    assert "localhost" in looked_up
+    with pytest.raises(ConnectionRefusedError):  # what a lookup-and-connect raises, too
+        _request("http://127.0.0.1:1", "GET", "/", b"", None, WAIT_S)
+
+
 @pytest.mark.parametrize(
     ("reply", "error"),
     [
