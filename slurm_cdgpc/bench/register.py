@@ -13,8 +13,9 @@ four). They run beside the head's process on the same cores: their CPU is report
 
 Before the clients start, the server process times `Coordinator.register_job` directly, one call
 at a time, on jobs of its own (``store_register_ms_*``): the cost of one registration's durable
-commit alone, with no HTTP and no contention. Under load, registrations that arrive while a
-commit is in progress share the next one (group commit, `slurm_cdgpc.store.group_commit`);
+commit alone, with no HTTP and no contention. Under load, registrations share commits (group
+commit, `slurm_cdgpc.store.group_commit`): with HMAC, as here, those the head's event loop reads
+in one turn (at most 64 new connections) commit together at the turn's end;
 ``registration_batches`` and ``largest_batch`` say how they were grouped. Every request is still
 answered only after its own registration has committed.
 
