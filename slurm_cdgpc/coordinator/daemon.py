@@ -554,8 +554,8 @@ class Coordinator:
     ) -> list[Job | Exception]:
         """Register ``batch`` in one transaction; a refusal (`InputError`) is returned in place of
         its job and changes nothing of it. Raises, committing nothing, if the store fails.
-        ``wait=False``: raises `WouldBlockError`, having done nothing, rather than wait for another
-        writer (this head's, or another process's)."""
+        ``wait=False``: raises `WouldBlockError`, having done nothing, rather than wait for
+        another writer (this head's, or another process's)."""
         outcomes: list[Job | Exception | None] = [None] * len(batch)
         if not self._write_lock.acquire(blocking=wait):
             raise WouldBlockError

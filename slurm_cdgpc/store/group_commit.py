@@ -18,8 +18,8 @@ thread per request): nobody waits on such a request, so whoever leads keeps lead
 
 A thread that must never block (an event loop's) queues with ``lead=False`` and commits what
 it queued at a moment of its choosing with `GroupCommit.lead_queued`, giving a batch function
-that refuses to wait (`WouldBlockError`, before it has done anything): the batch then stays queued
-as it was, and a thread that may wait commits it.
+that refuses to wait (`WouldBlockError`, before it has done anything): the batch then stays
+queued as it was, and a thread that may wait commits it.
 """
 
 from __future__ import annotations
@@ -125,9 +125,9 @@ class GroupCommit(Generic[T, R]):
         self, apply: Callable[[Sequence[T]], Sequence[R | Exception]] | None = None
     ) -> bool:
         """Commit what is queued, batch after batch, unless a batch is in progress (its leader
-        takes it). ``apply`` stands in for the batch function; when it raises `WouldBlockError`, its
-        batch goes back to the head of the queue as it was and this returns False: the caller
-        must then have it committed by a thread that may wait (``lead_queued()`` there)."""
+        takes it). ``apply`` stands in for the batch function; when it raises `WouldBlockError`,
+        its batch goes back to the head of the queue as it was and this returns False: the
+        caller must then have it committed by a thread that may wait (``lead_queued()`` there)."""
         if not self._queue:  # unlocked: a request queued just now is its submitter's to lead
             return True
         with self._lock:
