@@ -83,8 +83,8 @@ T = TypeVar("T")
 _JOB_ID = re.compile(r"^[0-9]{1,20}([_+][0-9]{1,10})?$")
 _ACCOUNT = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,62}\$?$")
 _NODE = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9._-]{0,253}[A-Za-z0-9])?$")
-#: rows per statement when a list of keys goes into ``IN (…)`` (SQLite allows 32766 parameters)
-_CHUNK = 1000
+#: keys per ``IN (…)`` list (SQLite allows 32766 parameters); a power of two, see `_chunks`
+_CHUNK = 1024
 _MAX_REASON = 1000
 _JOBS: Table = cast(Table, JobRow.__table__)
 _JOB_GPUS: Table = cast(Table, JobGpuRow.__table__)
@@ -748,8 +748,29 @@ def _gpu_rows(job_id: str, gpus: Mapping[str, Iterable[int]]) -> list[dict[str, 
 
 
 def _chunks(items: Sequence[T]) -> Iterator[Sequence[T]]:
+    """``items`` in lists of keys for ``IN (…)``, each padded to a power of two by repeating its
+    last key (which changes no result): a statement's text depends on how many keys it lists,
+    and the driver keeps up to 128 compiled statements per connection. With a list of every
+    length up to a batch's size, those were megabytes of native memory per pooled connection,
+    which a soak saw as cdgpcd's resident memory creeping up for hours."""
     for start in range(0, len(items), _CHUNK):
-        yield items[start : start + _CHUNK]
+        chunk = list(items[start : start + _CHUNK])
+        yield chunk + chunk[-1:] * (_power_of_two(len(chunk)) - len(chunk))
+
+
+def _runs(items: Sequence[T], most: int) -> Iterator[Sequence[T]]:
+    """``items`` in consecutive runs of power-of-two lengths, at most ``most``: rows for
+    multi-row statements, in a handful of shapes (see `_chunks`)."""
+    start = 0
+    while start < len(items):
+        size = min(most, _power_of_two(len(items) - start + 1) // 2)
+        yield items[start : start + size]
+        start += size
+
+
+def _power_of_two(n: int) -> int:
+    """The least power of two at or above ``n`` (1 for 0)."""
+    return 1 << max(0, n - 1).bit_length()
 
 
 def _existing_jobs(session: Session, job_ids: Sequence[str]) -> set[str]:
@@ -800,8 +821,9 @@ def _job(row: JobRow) -> Job:
 
 
 _JOB_COLUMNS: tuple[str, ...] = tuple(c.name for c in _JOBS.columns)
-#: rows per multi-row INSERT: 8 columns each stays far under either database's bind limit
-_INSERT_ROWS = 500
+#: rows per multi-row INSERT, at most (a power of two, see `_runs`): 8 columns each stays far
+#: under either database's bind limit
+_INSERT_ROWS = 512
 
 
 @dataclasses.dataclass(frozen=True)
@@ -918,8 +940,7 @@ def _register_checked(
             held[r.job_id][g["node"]].add(g["gpu_index"])
         changed.add(r.job_id)
         outcomes[i] = _job_record(row, held[r.job_id])
-    for start in range(0, len(new_ids), _INSERT_ROWS):
-        chunk = new_ids[start : start + _INSERT_ROWS]
+    for chunk in _runs(new_ids, _INSERT_ROWS):
         values = tuple(rows[job_id][c] for job_id in chunk for c in _JOB_COLUMNS)
         inserted = connection.exec_driver_sql(sql.insert_jobs(len(chunk)), values).all()
         if len(inserted) != len(chunk):

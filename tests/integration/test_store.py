@@ -21,6 +21,7 @@ from slurm_cdgpc.errors import InputError
 from slurm_cdgpc.model.estimator import EstimatorSettings, JobEstimator, JobStatics
 from slurm_cdgpc.store import (
     ACTIVE_STATES,
+    Job,
     JobGpu,
     Measurement,
     MigrationError,
@@ -36,6 +37,7 @@ from slurm_cdgpc.store import (
 )
 from slurm_cdgpc.store.engine import IDLE_IN_TRANSACTION_S
 from slurm_cdgpc.store.migrate import migrations, split_statements, sql_dir
+from slurm_cdgpc.store.repository import JobRegistration
 from slurm_cdgpc.store.schema import STATIC_FLOATS, Base
 from tests.integration.conftest import T0_S, FakeClock
 
@@ -138,6 +140,35 @@ def test_concurrent_prologs_of_one_job_both_land(make_db_engine: Callable[[], En
     job = stores[0].job("555")
     assert job is not None
     assert job.nodes == ("gpu01", "gpu02") and job.gpu_count == 4
+
+
+def test_batches_of_every_size_run_a_handful_of_statement_shapes(
+    store: Store, engine: Engine
+) -> None:
+    """The driver keeps compiled statements per connection: one text per batch size grew the
+    head's native memory for hours in a soak."""
+    texts: set[str] = set()
+
+    def seen(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        texts.add(statement)
+
+    store.register_job("99999", "alice", {"n0": [0]})
+    event.listen(engine, "before_cursor_execute", seen)
+    try:
+        done = 0
+        for size in range(1, 101):
+            batch = [
+                JobRegistration(str(done + i), "alice", {f"n{(done + i) % 7}": [i % 8]})
+                for i in range(size)
+            ]
+            batch.append(JobRegistration("99999", "alice", {"n0": [size % 8]}))  # an update
+            outcomes = store.register_jobs(batch)
+            assert all(isinstance(o, Job) for o in outcomes)
+            done += size
+    finally:
+        event.remove(engine, "before_cursor_execute", seen)
+    assert len(store.jobs()) == done + 1 and store.job("99999").gpus == (JobGpu("n0", 100 % 8),)
+    assert len(texts) < 40  # one per batch size was over 200
 
 
 def test_finish_is_idempotent_and_a_requeued_job_starts_over(
