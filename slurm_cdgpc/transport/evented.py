@@ -427,7 +427,7 @@ class EventLoop:
 
     def answer(self, conn: _Connection, data: bytes, close: bool) -> None:
         """Send a handler's answer to ``conn``: from any thread (the loop's own sends it now)."""
-        if threading.get_ident() == self._thread:
+        if self.in_loop_thread():
             self._deliver(conn, data, close)
             return
         self._outbox.append((conn, data, close))
