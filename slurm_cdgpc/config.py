@@ -86,13 +86,18 @@ class StoreConfig:
 
 @dataclass(frozen=True)
 class ControlConfig:
-    """[control]: the controller solved every interval (DESIGN.md, "Control core")."""
+    """[control]: the controller solved every interval (DESIGN.md, "Control core").
+
+    These defaults are the controller's (`slurm_cdgpc.control.empc.ControllerSettings`): cdgpcd
+    and the simulator's ``cdgpc`` policy run with them.
+    """
 
     interval_s: float = 30.0
-    horizon: int = 1
     dual_mode: str = "newton"
-    #: ε: fraction of the budget held back for a hard cap
-    guard_band: float = 0.003
+    #: ε₀: fraction of the budget held back for a hard cap
+    guard_band: float = 0.002
+    #: c: the guard band is max(ε₀, c/√N) for N controlled jobs
+    guard_per_sqrt_job: float = 0.03
     #: η: gain of the model-error offset estimate
     offset_gain: float = 0.3
     model_family: str = "bent"
@@ -101,7 +106,15 @@ class ControlConfig:
     #: deadline pressure of jobs without a deadline
     default_pressure: float = 0.5
     #: lowest core clock the controller may choose, as a fraction of the top clock
-    min_clock_fraction: float = 0.5
+    min_clock_fraction: float = 0.6
+    #: below the floor when nothing at or above it fits the budget
+    floor_fallback: bool = True
+    #: jobs that cannot make their deadline even at top clocks weigh as jobs without one
+    triage: bool = True
+    #: pressure on the node predicted to empty first while jobs wait and GPUs are free (0: off)
+    drain_pressure: float = 1.0
+    #: κ: budget held back, in standard errors, when the plan moves to less-known clocks
+    exploration_sigmas: float = 1.0
     #: decide and record, but apply nothing
     shadow: bool = False
 
@@ -270,6 +283,16 @@ def _positive(value: object) -> float:
     return x
 
 
+def _non_negative(value: object) -> float:
+    try:
+        x = _number(value)
+    except _BadValueError:
+        x = math.nan
+    if not (x >= 0 and math.isfinite(x)):
+        raise _BadValueError(f"must be a number ≥ 0, {_got(value)}")
+    return x
+
+
 def _integer(lo: int, hi: int | None = None) -> Parser:
     bounds = f"from {lo} to {hi}" if hi is not None else f"≥ {lo}"
 
@@ -433,15 +456,19 @@ _SCHEMA: dict[str, tuple[type[Any], dict[str, _Key]]] = {
         ControlConfig,
         {
             "interval": _Key("interval_s", _duration),
-            "horizon": _Key("horizon", _integer(1, 1000)),
             "dual_mode": _Key("dual_mode", _choice(*DUAL_MODES)),
             "guard_band": _Key("guard_band", _in_range(0.0, 0.5, hi_open=True)),
+            "guard_per_sqrt_job": _Key("guard_per_sqrt_job", _in_range(0.0, 0.5, hi_open=True)),
             "offset_gain": _Key("offset_gain", _in_range(0.0, 1.0)),
             "model_family": _Key("model_family", _choice(*MODEL_FAMILIES)),
             "power_forgetting": _Key("power_forgetting", _in_range(0.0, 1.0, lo_open=True)),
             "time_forgetting": _Key("time_forgetting", _in_range(0.0, 1.0, lo_open=True)),
             "default_pressure": _Key("default_pressure", _positive),
-            "min_clock_fraction": _Key("min_clock_fraction", _in_range(0.0, 1.0, lo_open=True)),
+            "min_clock_fraction": _Key("min_clock_fraction", _in_range(0.0, 1.0, hi_open=True)),
+            "floor_fallback": _Key("floor_fallback", _boolean),
+            "triage": _Key("triage", _boolean),
+            "drain_pressure": _Key("drain_pressure", _non_negative),
+            "exploration_sigmas": _Key("exploration_sigmas", _non_negative),
             "shadow": _Key("shadow", _boolean),
         },
     ),
@@ -481,6 +508,15 @@ _SCHEMA: dict[str, tuple[type[Any], dict[str, _Key]]] = {
         },
     ),
     "retention": (RetentionConfig, {"measurements": _Key("measurements_s", _duration)}),
+}
+
+
+#: keys of earlier releases, refused with what became of them
+_REMOVED: dict[tuple[str, str], str] = {
+    ("control", "horizon"): (
+        "was removed: a prediction horizon never changed the clocks applied (DESIGN.md, "
+        '"The horizon"); delete the line'
+    ),
 }
 
 
@@ -593,6 +629,8 @@ def _merge(values: _Values, raw: _Values, where: str) -> None:
     """Check every value of one layer, then let it override the layers below."""
     for (section, key), (value, origin) in raw.items():
         keys = _SCHEMA[section][1]
+        if (section, key) in _REMOVED:
+            raise ConfigError(f"{origin}: {section}.{key}: {_REMOVED[section, key]}")
         if key not in keys:
             raise ConfigError(
                 f"{origin}: {section}.{key}: unknown key{_suggest(key, keys)}"

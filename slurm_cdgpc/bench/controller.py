@@ -15,15 +15,16 @@ from __future__ import annotations
 
 import resource
 import time
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 
 from slurm_cdgpc.control.dual import MODES, DualProblem, solve_price
-from slurm_cdgpc.control.empc import ControllerSettings, JobState
+from slurm_cdgpc.control.empc import JobState
 from slurm_cdgpc.control.reference import solve_reference
+from slurm_cdgpc.control.tuning import shipped
 from slurm_cdgpc.errors import InputError
-from slurm_cdgpc.model.estimator import EstimatorSettings
 from slurm_cdgpc.sim.closed_loop import ClosedLoop, synthetic_fleet
 
 #: the tolerance at which the three dual modes are compared (relative to the budget)
@@ -33,7 +34,6 @@ REFERENCE_JOBS = 2000
 
 def bench_controller(
     jobs: int,
-    horizon: int = 1,
     seed: int = 0,
     steps: int = 20,
     warmup: int = 3,
@@ -48,15 +48,15 @@ def bench_controller(
     rng = np.random.default_rng(seed)
     fleet = synthetic_fleet(jobs, rng)
     budget_w = budget_fraction * fleet.max_power_w()
-    settings = ControllerSettings(horizon=horizon, mode=mode)
-    loop = ClosedLoop(fleet, rng, settings, EstimatorSettings(family=family))
-    # a budget that drops by 5 % a few steps ahead exercises H > 1
-    schedule = np.full(horizon, budget_w)
-    schedule[horizon // 2 + 1 :] *= 0.95
+    # the shipped rules, the drain included: jobs wait and a GPU is free
+    tuning = shipped()
+    settings = replace(tuning.controller, mode=mode)
+    estimator = replace(tuning.estimator, family=family)
+    loop = ClosedLoop(fleet, rng, settings, estimator, queued=True)
 
     step_ms, evaluations, errors = [], [], []
     for k in range(warmup + steps):
-        record = loop.step(schedule)
+        record = loop.step(budget_w)
         if k >= warmup:
             step_ms.append(1e3 * record.step_s)
             evaluations.append(record.dual_evaluations)
@@ -64,13 +64,14 @@ def bench_controller(
 
     f = loop.fleet
     job_state = JobState(f.gpu_type, f.remaining_iterations, f.deadline_s)
-    problem = loop.controller.problem(loop.estimator, job_state, loop.t_s, schedule)
+    problem = loop.controller.problem(
+        loop.estimator, job_state, loop.t_s, budget_w, queue=loop.queue()
+    )
     agreement = _modes_agree(problem)
     reference = _reference_gap(problem, rng)
     return {
         "jobs": jobs,
         "gpus": int(f.gpus.sum()),
-        "horizon": horizon,
         "mode": mode,
         "model_family": family,
         "steps": steps,

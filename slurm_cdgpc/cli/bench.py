@@ -17,7 +17,6 @@ def bench() -> None:
 
 @bench.command("controller")
 @click.option("--jobs", type=click.IntRange(min=1), required=True, help="Running jobs.")
-@click.option("--horizon", type=click.IntRange(min=1), default=1, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--steps", type=click.IntRange(min=1), default=20, show_default=True)
 @click.option(
@@ -32,7 +31,6 @@ def bench() -> None:
 @click.option("--json", "as_json", is_flag=True, help="Accepted for symmetry: output is JSON.")
 def controller_cmd(
     jobs: int,
-    horizon: int,
     seed: int,
     steps: int,
     budget_fraction: float,
@@ -42,6 +40,9 @@ def controller_cmd(
 ) -> None:
     """Time one full control step (RLS update, dual solve, discretisation) for N jobs.
 
+    The controller runs with the shipped settings, every rule on (jobs wait, so the drain
+    runs too); ``--mode`` and ``--family`` replace those two.
+
     Also checks that the dual modes agree on the price and compares the continuous solution
     with a cvxpy solve of the same problem on up to 2,000 jobs.
     """
@@ -50,7 +51,6 @@ def controller_cmd(
     echo_json(
         bench_controller(
             jobs,
-            horizon=horizon,
             seed=seed,
             steps=steps,
             budget_fraction=budget_fraction,

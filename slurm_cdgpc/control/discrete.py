@@ -77,6 +77,21 @@ class ClockGrid:
         m_count = np.array([len(m) for m in mems], dtype=np.int64)
         return ClockGrid(tuple(n for n, _ in tables), graphics, g_count, memory, m_count)
 
+    def floored(self, min_fraction: float) -> ClockGrid:
+        """The same grid without the clocks below ``min_fraction`` of each type's top clock."""
+        if min_fraction <= 0.0:
+            return self
+        tables = []
+        for t, name in enumerate(self.names):
+            memory = [int(m) for m in self.memory_mhz[t, : self.memory_count[t]]]
+            graphics = {  # ClockTable lists clocks descending
+                m: tuple(int(g) for g in self.graphics_mhz[t, i, : self.graphics_count[t, i]])[::-1]
+                for i, m in enumerate(memory)
+            }
+            table = ClockTable(memory_mhz=tuple(memory[::-1]), graphics_mhz=graphics)
+            tables.append((name, table))
+        return ClockGrid.from_tables(tables, min_fraction=min_fraction)
+
     def type_index(self, name: str) -> int:
         try:
             return self.names.index(name)

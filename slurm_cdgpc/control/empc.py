@@ -2,32 +2,29 @@
 
 One step:
 1. learn: RLS update of every job's power and iteration-time model from the last interval;
-2. offset: δ ← (1−η) δ + η (Σ P_meas − Σ P_plan) / Σ P_plan, the share by which the last plan
-   missed (model error, clocks the firmware held down), over the jobs it actually modelled. It
-   is relative, so it stays right when the budget moves;
-3. weights: w_n = R_n / max(D_n − t, Δt), remaining iterations over remaining slack, so that
-   w_n T_n(f) is the job's deadline pressure (> 1 means a predicted miss);
-4. budget: B_eff(k+h) = (B(k+h) − P_uncontrolled − ε B(k+h)) / (1 + δ), per step; a job not
-   measured yet is not a decision variable: it runs at its top clock and is counted at its power
-   limit (the firmware enforces it), so an unknown job can never push the cluster over;
-5. price: dual decomposition (`dual.py`), one price per horizon step; when the resulting plan
-   moves jobs to clocks their models know less well, an exploration margin (κ times the growth
-   of the models' standard error) is held back and the price solved again;
-6. clocks: floor to supported levels and greedy fill (`discrete.py`) for the step applied now.
+2. offset: δ ← (1−η) δ + η (Σ P_meas − Σ P_plan) / Σ P_plan over the settled jobs' plans;
+3. weights: w_n = R_n / max(D_n − t, Δt), so w_n T_n(f) is the job's deadline pressure, then
+   the rules (`ControllerSettings`): triage, the drain, the pressure of jobs without a deadline;
+4. budget: B_eff = (B − P_uncontrolled − ε B) / (1 + δ), ε = max(ε₀, c/√N); an unmeasured job
+   runs at its top clock counted at its power limit;
+5. price: dual decomposition (`dual.py`), re-solved once with the exploration margin held back;
+6. clocks: floor to supported levels at or above the clock floor (below it when nothing above
+   fits, with ``floor_fallback``) and greedy fill (`discrete.py`).
 
-With a constant budget the horizon steps decouple and H = 1 is exact (paper §5.3); H > 1 earns
-its keep when the budget changes on a schedule: each step sees its own budget and weights built
-from remaining work and slack propagated along the previous plan.
+Every decision rule is a field of `ControllerSettings`; its defaults are the shipped
+configuration's (`slurm_cdgpc.config.ControlConfig`), which cdgpcd and the simulator both use.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, replace
 
 import numpy as np
 from numpy.typing import NDArray
 
+from slurm_cdgpc.config import ControlConfig
 from slurm_cdgpc.control.discrete import ClockGrid, DiscretePlan, discretise
 from slurm_cdgpc.control.dual import MODES, DualProblem, DualResult, StepStatus, solve_price
 from slurm_cdgpc.errors import InputError
@@ -36,39 +33,87 @@ from slurm_cdgpc.model.families import FloatArray
 from slurm_cdgpc.model.rls import BoolArray, RlsUpdate
 
 IntArray = NDArray[np.int64]
+_SHIPPED = ControlConfig()
 
 
 @dataclass(frozen=True)
 class ControllerSettings:
-    mode: str = "newton"
+    """The controller's every rule; the defaults are the shipped ``[control]`` section."""
+
+    mode: str = _SHIPPED.dual_mode
     tol: float = 1e-6
-    horizon: int = 1
-    interval_s: float = 60.0
-    #: ε: fraction of the budget held back for a hard cap (paper §5.4: 0.2–0.5 %)
-    guard_band: float = 0.003
+    interval_s: float = _SHIPPED.interval_s
+    #: ε₀: fraction of the budget held back for a hard cap (paper §5.4: 0.2–0.5 %)
+    guard_band: float = _SHIPPED.guard_band
+    #: c: the guard band grows to c/√N for N controlled jobs (one job's model error is a large
+    #: share of a small cluster's sum); 0 keeps it at ε₀
+    guard_per_sqrt_job: float = _SHIPPED.guard_per_sqrt_job
     #: η: gain of the offset estimate
-    offset_gain: float = 0.3
-    #: deadline pressure assumed for jobs without a deadline (1 = "just on time at top clocks")
-    default_pressure: float = 0.5
+    offset_gain: float = _SHIPPED.offset_gain
+    #: deadline pressure of jobs without a deadline (1 = "just on time at top clocks")
+    default_pressure: float = _SHIPPED.default_pressure
     #: pressure cap for jobs at or past their deadline (their slack is floored at Δt)
     max_pressure: float = 1e3
     greedy_rounds: int = 8
     #: measured intervals before a job's plan counts towards the offset estimate
     settle_intervals: int = 3
     #: κ of the exploration margin (`EconomicMPC.exploration_margin_w`); 0 turns it off
-    uncertainty_sigmas: float = 1.0
+    uncertainty_sigmas: float = _SHIPPED.exploration_sigmas
+    #: lowest core clock chosen, as a fraction of the top clock: below it a GPU takes longer
+    #: and spends more energy per iteration
+    min_clock_fraction: float = _SHIPPED.min_clock_fraction
+    #: when every job at the floor exceeds the budget, go below it (to the lowest supported
+    #: clock) for that interval rather than miss the budget
+    floor_fallback: bool = _SHIPPED.floor_fallback
+    #: a job predicted to miss even at top clocks (R · T_top > D − t) gets the pressure of a
+    #: job without a deadline: the power goes to jobs it can still save
+    triage: bool = _SHIPPED.triage
+    #: while jobs wait although GPUs are free, the jobs of the node predicted to empty first
+    #: get at least this pressure (needs a `QueueState`; 0 turns it off)
+    drain_pressure: float = _SHIPPED.drain_pressure
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise InputError(f"unknown dual mode {self.mode!r} (known: {', '.join(MODES)})")
-        if self.horizon < 1:
-            raise InputError(f"horizon must be at least 1, got {self.horizon}")
         if self.interval_s <= 0:
             raise InputError(f"control interval must be positive, got {self.interval_s}")
         if not 0.0 <= self.guard_band < 0.5:
             raise InputError(f"guard band must be in [0, 0.5), got {self.guard_band}")
+        if not 0.0 <= self.guard_per_sqrt_job < 0.5:
+            raise InputError(f"guard per √job must be in [0, 0.5), got {self.guard_per_sqrt_job}")
         if not 0.0 <= self.offset_gain <= 1.0:
             raise InputError(f"offset gain must be in [0, 1], got {self.offset_gain}")
+        if not 0.0 <= self.min_clock_fraction < 1.0:
+            raise InputError(f"clock floor must be in [0, 1), got {self.min_clock_fraction}")
+        if self.drain_pressure < 0 or self.uncertainty_sigmas < 0:
+            raise InputError("drain pressure and exploration sigmas must not be negative")
+
+    def guard_for(self, jobs: int) -> float:
+        """ε = max(ε₀, c/√N)."""
+        return max(self.guard_band, self.guard_per_sqrt_job / math.sqrt(max(jobs, 1)))
+
+
+@dataclass(frozen=True)
+class QueueState:
+    """What the scheduler shows beyond the running jobs (the drain's input).
+
+    Placement is sparse: one (job row, node) pair for each node a job has GPUs on, so that
+    100,000 jobs on 50,000 nodes cost pairs, not a jobs × nodes matrix.
+    """
+
+    #: jobs wait for GPUs now
+    waiting: bool
+    #: the pairs: controlled job rows (as the estimator's) and the nodes they run on
+    job_row: IntArray
+    job_node: IntArray
+    #: (nodes,): GPUs with no job on each node
+    free_gpus: IntArray
+
+    @classmethod
+    def from_matrix(cls, waiting: bool, job_nodes: IntArray, free_gpus: IntArray) -> QueueState:
+        """From a (jobs, nodes) matrix of GPUs per job and node."""
+        rows, nodes = np.nonzero(job_nodes)
+        return cls(waiting, rows.astype(np.int64), nodes.astype(np.int64), free_gpus)
 
 
 @dataclass(frozen=True)
@@ -99,7 +144,6 @@ class Measurements:
 class Decision:
     status: StepStatus
     price: float
-    prices: FloatArray  # per horizon step
     graphics_mhz: IntArray
     memory_mhz: IntArray
     job_power_w: FloatArray  # predicted per job at the planned clocks (unknown jobs: g × TDP)
@@ -122,11 +166,16 @@ class Decision:
 
 
 class EconomicMPC:
-    """The head's controller: `step` once per interval."""
+    """The head's controller: `step` once per interval.
+
+    ``grid`` holds every clock the controller may ever set; the clock floor
+    (``settings.min_clock_fraction``) is applied on top of it.
+    """
 
     def __init__(self, grid: ClockGrid, settings: ControllerSettings | None = None) -> None:
-        self.grid = grid
         self.settings = settings or ControllerSettings()
+        self.grid = grid
+        self.floor_grid = grid.floored(self.settings.min_clock_fraction)
         self.offset = 0.0  # δ
         self._last_price: FloatArray | None = None
 
@@ -135,9 +184,10 @@ class EconomicMPC:
         estimator: JobEstimator,
         jobs: JobState,
         now_s: float,
-        budget_w: float | FloatArray,
+        budget_w: float,
         uncontrolled_w: float = 0.0,
         measured: Measurements | None = None,
+        queue: QueueState | None = None,
     ) -> Decision:
         s = self.settings
         t0 = time.perf_counter()
@@ -164,14 +214,14 @@ class EconomicMPC:
                 power_capped=measured.power_capped,
             )
 
-        problem = self.problem(estimator, jobs, now_s, budget_w, uncontrolled_w)
+        problem, grid = self._problem(estimator, jobs, now_s, budget_w, uncontrolled_w, queue)
         warm = self._last_price
         if warm is not None and warm.shape != problem.budget_w.shape:
             warm = None
         result = solve_price(problem, s.mode, s.tol, warm_price=warm)
         if np.all(np.isfinite(result.price) & (result.price > 0)):
             self._last_price = result.price
-        x, x_m = problem.best_response(result.price[:1])
+        x, x_m = problem.best_response(result.price)
         binding = result.status[0] is StepStatus.BINDING
         if s.uncertainty_sigmas > 0 and x_a is not None and xm_a is not None and binding:
             margin_w = self.exploration_margin_w(estimator, x[0], x_m[0], x_a, xm_a)
@@ -182,16 +232,16 @@ class EconomicMPC:
                 held_w = np.minimum(margin_w, np.maximum(room_w, 0.0) * (1.0 - 1e-6))
                 problem = replace(problem, budget_w=problem.budget_w - held_w)
                 result = solve_price(problem, s.mode, s.tol, warm_price=result.price)
-                x, x_m = problem.best_response(result.price[:1])
+                x, x_m = problem.best_response(result.price)
         if result.status[0] is StepStatus.INFEASIBLE:
             # nothing fits: unknown jobs too go to their lowest clock (still counted at the limit)
             x, x_m = problem.x_lo[None, :], problem.xm_lo[None, :]
-        plan = discretise(problem, self.grid, jobs.gpu_type, x[0], x_m[0], s.greedy_rounds)
+        plan = discretise(problem, grid, jobs.gpu_type, x[0], x_m[0], s.greedy_rounds)
         # the offset learns only from settled models: a young job's error is RLS's to fix, and
         # counting it twice (model and offset) overshoots once the model has caught up
         settled = estimator.power.count >= s.settle_intervals
         planned = np.where(settled, plan.job_power_w, np.nan)
-        return self._decide(planned, problem, result, plan, learn, t0, float(np.ravel(budget_w)[0]))
+        return self._decide(planned, problem, result, plan, learn, t0, budget_w)
 
     def exploration_margin_w(
         self,
@@ -228,20 +278,54 @@ class EconomicMPC:
         estimator: JobEstimator,
         jobs: JobState,
         now_s: float,
-        budget_w: float | FloatArray,
+        budget_w: float,
         uncontrolled_w: float = 0.0,
+        queue: QueueState | None = None,
     ) -> DualProblem:
         """The continuous problem this step solves (also handed to the cvxpy reference)."""
+        return self._problem(estimator, jobs, now_s, budget_w, uncontrolled_w, queue)[0]
+
+    def _problem(
+        self,
+        estimator: JobEstimator,
+        jobs: JobState,
+        now_s: float,
+        budget_w: float,
+        uncontrolled_w: float,
+        queue: QueueState | None,
+    ) -> tuple[DualProblem, ClockGrid]:
+        """The problem above the clock floor, or, with ``floor_fallback``, above the lowest
+        supported clock when every job at the floor exceeds the budget (Σ g P(x_lo) > B_eff)."""
         s = self.settings
-        budget = np.broadcast_to(np.asarray(budget_w, dtype=np.float64), (s.horizon,))
-        if np.any(~np.isfinite(budget)) or np.any(budget <= 0):
+        if not np.isfinite(budget_w) or budget_w <= 0:
             raise InputError("the power budget must be a positive number of watts")
+        weight = self.weights(estimator, jobs, now_s, queue)
+        problem = self._bounded(self.floor_grid, estimator, jobs, weight, budget_w, uncontrolled_w)
+        if s.floor_fallback and self.floor_grid is not self.grid and len(estimator):
+            floor_w = float(problem.power_w(problem.x_lo, problem.xm_lo).sum())
+            if floor_w > problem.budget_w[0]:
+                low = self._bounded(self.grid, estimator, jobs, weight, budget_w, uncontrolled_w)
+                return low, self.grid
+        return problem, self.floor_grid
+
+    def _bounded(
+        self,
+        grid: ClockGrid,
+        estimator: JobEstimator,
+        jobs: JobState,
+        weight: FloatArray,
+        budget_w: float,
+        uncontrolled_w: float,
+    ) -> DualProblem:
+        s = self.settings
         st = estimator.statics
-        g_top, m_top = self.grid.top_mhz(jobs.gpu_type)
-        g_lo, m_lo = self.grid.bottom_mhz(jobs.gpu_type)
+        g_top, m_top = grid.top_mhz(jobs.gpu_type)
+        g_lo, m_lo = grid.bottom_mhz(jobs.gpu_type)
         x_hi = g_top / st.graphics_max_mhz
         xm_hi = m_top / st.memory_max_mhz
-        effective = (budget - uncontrolled_w - s.guard_band * budget) / (1.0 + self.offset)
+        # B_eff = (B − P_uncontrolled − ε B) / (1 + δ), ε = max(ε₀, c/√N)
+        guard = s.guard_for(len(estimator))
+        effective = (budget_w - uncontrolled_w - guard * budget_w) / (1.0 + self.offset)
         # unmeasured jobs: power flat at the power limit (an upper bound at any clock) → top clock
         new = estimator.power.count == 0
         power_theta = estimator.power.theta
@@ -250,6 +334,11 @@ class EconomicMPC:
             power_theta[new] = 0.0
             power_theta[new, -1] = st.power_limit_w[new]
         x_lo = g_lo / st.graphics_max_mhz
+        if grid is not self.floor_grid and new.any():
+            # below the floor only where a model says what it buys: an unmeasured job is
+            # counted at its limit whatever its clock, so it keeps the floor
+            floor_lo = self.floor_grid.bottom_mhz(jobs.gpu_type)[0] / st.graphics_max_mhz
+            x_lo = np.where(new, floor_lo, x_lo)
         # above the clock where a job reaches its power limit the firmware holds the clock down
         # anyway: planning for it would book power the job can never draw. Where the limit was
         # seen to bind, the clock it allowed; elsewhere where the model says it would bind.
@@ -262,38 +351,76 @@ class EconomicMPC:
             gpus=st.gpus.astype(np.float64),
             power_theta=power_theta,
             time_theta=estimator.time.theta,
-            weight=self.weights(estimator, jobs, now_s),
+            weight=weight,
             knee_x=estimator.knee_x,
             mem_mask=st.mem_mask,
             x_lo=x_lo,
             x_hi=x_hi,
             xm_lo=np.where(st.mem_mask > 0, m_lo / st.memory_max_mhz, xm_hi),
             xm_hi=xm_hi,
-            budget_w=np.maximum(effective, 0.0),
+            budget_w=np.array([max(effective, 0.0)]),
         )
 
-    def weights(self, estimator: JobEstimator, jobs: JobState, now_s: float) -> FloatArray:
-        """w (H, N): remaining iterations over remaining slack, along the horizon."""
+    def weights(
+        self,
+        estimator: JobEstimator,
+        jobs: JobState,
+        now_s: float,
+        queue: QueueState | None = None,
+    ) -> FloatArray:
+        """w (1, N): deadline pressure per second of iteration time, after the rules."""
         s = self.settings
         n = len(estimator)
         one = np.ones(n)
         t_top = estimator.predict_iteration_s(one, one)  # seconds per iteration at top clocks
         t_top = np.where(np.isfinite(t_top) & (t_top > 0), t_top, 1.0)
-        h = np.arange(s.horizon)[:, None]
-        slack = jobs.deadline_s - now_s - h * s.interval_s  # (H, N)
+        slack = jobs.deadline_s - now_s
         has_deadline = np.isfinite(jobs.deadline_s)
         # unknown remaining work: assume the job needs its whole slack at top clocks (pressure 1)
         remaining = np.where(
             np.isfinite(jobs.remaining_iterations),
             jobs.remaining_iterations,
-            np.where(has_deadline, np.maximum(jobs.deadline_s - now_s, s.interval_s), 0.0) / t_top,
+            np.where(has_deadline, np.maximum(slack, s.interval_s), 0.0) / t_top,
         )
-        # propagate along the horizon at top-clock speed (shift-and-reuse would use the plan)
-        remaining_h = np.maximum(remaining - h * s.interval_s / t_top, 0.0)
         pressure_per_iter = 1.0 / np.maximum(slack, s.interval_s)  # π = 1 / max(D − t, Δt)
-        w = np.where(has_deadline, remaining_h * pressure_per_iter, s.default_pressure / t_top)
+        low = s.default_pressure / t_top
+        w = np.where(has_deadline, remaining * pressure_per_iter, low)
         # cap the pressure of late jobs: w T ≤ π_max at top clocks
-        return np.minimum(w, s.max_pressure / t_top)
+        w = np.minimum(w, s.max_pressure / t_top)
+        if s.triage:
+            # hopeless: a miss even at top clocks from now on, R · T_top > D − t
+            hopeless = (
+                (estimator.time.count > 0)
+                & has_deadline
+                & (jobs.remaining_iterations * t_top > slack)
+            )
+            w = np.where(hopeless, low, w)
+        if s.drain_pressure > 0 and queue is not None and queue.waiting:
+            w = np.maximum(
+                w, s.drain_pressure * self._draining(estimator, jobs, queue, t_top) / t_top
+            )
+        return w[None, :]
+
+    @staticmethod
+    def _draining(
+        estimator: JobEstimator, jobs: JobState, queue: QueueState, t_top: FloatArray
+    ) -> FloatArray:
+        """1 for the jobs on the node predicted to empty first, else 0; all 0 unless some GPU
+        is free (jobs wait although GPUs are free: the head of a FIFO queue needs more than any
+        node has free, and waits for a node to empty)."""
+        out = np.zeros(len(estimator))
+        rows, nodes = queue.job_row, queue.job_node
+        if not rows.size or not (queue.free_gpus > 0).any() or rows.max() >= out.size:
+            return out
+        known = (estimator.time.count > 0) & np.isfinite(jobs.remaining_iterations)
+        left = np.where(known, jobs.remaining_iterations * t_top, np.inf)  # at top clocks
+        empties_in = np.full(queue.free_gpus.shape[0], -np.inf)
+        np.maximum.at(empties_in, nodes, left[rows])  # a node empties with its last job
+        empties_in[~np.isfinite(empties_in)] = np.inf  # no job, or one of unknown length
+        first = int(np.argmin(empties_in))
+        if np.isfinite(empties_in[first]):
+            out[rows[nodes == first]] = 1.0
+        return out
 
     def _decide(
         self,
@@ -310,7 +437,6 @@ class EconomicMPC:
         return Decision(
             status=result.status[0],
             price=float(result.price[0]),
-            prices=result.price,
             graphics_mhz=plan.graphics_mhz,
             memory_mhz=plan.memory_mhz,
             job_power_w=plan.job_power_w,

@@ -19,7 +19,10 @@ Every interval k (DESIGN.md, "Components and data flow"):
    the interval's mean from the energy counter (ΔE/Δt between the two reports) where the counter
    rose, else the reading's own (a snapshot: on Hopper a 1 s average). Progress counts only when
    root or the job's user sent it, from one of the job's nodes.
-3. **Solve**: `EconomicMPC.step` with the budget in force now (the store's, else the
+3. **Solve**: `EconomicMPC.step`, built from ``[control]`` as the simulator builds it
+   (`slurm_cdgpc.control.tuning`), with Slurm's queue as the reconcile last read it (the
+   drain's input: whether jobs wait, each job's nodes, each node's free GPUs; none while it
+   is unread or stale) and the budget in force now (the store's, else the
    configuration's ``budget.initial``; none: uncapped) minus the uncontrolled power:
    GPUs of unreachable nodes at their worst case (every GPU at its maximum power limit, never
    zero; a node that never reported counts every GPU its jobs name at the largest limit of the
@@ -81,12 +84,18 @@ from slurm_cdgpc.agent.protocol import Setpoint as AgentSetpoint
 from slurm_cdgpc.config import Config
 from slurm_cdgpc.control.discrete import ClockGrid
 from slurm_cdgpc.control.dual import StepStatus
-from slurm_cdgpc.control.empc import ControllerSettings, Decision, EconomicMPC, Measurements
+from slurm_cdgpc.control.empc import (
+    ControllerSettings,
+    Decision,
+    EconomicMPC,
+    Measurements,
+    QueueState,
+)
+from slurm_cdgpc.control.tuning import Tuning, shipped
 from slurm_cdgpc.coordinator.jobs import GpuRef, GpuSample, JobInfo, RunningJobs
 from slurm_cdgpc.errors import CdgpcError, InputError
 from slurm_cdgpc.gpu.catalog import CATALOG, GpuSpec, catalog_spec
 from slurm_cdgpc.model.estimator import EstimatorSettings, JobEstimator
-from slurm_cdgpc.model.rls import RlsSettings
 from slurm_cdgpc.store import (
     ACTIVE_STATES,
     BudgetChange,
@@ -147,13 +156,16 @@ class CoordinatorSettings:
     agent_port: int = 8464
     #: how the head reaches agents of nodes first seen in a registration: http or ssh
     node_transport: str = "http"
-    min_clock_fraction: float = 0.5
-    controller: ControllerSettings = field(default_factory=ControllerSettings)
-    estimator: EstimatorSettings = field(default_factory=EstimatorSettings)
+    #: Slurm's queue (whether jobs wait for GPUs: the drain's input) counts this long after it
+    #: was read; older, the drain is off until the next read
+    queue_stale_s: float = 180.0
+    controller: ControllerSettings = field(default_factory=lambda: shipped().controller)
+    estimator: EstimatorSettings = field(default_factory=lambda: shipped().estimator)
 
     @classmethod
     def from_config(cls, config: Config) -> CoordinatorSettings:
         c = config.control
+        tuning = Tuning.from_config(c)
         return cls(
             interval_s=c.interval_s,
             lease_s=config.lease.duration_s,
@@ -162,20 +174,10 @@ class CoordinatorSettings:
             initial_budget_w=config.budget.initial_w,
             agent_port=config.node.listen_port,
             node_transport=config.node.transport,
-            min_clock_fraction=c.min_clock_fraction,
-            controller=ControllerSettings(
-                mode=c.dual_mode,
-                horizon=c.horizon,
-                interval_s=c.interval_s,
-                guard_band=c.guard_band,
-                offset_gain=c.offset_gain,
-                default_pressure=c.default_pressure,
-            ),
-            estimator=EstimatorSettings(
-                family=c.model_family,
-                power=RlsSettings(forgetting=c.power_forgetting),
-                time=RlsSettings(forgetting=c.time_forgetting),
-            ),
+            # three reconcile periods (`coordinator.main`: at least two control intervals)
+            queue_stale_s=3 * max(config.head.reconcile_interval_s, 2 * c.interval_s),
+            controller=tuning.controller,
+            estimator=tuning.estimator,
         )
 
 
@@ -386,9 +388,9 @@ class Coordinator:
         self.settings = settings or CoordinatorSettings()
         self._clock = clock
         self.specs = specs
+        # every supported clock: the controller applies its own floor (and its fallback)
         self.grid = ClockGrid.from_tables(
-            [(name, spec.clocks) for name, spec in specs.items()],
-            min_fraction=self.settings.min_clock_fraction,
+            [(name, spec.clocks) for name, spec in specs.items()], min_fraction=0.0
         )
         self.controller = EconomicMPC(self.grid, self.settings.controller)
         self.running = RunningJobs(self.grid, JobEstimator(self.settings.estimator), specs)
@@ -419,6 +421,9 @@ class Coordinator:
         self._typed_nodes: dict[str, str] = {}  # committed nodes with a GPU type (registration)
         self._uids: dict[str, int | None] = {}  # job user -> uid on this host
         self._spoof_logged: set[tuple[str, str, int]] = set()  # refused progress, logged once
+        #: whether jobs wait for GPUs in Slurm, and when that was read (monotonic); None: unread
+        self._queue_seen: tuple[bool, float] | None = None
+        self._queue_known = False  # the drain has its input (logged on each change)
 
     # -- start-up ----------------------------------------------------------------------------
 
@@ -692,6 +697,48 @@ class Coordinator:
 
     # -- the loop ----------------------------------------------------------------------------
 
+    def observe_queue(self, waiting: bool | None) -> None:
+        """Whether jobs wait for GPUs in Slurm, from the reconcile (any thread); None: Slurm
+        could not be read."""
+        self._queue_seen = None if waiting is None else (waiting, time.monotonic())
+
+    def _queue_state(self) -> QueueState | None:
+        """The drain's input: Slurm's queue as last read, the controlled jobs' nodes and each
+        node's free GPUs; None (the drain off, said once) while the queue is unread or stale."""
+        seen = self._queue_seen
+        known = seen is not None and time.monotonic() - seen[1] <= self.settings.queue_stale_s
+        if known != self._queue_known and self.settings.controller.drain_pressure > 0:
+            if known:
+                logger.info("Slurm's queue is read: the drain is on")
+            else:
+                logger.warning("Slurm's queue cannot be read: the drain is off until it can")
+        self._queue_known = known
+        if seen is None or not known or not seen[0]:
+            return None
+        index = {name: i for i, name in enumerate(self._nodes)}
+        rows, nodes = [], []
+        for row, info in enumerate(self.running.jobs):
+            for name in sorted({g.node for g in info.gpus}):
+                rows.append(row)
+                nodes.append(index.get(name, -1))
+        busy = {GpuRef(g.node, g.gpu_index) for j in self._known.values() for g in j.gpus}
+        free = np.array(
+            [
+                sum(GpuRef(name, r.index) not in busy for r in node.reports)
+                if node.reachable
+                else 0
+                for name, node in self._nodes.items()
+            ],
+            dtype=np.int64,
+        )
+        placed = np.array(nodes, dtype=np.int64) >= 0
+        return QueueState(
+            True,
+            np.array(rows, dtype=np.int64)[placed],
+            np.array(nodes, dtype=np.int64)[placed],
+            free,
+        )
+
     def run(self, stop: threading.Event) -> None:
         """Run intervals at a fixed period until ``stop`` is set (an overrun skips ahead)."""
         period_s = self.settings.interval_s
@@ -736,6 +783,7 @@ class Coordinator:
                 UNCAPPED_W if budget_w is None else budget_w,
                 uncontrolled_w=uncontrolled_w,
                 measured=measured,
+                queue=self._queue_state(),
             )
         squeeze = budget_w is not None and (
             decision.status is StepStatus.INFEASIBLE

@@ -30,7 +30,7 @@ import logging
 import signal
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import FrameType
 from typing import Final
@@ -42,8 +42,8 @@ from slurm_cdgpc.coordinator.reconcile import reconcile_with_slurm
 from slurm_cdgpc.errors import CdgpcError, FatalError, InputError
 from slurm_cdgpc.service import serve, settle_heap
 from slurm_cdgpc.slurm.pyslurm_jobs import load_pyslurm
-from slurm_cdgpc.slurm.pyslurm_jobs import running_jobs as pyslurm_running_jobs
-from slurm_cdgpc.slurm.squeue import SQUEUE, SlurmJob, SqueueError, running_jobs
+from slurm_cdgpc.slurm.pyslurm_jobs import read_jobs as pyslurm_read_jobs
+from slurm_cdgpc.slurm.squeue import SQUEUE, SlurmJob, SqueueError, read_jobs
 from slurm_cdgpc.store import Store, StoreError, make_engine, upgrade
 from slurm_cdgpc.store.leader import LeaderLock, LeadershipLostError, default_holder
 from slurm_cdgpc.transport.auth import (
@@ -231,14 +231,14 @@ def _serve(config: Config, coordinator: Coordinator, stop: threading.Event) -> N
         thread.join(timeout=5.0)
 
 
-def _slurm_jobs() -> Callable[[], Mapping[str, SlurmJob]] | None:
-    """Where the running jobs come from: pyslurm when it imports, else ``squeue --json``."""
+def _slurm_jobs() -> Callable[[], Sequence[SlurmJob]] | None:
+    """Where the jobs come from: pyslurm when it imports, else ``squeue --json``."""
     pyslurm = load_pyslurm()
     if pyslurm is not None:
         logger.info("reconcile reads jobs through pyslurm")
-        return lambda: pyslurm_running_jobs(pyslurm)
+        return lambda: pyslurm_read_jobs(pyslurm)
     if SQUEUE.exists():
-        return running_jobs
+        return read_jobs
     return None
 
 
@@ -246,17 +246,21 @@ def _reconcile_until(
     coordinator: Coordinator,
     stop: threading.Event,
     period_s: float,
-    source: Callable[[], Mapping[str, SlurmJob]],
+    source: Callable[[], Sequence[SlurmJob]],
 ) -> None:
     """Every ``period_s``, finish jobs Slurm no longer runs and adopt running jobs that never
-    registered (`slurm_cdgpc.coordinator.reconcile`), off the control thread: squeue may take
-    seconds on a busy controller. The grace period is one reconcile period."""
+    registered (`slurm_cdgpc.coordinator.reconcile`), and tell the controller whether jobs wait
+    for GPUs (the drain's input), off the control thread: squeue may take seconds on a busy
+    controller. The grace period is one reconcile period."""
     while not stop.wait(period_s):
         try:
-            running = source()
+            jobs = source()
         except SqueueError as e:
             logger.warning("reconcile skipped: %s", e)
+            coordinator.observe_queue(None)
             continue
+        coordinator.observe_queue(any(job.waits_for_gpus for job in jobs))
+        running = {job.job_id: job for job in jobs if job.active}
         try:
             reconcile_with_slurm(coordinator, running, now_s=time.time(), grace_s=period_s)
         except CdgpcError as e:

@@ -27,6 +27,7 @@ from slurm_cdgpc.control.empc import (
     EconomicMPC,
     JobState,
     Measurements,
+    QueueState,
 )
 from slurm_cdgpc.errors import InputError
 from slurm_cdgpc.gpu.catalog import GpuSpec, catalog_spec
@@ -37,6 +38,8 @@ from slurm_cdgpc.model.families import FloatArray
 IntArray = NDArray[np.int64]
 
 #: GPU types of the synthetic fleet and their shares of the jobs
+#: GPUs per node of the packed placement `ClosedLoop.queue` reports
+NODE_GPUS = 8
 DEFAULT_MIX: tuple[tuple[str, float], ...] = (
     ("A100-SXM4-80GB", 0.40),
     ("H100-SXM", 0.25),
@@ -138,14 +141,17 @@ class ClosedLoop:
         rng: np.random.Generator,
         settings: ControllerSettings | None = None,
         estimator_settings: EstimatorSettings | None = None,
-        min_clock_fraction: float = 0.5,
         noise: NoiseModel | None = None,
+        queued: bool = False,
     ) -> None:
         self.fleet = fleet
         self.rng = rng
         self.noise = noise
+        #: jobs wait for GPUs (the drain's input): the jobs are packed on 8-GPU nodes, in order
+        self.queued = queued
+        # every supported clock: the controller applies its own floor, as cdgpcd's does
         self.grid = ClockGrid.from_tables(
-            [(s.name, s.clocks) for s in fleet.specs], min_fraction=min_clock_fraction
+            [(s.name, s.clocks) for s in fleet.specs], min_fraction=0.0
         )
         self.controller = EconomicMPC(self.grid, settings)
         self.estimator = JobEstimator(estimator_settings)
@@ -159,12 +165,30 @@ class ClosedLoop:
     def interval_s(self) -> float:
         return self.controller.settings.interval_s
 
-    def step(self, budget_w: float | FloatArray) -> IntervalRecord:
+    def queue(self) -> QueueState | None:
+        """With ``queued``: the jobs' GPUs laid end to end on nodes of `NODE_GPUS`, one more
+        node with a free GPU, and jobs waiting."""
+        if not self.queued:
+            return None
+        start = np.concatenate([[0], np.cumsum(self.fleet.gpus)[:-1]])
+        first = start // NODE_GPUS
+        spans = (start + self.fleet.gpus - 1) // NODE_GPUS - first + 1  # nodes per job
+        rows = np.repeat(np.arange(spans.size), spans)
+        nth = np.arange(rows.size) - np.repeat(np.cumsum(spans) - spans, spans)
+        nodes = np.repeat(first, spans) + nth
+        free = np.zeros(int(nodes.max()) + 2, dtype=np.int64)
+        free[-1] = 1
+        return QueueState(True, rows, nodes, free)
+
+    def step(self, budget_w: float) -> IntervalRecord:
         """Decide, run the plant for one interval at the decided clocks, measure."""
         fleet = self.fleet
         jobs = JobState(fleet.gpu_type, fleet.remaining_iterations, fleet.deadline_s)
+        queue = self.queue()
         t0 = time.perf_counter()
-        d = self.controller.step(self.estimator, jobs, self.t_s, budget_w, measured=self._measured)
+        d = self.controller.step(
+            self.estimator, jobs, self.t_s, budget_w, measured=self._measured, queue=queue
+        )
         step_s = time.perf_counter() - t0
         self.last_decision = d
 

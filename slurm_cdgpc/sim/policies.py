@@ -5,26 +5,12 @@ deadlines, reported progress, the budget) and has no path to the plant: the simu
 plant to `PlantPolicy` subclasses only, and ``oracle`` is the one. ``max-clock`` needs nothing.
 
 ``cdgpc``
-    Our controller: `EconomicMPC` with the bent power family, learning online, clocks no lower
-    than `CDGPC_MIN_CLOCK_FRACTION` of max, plus triage (``triage=True``): a job predicted to
-    miss its deadline even at top clocks (remaining iterations × learned time at top clocks >
-    slack) is weighted like a job without a deadline, so power goes to jobs it can still save.
-    Adaptive floor: when even every job at the floor (by the learned models, unmeasured jobs at
-    their power limit) exceeds the budget, the floor gives way to the lowest supported clock
-    for that interval, so that a tight budget still holds. Guard band max(0.2 %, 3 %/√N) of the
-    budget for N running jobs (a fixed 0.2 % overshot on a 32-GPU cluster).
-    Drain (``drain_pressure``, 1 by default, 0 turns it off): while jobs wait although some GPUs
-    are free, the head of the FIFO queue needs more GPUs than any node has free and waits for a
-    node to empty. The jobs of the node predicted to empty first (remaining iterations × learned
-    time at top clocks, its last job) get at least that deadline pressure, so the node empties
-    sooner and the queue moves. Over 20 seeds of MIX2 at budget 0.7 it cut induced misses from
-    961 to 899 (DESIGN.md, Simulator).
-    Option ``queue_weight`` β (off by default: it did not help in our measurements): while jobs
-    queue, every job's pressure grows by β·g_n/ḡ, charging a slow job for the GPUs it holds.
+    The controller cdgpcd runs (`EconomicMPC`), with the shipped configuration's settings
+    (`slurm_cdgpc.control.tuning.shipped`): every rule it applies is one of its settings, and
+    this adapter only turns the view into its inputs (jobs, measurements, the queue).
 ``cdgpc-paper``
-    The paper's method as published: the same EMPC with the linear power family and the paper's
-    deadline-aware weights w = R / max(D − t, Δt) (remaining iterations over slack), so a late
-    job keeps the highest weight; no triage, no exploration margin, clock floor 0.5 of max.
+    The same controller with the paper's settings (`slurm_cdgpc.control.tuning.paper`): the
+    linear power family and the deadline-aware weights w = R / max(D − t, Δt) alone.
 ``max-clock``
     No cap.
 ``uniform-power-cap``
@@ -58,19 +44,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import replace
 from typing import Final
 
 import numpy as np
 import numpy.typing as npt
 
 from slurm_cdgpc.control.discrete import ClockGrid
-from slurm_cdgpc.control.empc import (
-    ControllerSettings,
-    EconomicMPC,
-    JobState,
-    Measurements,
-)
+from slurm_cdgpc.control.empc import EconomicMPC, JobState, Measurements, QueueState
+from slurm_cdgpc.control.tuning import Tuning, paper, shipped
 from slurm_cdgpc.errors import InputError
 from slurm_cdgpc.gpu.catalog import GpuSpec
 from slurm_cdgpc.gpu.plant import Plant, WorkloadArrays
@@ -84,13 +65,8 @@ FloatArray = npt.NDArray[np.float64]
 IntArray = npt.NDArray[np.int64]
 BoolArray = npt.NDArray[np.bool_]
 
-#: ε: share of the budget the learning policies hold back (0.5 % left MAE > 1 % on Philly)
+#: ε: share of the budget uniform-clock and the oracle hold back (cdgpc's is its own setting)
 GUARD_BAND: Final = 0.002
-#: cdgpc's guard band grows to c/√(running jobs) on small clusters (0.95 % at 10 jobs)
-GUARD_PER_SQRT_JOB: Final = 0.03
-#: cdgpc's clock floor: below ≈ 0.6 of max a GPU takes longer AND spends more energy per step
-CDGPC_MIN_CLOCK_FRACTION: Final = 0.6
-PAPER_MIN_CLOCK_FRACTION: Final = 0.5
 STATIC_MIN_CLOCK_FRACTION: Final = 0.5
 UNIFORM_CLOCK_FRACTIONS: Final = np.round(np.arange(1.0, 0.295, -0.01), 2)
 ORACLE_CLOCK_LEVELS: Final = 24
@@ -232,123 +208,20 @@ class StaticGpuFreq(Policy):
 # --- policies that learn ----------------------------------------------------------------------
 
 
-class _TriageMpc(EconomicMPC):
-    """`EconomicMPC` whose weights treat hopeless jobs like jobs without a deadline."""
-
-    triage = True
-    #: β of the queue term (0: off) and whether jobs wait for GPUs now
-    queue_weight = 0.0
-    queueing = False
-    #: pressure at least this on the jobs of the node predicted to empty first, while jobs wait
-    #: and GPUs are free (0: off); with each job's GPUs per node and each node's free GPUs
-    drain_pressure = 0.0
-    job_nodes: IntArray | None = None
-    free_gpus: IntArray | None = None
-
-    def weights(self, estimator: JobEstimator, jobs: JobState, now_s: float) -> FloatArray:
-        w = super().weights(estimator, jobs, now_s)
-        one = np.ones(len(estimator))
-        t_top = estimator.predict_iteration_s(one, one)
-        t_top = np.where(np.isfinite(t_top) & (t_top > 0), t_top, 1.0)
-        if self.queue_weight > 0 and self.queueing:
-            # while jobs queue, finishing sooner frees GPUs: pressure β·g_n/ḡ on top
-            g = estimator.statics.gpus.astype(np.float64)
-            w = w + self.queue_weight * (g / max(float(g.mean()), 1.0)) / t_top
-        if self.triage:
-            w = self._triaged(w, estimator, jobs, now_s, t_top)
-        if self.drain_pressure > 0 and self.queueing:  # hopeless or not: the node must empty
-            w = np.maximum(w, self.drain_pressure * self._draining(estimator, jobs, t_top) / t_top)
-        return w
-
-    def _triaged(
-        self,
-        w: FloatArray,
-        estimator: JobEstimator,
-        jobs: JobState,
-        now_s: float,
-        t_top: FloatArray,
-    ) -> FloatArray:
-        # hopeless: R · T_top > D − t (a miss even at top clocks from now on)
-        hopeless = (
-            (estimator.time.count > 0)
-            & np.isfinite(jobs.deadline_s)
-            & (jobs.remaining_iterations * t_top > jobs.deadline_s - now_s)
-        )
-        low = self.settings.default_pressure / t_top
-        if self.queue_weight > 0 and self.queueing:
-            g = estimator.statics.gpus.astype(np.float64)
-            low = low + self.queue_weight * (g / max(float(g.mean()), 1.0)) / t_top
-        return np.where(hopeless[None, :], low, w)
-
-    def _draining(self, estimator: JobEstimator, jobs: JobState, t_top: FloatArray) -> FloatArray:
-        """1 for the jobs on the node predicted to empty first, else 0; all 0 unless some GPU
-        is free (jobs wait although GPUs are free: under FIFO, the head of the queue needs more
-        than any node has free, and waits for a node to empty)."""
-        out = np.zeros(len(estimator))
-        alloc, free = self.job_nodes, self.free_gpus
-        if alloc is None or free is None or alloc.shape[0] != out.size or not (free > 0).any():
-            return out
-        known = (estimator.time.count > 0) & np.isfinite(jobs.remaining_iterations)
-        left = np.where(known, jobs.remaining_iterations * t_top, np.inf)  # at top clocks
-        on = alloc > 0  # (jobs, nodes)
-        empties_in = np.where(on, left[:, None], -np.inf).max(axis=0)  # a node's last job
-        candidates = on.any(axis=0) & np.isfinite(empties_in)
-        if candidates.any():
-            out[on[:, int(np.argmin(np.where(candidates, empties_in, np.inf)))]] = 1.0
-        return out
-
-
 class Cdgpc(Policy):
-    """The economic MPC with an online estimator (module docstring: cdgpc, cdgpc-paper)."""
+    """The head's controller on the simulator's view: only turns the view into its inputs."""
 
-    def __init__(
-        self,
-        name: str = "cdgpc",
-        *,
-        family: str = "bent",
-        triage: bool = True,
-        min_clock_fraction: float = CDGPC_MIN_CLOCK_FRACTION,
-        uncertainty_sigmas: float = 1.0,
-        adaptive_floor: bool = True,
-        guard_band: float = GUARD_BAND,
-        queue_weight: float = 0.0,
-        adaptive_guard: bool = True,
-        no_deadline_pressure: float = 0.5,
-        drain_pressure: float = 1.0,
-    ) -> None:
+    def __init__(self, name: str = "cdgpc", tuning: Callable[[float], Tuning] = shipped) -> None:
         self.name = name
-        self.drain_pressure = drain_pressure
-        self.no_deadline_pressure = no_deadline_pressure
-        self.adaptive_guard = adaptive_guard
-        self.queue_weight = queue_weight
-        self.guard_band = guard_band
-        self.adaptive_floor = adaptive_floor
-        self.family = family
-        self.triage = triage
-        self.min_clock_fraction = min_clock_fraction
-        self.uncertainty_sigmas = uncertainty_sigmas
+        self.tuning = tuning
 
     def start(self, fleet: FleetSpec, budget_w: float, interval_s: float) -> None:
         self.specs = fleet.specs
-        grid = ClockGrid.from_tables(
-            [(s.name, s.clocks) for s in fleet.specs], min_fraction=self.min_clock_fraction
-        )
-        settings = ControllerSettings(
-            interval_s=interval_s,
-            guard_band=self.guard_band,
-            uncertainty_sigmas=self.uncertainty_sigmas,
-            default_pressure=self.no_deadline_pressure,
-        )
-        # when even the floor cannot fit the budget, the floor gives way (module docstring)
-        self.grid = grid
-        self.low_grid = ClockGrid.from_tables(
-            [(s.name, s.clocks) for s in fleet.specs], min_fraction=0.0
-        )
-        self.controller = _TriageMpc(grid, settings)
-        self.controller.triage = self.triage
-        self.controller.queue_weight = self.queue_weight
-        self.controller.drain_pressure = self.drain_pressure
-        self.estimator = JobEstimator(EstimatorSettings(family=self.family))
+        tuning = self.tuning(interval_s)
+        # every supported clock, as cdgpcd builds it: the controller applies its own floor
+        grid = ClockGrid.from_tables([(s.name, s.clocks) for s in fleet.specs], min_fraction=0.0)
+        self.controller = EconomicMPC(grid, tuning.controller)
+        self.estimator = JobEstimator(tuning.estimator)
         self.planned_w = np.zeros(0)
 
     def decide(self, view: ClusterView) -> Setpoints:
@@ -368,23 +241,11 @@ class Cdgpc(Policy):
             view.power_capped,
         )
         jobs = JobState(view.job_type, view.remaining_iterations, view.deadline_s)
-        self.controller.grid = self.grid
-        if self.adaptive_guard:
-            # ε = max(ε_0, c/√N): with few jobs one job's model error is a large share of the sum
-            guard = max(self.guard_band, GUARD_PER_SQRT_JOB / np.sqrt(max(len(view), 1)))
-            self.controller.settings = replace(self.controller.settings, guard_band=guard)
-        self.controller.queueing = view.queued_jobs > 0
-        self.controller.job_nodes = view.job_nodes
-        self.controller.free_gpus = view.node_gpus - view.job_nodes.sum(axis=0)
-        if self.adaptive_floor and len(view):
-            problem = self.controller.problem(
-                self.estimator, jobs, view.now_s, view.budget_w, view.idle_power_w
-            )
-            # Σ g P(x_lo) > B_eff: nothing at or above the floor fits, go below it
-            if float(problem.power_w(problem.x_lo, problem.xm_lo).sum()) > problem.budget_w[0]:
-                self.controller.grid = self.low_grid
+        queue = QueueState.from_matrix(
+            view.queued_jobs > 0, view.job_nodes, view.node_gpus - view.job_nodes.sum(axis=0)
+        )
         d = self.controller.step(
-            self.estimator, jobs, view.now_s, view.budget_w, view.idle_power_w, measured
+            self.estimator, jobs, view.now_s, view.budget_w, view.idle_power_w, measured, queue
         )
         self.planned_w = d.planned_power_w
         return Setpoints(
@@ -502,17 +363,8 @@ class Oracle(PlantPolicy):
 _WL = tuple(WorkloadArrays.__dataclass_fields__)
 
 _FACTORIES: Final[dict[str, Callable[[], Policy]]] = {
-    "cdgpc": lambda: Cdgpc("cdgpc"),
-    "cdgpc-paper": lambda: Cdgpc(
-        "cdgpc-paper",
-        family="linear",
-        triage=False,
-        min_clock_fraction=PAPER_MIN_CLOCK_FRACTION,
-        uncertainty_sigmas=0.0,
-        adaptive_floor=False,
-        adaptive_guard=False,
-        drain_pressure=0.0,
-    ),
+    "cdgpc": lambda: Cdgpc("cdgpc", shipped),
+    "cdgpc-paper": lambda: Cdgpc("cdgpc-paper", paper),
     "max-clock": MaxClock,
     "uniform-power-cap": UniformPowerCap,
     "uniform-clock": UniformClock,

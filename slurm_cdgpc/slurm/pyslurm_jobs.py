@@ -6,7 +6,8 @@ is optional: the head uses it when ``import pyslurm`` works and falls back to
 `slurm_cdgpc.slurm.squeue` otherwise. What is read here is pyslurm's documented job API
 (``pyslurm.Jobs.load()``; per job ``id``, ``user_name``, ``state``, ``allocated_nodes``,
 ``comment``, ``submit_time``, ``start_time``, ``time_limit`` in minutes, ``deadline``,
-``array_id``, and ``get_resource_layout_per_node()``, whose ``gres`` per node reads
+``array_id``, ``state_reason``, the GPU request fields of `GPU_REQUEST_FIELDS`, and
+``get_resource_layout_per_node()``, whose ``gres`` per node reads
 ``{"gpu:a100": {"count": "2", "indexes": "0-1"}}``), into the same `SlurmJob` squeue gives.
 A job that cannot be read is skipped with a log line, never an exception.
 """
@@ -21,7 +22,7 @@ from typing import Any
 
 from slurm_cdgpc.errors import CdgpcError
 from slurm_cdgpc.slurm.env import parse_gpu_indices
-from slurm_cdgpc.slurm.squeue import ACTIVE_STATES, SlurmJob, SqueueError
+from slurm_cdgpc.slurm.squeue import GPU_REQUEST_FIELDS, SlurmJob, SqueueError, asks_for_gpus
 
 logger = logging.getLogger(__name__)
 
@@ -72,22 +73,26 @@ def parse_job(job: Any) -> SlurmJob:
         submit_s=_number(job.submit_time),
         deadline_s=_number(getattr(job, "deadline", None)),
         gpus=_gpus(job.get_resource_layout_per_node()),
+        reason=str(getattr(job, "state_reason", "") or ""),
+        wants_gpus=asks_for_gpus(getattr(job, f, None) for f in GPU_REQUEST_FIELDS),
     )
 
 
 def running_jobs(pyslurm: ModuleType) -> dict[str, SlurmJob]:
     """Jobs Slurm runs now (RUNNING, COMPLETING, CONFIGURING), by raw job id."""
+    return {j.job_id: j for j in read_jobs(pyslurm) if j.active}
+
+
+def read_jobs(pyslurm: ModuleType) -> list[SlurmJob]:
+    """Every job slurmctld knows: running, pending and finishing."""
     try:
         jobs = pyslurm.Jobs.load()
     except Exception as e:  # pyslurm raises its own RPCError and others
         raise SqueueError(f"pyslurm could not load the jobs: {e}") from e
-    out: dict[str, SlurmJob] = {}
+    out: list[SlurmJob] = []
     for key, job in dict(jobs).items():
         try:
-            parsed = parse_job(job)
+            out.append(parse_job(job))
         except (CdgpcError, AttributeError, TypeError, ValueError) as e:
             logger.info("pyslurm: skipped job %s that cannot be read: %s", key, e)
-            continue
-        if parsed.state in ACTIVE_STATES:
-            out[parsed.job_id] = parsed
     return out

@@ -17,7 +17,7 @@ import json
 import logging
 import re
 import subprocess
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
@@ -31,6 +31,17 @@ SQUEUE: Final = Path("/usr/bin/squeue")
 DEFAULT_TIMEOUT_S: Final = 10.0
 #: the states in which a job holds its GPUs
 ACTIVE_STATES: Final = frozenset({"RUNNING", "COMPLETING", "CONFIGURING"})
+#: a pending job's reasons that mean it waits for resources to free up
+WAITING_REASONS: Final = frozenset({"Resources", "Priority"})
+#: the request fields that name a job's GPUs, in the versions' JSON and pyslurm alike
+GPU_REQUEST_FIELDS: Final = (
+    "tres_per_node",
+    "tres_per_job",
+    "tres_per_socket",
+    "tres_per_task",
+    "tres_req_str",
+    "gres_per_node",
+)
 #: a hostlist naming more nodes than this is not read (no cluster has that many)
 MAX_HOSTS: Final = 100_000
 _BRACKET: Final = re.compile(r"\[([^\[\]]*)\]")
@@ -56,6 +67,20 @@ class SlurmJob:
     deadline_s: float | None = None
     #: node → the GPU indices the job holds there; empty when Slurm did not say
     gpus: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
+    #: why a pending job waits (``Resources``, ``Priority``, ``Dependency`` …)
+    reason: str = ""
+    #: the job asks for GPUs (a GPU GRES or TRES in its request)
+    wants_gpus: bool = False
+
+    @property
+    def active(self) -> bool:
+        """It holds its GPUs (`ACTIVE_STATES`)."""
+        return self.state in ACTIVE_STATES
+
+    @property
+    def waits_for_gpus(self) -> bool:
+        """Pending for want of resources (its own, or those of a job ahead of it), with GPUs."""
+        return self.state == "PENDING" and self.reason in WAITING_REASONS and self.wants_gpus
 
 
 def expand_hostlist(text: str) -> list[str]:
@@ -176,7 +201,14 @@ def parse_job(d: Mapping[str, Any]) -> SlurmJob | None:
         submit_s=submit if submit else None,
         deadline_s=deadline if deadline else None,
         gpus=gpus,
+        reason=_state(d.get("state_reason")),
+        wants_gpus=asks_for_gpus(d.get(k) for k in GPU_REQUEST_FIELDS),
     )
+
+
+def asks_for_gpus(requests: Iterable[object]) -> bool:
+    """Whether any of a job's request fields names a GPU (``gres/gpu:4``, ``gres:gpu:2``)."""
+    return any("gpu" in str(r).lower() for r in requests if r)
 
 
 def parse_squeue_json(text: str | bytes) -> list[SlurmJob]:
@@ -202,6 +234,11 @@ def running_jobs(
     *, squeue: Path = SQUEUE, timeout_s: float = DEFAULT_TIMEOUT_S
 ) -> dict[str, SlurmJob]:
     """Jobs Slurm runs now (RUNNING, COMPLETING, CONFIGURING), by raw job id."""
+    return {j.job_id: j for j in read_jobs(squeue=squeue, timeout_s=timeout_s) if j.active}
+
+
+def read_jobs(*, squeue: Path = SQUEUE, timeout_s: float = DEFAULT_TIMEOUT_S) -> list[SlurmJob]:
+    """Every job ``squeue --json`` shows: running, pending and finishing."""
     try:
         result = subprocess.run(
             [str(squeue), "--json"],
@@ -215,4 +252,4 @@ def running_jobs(
     if result.returncode != 0:
         message = " ".join(result.stderr.decode("utf-8", "replace").split())[:300]
         raise SqueueError(f"squeue --json exited {result.returncode}: {message}")
-    return {j.job_id: j for j in parse_squeue_json(result.stdout) if j.state in ACTIVE_STATES}
+    return parse_squeue_json(result.stdout)

@@ -72,7 +72,8 @@ listen_port = 8443
 url = "postgresql+psycopg://cdgpc@db/cdgpc"
 [control]
 interval = "1m"
-horizon = 4
+drain_pressure = 4
+triage = false
 dual_mode = "bisection"
 model_family = "linear"
 shadow = true
@@ -99,7 +100,8 @@ measurements = "7d"
     assert config.head.url == "https://head.cluster:8443"  # trailing slash dropped
     assert config.head.listen_port == 8443
     assert config.store.url == "postgresql+psycopg://cdgpc@db/cdgpc"
-    assert (config.control.interval_s, config.control.horizon) == (60.0, 4)
+    assert (config.control.interval_s, config.control.drain_pressure) == (60.0, 4.0)
+    assert config.control.triage is False
     assert (config.control.dual_mode, config.control.model_family) == ("bisection", "linear")
     assert config.control.shadow is True
     assert config.budget.initial_w == 450e3
@@ -117,14 +119,14 @@ measurements = "7d"
 
 
 def test_command_line_beats_environment_beats_file_beats_default(tmp_path: Path) -> None:
-    path = write(tmp_path, '[control]\ninterval = "20s"\nhorizon = 2\n[head]\nurl = "http://f:1"\n')
+    path = write(tmp_path, '[control]\ninterval = "20s"\ndrain_pressure = 2\n[head]\nurl = "http://f:1"\n')
     env = {"CDGPC_CONTROL_INTERVAL": "15s", "CDGPC_HEAD_URL": "http://env:2"}
     overrides = {"control.interval": "10s", "head.url": None}  # None: option not given
 
     config = load_config(path, env=env, overrides=overrides)
     assert config.control.interval_s == 10.0  # command line
     assert config.head.url == "http://env:2"  # environment over file
-    assert config.control.horizon == 2  # file over default
+    assert config.control.drain_pressure == 2  # file over default
     assert config.control.dual_mode == "newton"  # default
 
 
@@ -133,7 +135,7 @@ def test_environment_values_are_parsed_like_file_values() -> None:
         env={
             "CDGPC_AUTH_ADMIN_USERS": "alice, bob",
             "CDGPC_CONTROL_SHADOW": "yes",
-            "CDGPC_CONTROL_HORIZON": "3",
+            "CDGPC_CONTROL_DRAIN_PRESSURE": "3",
             "CDGPC_LEASE_SAFE_CAP": "55%",
             "CDGPC_STORE_URL": "sqlite:////tmp/x.db",
             "CDGPC_DEBUG": "1",  # not a setting: left alone
@@ -142,7 +144,7 @@ def test_environment_values_are_parsed_like_file_values() -> None:
         }
     )
     assert config.auth.admin_users == ("alice", "bob")
-    assert config.control.shadow is True and config.control.horizon == 3
+    assert config.control.shadow is True and config.control.drain_pressure == 3
     assert config.lease.safe_cap == SafeCap(clock_fraction=0.55)
     assert config.store.url == "sqlite:////tmp/x.db"
 
@@ -154,19 +156,19 @@ def test_an_empty_environment_variable_clears_an_optional_value(tmp_path: Path) 
 
 
 def test_config_file_from_environment_and_explicit_path(tmp_path: Path) -> None:
-    a = write(tmp_path, "[control]\nhorizon = 2\n", "a.toml")
-    b = write(tmp_path, "[control]\nhorizon = 3\n", "b.toml")
-    assert load_config(env={"CDGPC_CONFIG": str(a)}).control.horizon == 2
-    assert load_config(b, env={"CDGPC_CONFIG": str(a)}).control.horizon == 3
+    a = write(tmp_path, "[control]\ndrain_pressure = 2\n", "a.toml")
+    b = write(tmp_path, "[control]\ndrain_pressure = 3\n", "b.toml")
+    assert load_config(env={"CDGPC_CONFIG": str(a)}).control.drain_pressure == 2
+    assert load_config(b, env={"CDGPC_CONFIG": str(a)}).control.drain_pressure == 3
 
 
 def test_the_default_file_is_read_when_present(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    path = write(tmp_path, "[control]\nhorizon = 5\n")
+    path = write(tmp_path, "[control]\ndrain_pressure = 5\n")
     monkeypatch.setattr(config_module, "DEFAULT_PATH", path)
     config = load_config(env={})
-    assert config.control.horizon == 5 and config.path == path
+    assert config.control.drain_pressure == 5 and config.path == path
 
 
 def test_config_is_frozen() -> None:
@@ -198,8 +200,12 @@ def test_the_documented_error_message(tmp_path: Path, monkeypatch: pytest.Monkey
         ("control", "interval", '"-5s"', "must be a duration like 30s, got '-5s'"),
         ("control", "interval", "0", "must be a duration like 30s, got 0"),
         ("control", "interval", "inf", "must be a duration like 30s, got inf"),
-        ("control", "horizon", "0", "must be an integer from 1 to 1000, got 0"),
-        ("control", "horizon", "1.5", "must be an integer from 1 to 1000, got 1.5"),
+        ("node", "simulated_gpu_count", "0", "must be an integer from 1 to 64, got 0"),
+        ("node", "simulated_gpu_count", "1.5", "must be an integer from 1 to 64, got 1.5"),
+        ("control", "drain_pressure", "-1", "must be a number ≥ 0, got -1"),
+        ("control", "exploration_sigmas", '"lots"', "must be a number ≥ 0, got 'lots'"),
+        ("control", "triage", '"maybe"', "must be true or false, got 'maybe'"),
+        ("control", "guard_per_sqrt_job", "0.5", "must be a number in [0, 0.5), got 0.5"),
         ("control", "dual_mode", '"fast"', "must be one of newton, bisection, gradient"),
         ("control", "guard_band", "0.5", "must be a number in [0, 0.5), got 0.5"),
         ("control", "offset_gain", '"high"', "must be a number in [0, 1], got 'high'"),
@@ -207,7 +213,7 @@ def test_the_documented_error_message(tmp_path: Path, monkeypatch: pytest.Monkey
         ("control", "power_forgetting", "0", "must be a number in (0, 1], got 0"),
         ("control", "time_forgetting", "1.01", "must be a number in (0, 1], got 1.01"),
         ("control", "default_pressure", "0", "must be a positive number, got 0"),
-        ("control", "min_clock_fraction", "1.2", "must be a number in (0, 1], got 1.2"),
+        ("control", "min_clock_fraction", "1.0", "must be a number in [0, 1), got 1.0"),
         ("control", "shadow", '"maybe"', "must be true or false, got 'maybe'"),
         ("budget", "initial", '"450kV"', "must be a power like 450kW, got '450kV'"),
         ("budget", "initial", "-1", "must be a power like 450kW, got -1"),
@@ -401,3 +407,9 @@ def test_loading_the_config_stays_light() -> None:
         env={"PYTHONPATH": str(REPO), "CDGPC_CONFIG": str(EXAMPLE)},
     )
     assert out.stdout.strip() == "[]"
+
+
+def test_a_removed_key_says_what_became_of_it(tmp_path: Path) -> None:
+    path = write(tmp_path, "[control]\nhorizon = 1\n")
+    with pytest.raises(ConfigError, match=r"control\.horizon: was removed: .*delete the line"):
+        load_config(path, env={})

@@ -10,6 +10,7 @@ from slurm_cdgpc.control.empc import (
     EconomicMPC,
     JobState,
     Measurements,
+    QueueState,
 )
 from slurm_cdgpc.errors import InputError
 from slurm_cdgpc.gpu.device import ClockTable
@@ -62,7 +63,8 @@ def test_weights_are_deadline_pressure() -> None:
 
 
 def test_jobs_without_deadline_get_the_default_pressure_and_late_jobs_are_capped() -> None:
-    mpc, est, _ = _setup(2, ControllerSettings(default_pressure=0.25, max_pressure=50.0))
+    settings = ControllerSettings(default_pressure=0.25, max_pressure=50.0, triage=False)
+    mpc, est, _ = _setup(2, settings)
     jobs = JobState(
         gpu_type=np.zeros(2, dtype=np.int64),
         remaining_iterations=np.array([1e6, 1e6]),
@@ -84,21 +86,11 @@ def test_urgent_jobs_get_higher_clocks() -> None:
     assert -0.5 < d.budget_error_pct <= 0
 
 
-def test_scheduled_budget_change_prices_each_horizon_step() -> None:
-    mpc, est, jobs = _setup(20, ControllerSettings(horizon=3))
-    jobs = JobState(jobs.gpu_type, jobs.remaining_iterations, np.full(20, 3e4))
-    budget = np.array([20 * 4 * 300.0, 20 * 4 * 300.0, 20 * 4 * 200.0])
-    d = mpc.step(est, jobs, now_s=0.0, budget_w=budget)
-    assert d.prices.shape == (3,)
-    assert d.prices[2] > d.prices[0]  # power is dearer once the budget drops
-    # the clocks applied now answer to the current budget, not the future one
-    assert d.budget_w == budget[0]
-    assert d.predicted_power_w <= d.effective_budget_w
-
-
 def test_offset_correction_absorbs_a_persistent_model_error() -> None:
     # the exploration margin is off: this test isolates the offset estimate
-    settings = ControllerSettings(offset_gain=0.3, uncertainty_sigmas=0.0)
+    settings = ControllerSettings(
+        offset_gain=0.3, uncertainty_sigmas=0.0, guard_band=0.003, guard_per_sqrt_job=0.0
+    )
     mpc, est, jobs = _setup(10, settings, measured=False)
     budget = 10 * 4 * 260.0
     d = mpc.step(est, jobs, now_s=0.0, budget_w=budget)
@@ -138,7 +130,9 @@ def test_infeasible_budget_is_flagged_not_raised() -> None:
     ("kwargs", "message"),
     [
         ({"mode": "magic"}, "unknown dual mode"),
-        ({"horizon": 0}, "horizon"),
+        ({"guard_per_sqrt_job": -0.1}, "guard per"),
+        ({"min_clock_fraction": 1.0}, "clock floor"),
+        ({"drain_pressure": -1.0}, "drain pressure"),
         ({"interval_s": -1.0}, "interval"),
         ({"guard_band": 0.9}, "guard band"),
         ({"offset_gain": 2.0}, "offset gain"),
@@ -189,3 +183,88 @@ def test_exploration_margin_never_makes_a_binding_step_infeasible() -> None:
     d = mpc.step(est, jobs, now_s=0.0, budget_w=budget, measured=measured)
     assert d.status is StepStatus.BINDING
     assert d.predicted_power_w <= budget
+
+
+def _two_jobs_one_second_per_iteration() -> tuple[EconomicMPC, JobEstimator]:
+    mpc, est, _ = _setup(2, measured=False)
+    one = np.ones(2)
+    est.observe(one, one, np.full(2, 300.0), np.ones(2))  # 1 s per iteration
+    return mpc, est
+
+
+def test_triage_weights_hopeless_jobs_like_jobs_without_deadline() -> None:
+    mpc, est = _two_jobs_one_second_per_iteration()
+    t_top = est.predict_iteration_s(np.ones(2), np.ones(2))
+    # job 0: 1000 iterations in 100 s: hopeless even at top clocks; job 1: 50 in 100 s
+    jobs = JobState(np.zeros(2, dtype=np.int64), np.array([1000.0, 50.0]), np.array([100.0, 100.0]))
+    w = mpc.weights(est, jobs, 0.0)[0]
+    assert w[0] == pytest.approx(mpc.settings.default_pressure / t_top[0])
+    assert w[1] * t_top[1] == pytest.approx(50.0 / 100.0)
+    mpc.settings = ControllerSettings(triage=False)
+    assert mpc.weights(est, jobs, 0.0)[0, 0] * t_top[0] == pytest.approx(1000.0 / 100.0)
+
+
+def test_drain_presses_the_jobs_of_the_node_that_empties_first_while_the_queue_is_stuck() -> None:
+    mpc, est, _ = _setup(3, measured=False)
+    est.observe(np.ones(3), np.ones(3), np.full(3, 300.0), np.ones(3))  # 1 s per iteration
+    t_top = est.predict_iteration_s(np.ones(3), np.ones(3))
+    # no deadlines; node 0 holds job 0 (ends in 100 s) and job 1 (ends in 300 s): it empties in
+    # 300 s; node 1 is all job 2's, which ends in 1000 s; node 2 is empty
+    jobs = JobState(
+        np.zeros(3, dtype=np.int64), np.array([100.0, 300.0, 1000.0]), np.full(3, np.nan)
+    )
+    nodes = np.array([[1, 0, 0], [2, 0, 0], [0, 8, 0]])
+    base = mpc.settings.default_pressure
+
+    def pressure(queue: QueueState | None) -> np.ndarray:
+        return np.asarray(mpc.weights(est, jobs, 0.0, queue)[0] * t_top)
+
+    stuck = QueueState.from_matrix(True, nodes, np.array([5, 0, 8]))
+    np.testing.assert_allclose(pressure(None), [base] * 3, rtol=1e-6)  # the head cannot see
+    idle = QueueState.from_matrix(False, nodes, np.array([5, 0, 8]))
+    np.testing.assert_allclose(pressure(idle), [base] * 3, rtol=1e-6)  # nothing waits
+    # jobs wait although GPUs are free: both jobs of node 0 are pressed
+    np.testing.assert_allclose(pressure(stuck), [1.0, 1.0, base], rtol=1e-6)
+    full = QueueState.from_matrix(True, nodes, np.zeros(3, dtype=np.int64))
+    np.testing.assert_allclose(pressure(full), [base] * 3, rtol=1e-6)  # waits for any GPU
+    mpc.settings = ControllerSettings(drain_pressure=0.0)  # off
+    np.testing.assert_allclose(pressure(stuck), [base] * 3, rtol=1e-6)
+
+
+def test_clock_floor_gives_way_only_when_nothing_above_it_fits() -> None:
+    mpc, est, jobs = _setup(4)  # 4 jobs × 4 GPUs at 300 W at the top clock
+    floor_mhz = mpc.floor_grid.bottom_mhz(jobs.gpu_type)[0][0]
+    assert floor_mhz >= 0.6 * 1410 > mpc.grid.bottom_mhz(jobs.gpu_type)[0][0]
+    roomy = mpc.step(est, jobs, now_s=0.0, budget_w=16 * 250.0)
+    assert roomy.graphics_mhz.min() >= floor_mhz
+    # a budget between every job at the floor and every job at the grid's lowest clock
+    x_floor = floor_mhz / 1410.0
+    x_low = mpc.grid.bottom_mhz(jobs.gpu_type)[0][0] / 1410.0
+    one = np.ones(4)
+    at_floor_w = float(np.sum(4 * est.predict_power_w(one * x_floor, one)))
+    at_low_w = float(np.sum(4 * est.predict_power_w(one * x_low, one)))
+    budget_w = 0.5 * (at_floor_w + at_low_w) / (1 - mpc.settings.guard_for(4))
+    tight = mpc.step(est, jobs, now_s=0.0, budget_w=budget_w)
+    assert tight.status is StepStatus.BINDING
+    assert tight.graphics_mhz.max() < floor_mhz
+    assert tight.predicted_power_w <= tight.effective_budget_w
+    mpc = EconomicMPC(mpc.grid, ControllerSettings(floor_fallback=False))
+    held = mpc.step(est, jobs, now_s=0.0, budget_w=budget_w)
+    assert held.status is StepStatus.INFEASIBLE and held.graphics_mhz.min() >= floor_mhz
+
+
+def test_guard_band_grows_on_small_clusters() -> None:
+    s = ControllerSettings(guard_band=0.002, guard_per_sqrt_job=0.03)
+    assert s.guard_for(1) == pytest.approx(0.03)
+    assert s.guard_for(100) == pytest.approx(0.003)
+    assert s.guard_for(10**6) == pytest.approx(0.002)
+    assert ControllerSettings(guard_per_sqrt_job=0.0).guard_for(1) == s.guard_band
+
+
+def test_a_constant_future_budget_cannot_change_todays_clocks_so_there_is_no_horizon() -> None:
+    # the per-step problems of an economic MPC without coupling decouple (DESIGN.md, "Control
+    # core"): the horizon was removed; the controller takes one budget, the one in force
+    mpc, est, jobs = _setup(3)
+    with pytest.raises(TypeError):
+        ControllerSettings(horizon=4)  # type: ignore[call-arg]
+    assert mpc.weights(est, jobs, 0.0).shape == (1, 3)

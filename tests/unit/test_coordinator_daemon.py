@@ -20,7 +20,7 @@ from sqlalchemy import Engine
 from slurm_cdgpc.agent.node import NodeAgent
 from slurm_cdgpc.agent.protocol import ExchangeRequest, ExchangeResponse, GpuReport
 from slurm_cdgpc.config import SafeCap
-from slurm_cdgpc.control.empc import ControllerSettings
+from slurm_cdgpc.control.empc import ControllerSettings, QueueState
 from slurm_cdgpc.coordinator.daemon import (
     Coordinator,
     CoordinatorSettings,
@@ -630,9 +630,9 @@ def test_a_refusal_that_breaks_the_budget_sends_its_job_to_the_lowest_clock(
     assert high_mhz is not None and high_mhz > 1100  # ≈ 367 W: the cut has to move it
     stuck = cluster.gpu("n1", 1)
     stuck.fail_clock_writes = True
-    # job 2 at its lowest clock (2 × 201 W) and GPU 1 where it is leave 1000 W only if GPU 0
+    # job 2 at the lowest supported clock and GPU 1 where it is leave 900 W only if GPU 0
     # goes to the lowest clock as well
-    cluster.head.set_budget(1000.0, "root", reason="cut under a fault")
+    cluster.head.set_budget(900.0, "root", reason="cut under a fault")
     lowest_mhz = int(
         cluster.head.grid.bottom_mhz(np.array([cluster.head.grid.type_index(A100)]))[0][0]
     )
@@ -645,7 +645,7 @@ def test_a_refusal_that_breaks_the_budget_sends_its_job_to_the_lowest_clock(
     assert [j.job_id for j in report.jobs if j.controlled] == ["2"]
     for _ in range(3):
         cluster.tick()
-        assert _true_w(cluster) <= 1000.0 * 1.003
+        assert _true_w(cluster) <= 900.0 * 1.003
     stuck.fail_clock_writes = False
     cluster.tick()
     assert cluster.cap("n1", 1) == lowest_mhz
@@ -744,3 +744,59 @@ def test_a_node_never_reached_is_never_counted_at_zero(make_cluster: MakeCluster
     report = cluster.tick()
     assert report.nodes_unreachable == 2
     assert report.uncontrolled_w == pytest.approx(n1_w + 3 * largest_w + 2 * largest_w)
+
+
+# -- the drain's input: Slurm's queue, the jobs' nodes and the free GPUs ---------------------
+
+
+def test_the_head_hands_the_controller_slurms_queue_while_it_can_read_it(
+    make_cluster: MakeCluster, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cluster = make_cluster()
+    cluster.store.set_budget(1500.0, "root")
+    _register(cluster, "1", "n1", 0)  # n1: one GPU free
+    _register(cluster, "2", "n2", 0, 1)  # n2: full
+    for _ in range(3):
+        cluster.tick()
+    head = cluster.head
+    seen: list[QueueState | None] = []
+    step = head.controller.step
+
+    def spy(*args: object, **kwargs: object) -> object:
+        seen.append(kwargs.get("queue"))  # type: ignore[arg-type]
+        return step(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(head.controller, "step", spy)
+    cluster.tick()
+    assert seen[-1] is None  # never read: the drain is off
+    head.observe_queue(True)
+    with caplog.at_level("INFO", logger="slurm_cdgpc.coordinator.daemon"):
+        cluster.tick()
+        cluster.tick()
+    queue = seen[-1]
+    assert queue is not None and queue.waiting
+    rows = {info.job_id: row for row, info in enumerate(head.running.jobs)}
+    nodes = list(head._nodes)
+    pairs = {(int(r), nodes[int(n)]) for r, n in zip(queue.job_row, queue.job_node, strict=True)}
+    assert pairs == {(rows["1"], "n1"), (rows["2"], "n2")}
+    assert dict(zip(nodes, queue.free_gpus.tolist(), strict=True)) == {"n1": 1, "n2": 0}
+    assert sum("the drain is on" in r.message for r in caplog.records) == 1  # said once
+    head.observe_queue(False)  # nothing waits: nothing to drain
+    cluster.tick()
+    assert seen[-1] is None
+    head.observe_queue(None)  # squeue failed: off, said once
+    with caplog.at_level("INFO", logger="slurm_cdgpc.coordinator.daemon"):
+        cluster.tick()
+        cluster.tick()
+    assert seen[-1] is None
+    assert sum("the drain is off" in r.message for r in caplog.records) == 1
+    # a read older than queue_stale_s counts as none
+    head.observe_queue(True)
+    cluster.tick()
+    assert seen[-1] is not None
+    monkeypatch.setattr(
+        "slurm_cdgpc.coordinator.daemon.time.monotonic",
+        lambda: 1e9,
+    )
+    cluster.tick()
+    assert seen[-1] is None

@@ -162,3 +162,23 @@ def test_adoption_waits_for_the_prolog_and_never_revives_a_known_job(
     adopted = cluster.store.job("60")
     assert adopted is not None
     assert adopted.deadline_s == T0_S - 120.0 + 7200.0  # the time limit stands in
+
+
+@pytest.mark.parametrize(
+    ("fields", "waits"),
+    [
+        ({"state_reason": "Resources", "tres_per_node": "gres:gpu:8"}, True),  # 22.05
+        ({"state_reason": "Priority", "tres_per_node": "gres/gpu:8"}, True),  # 23.02+
+        ({"state_reason": ["Resources"], "tres_req_str": "cpu=1,gres/gpu=2"}, True),
+        ({"state_reason": "Dependency", "tres_per_node": "gres:gpu:8"}, False),  # not for GPUs
+        ({"state_reason": "JobHeldUser", "tres_per_node": "gres:gpu:8"}, False),
+        ({"state_reason": "Resources", "tres_per_node": ""}, False),  # asks for no GPU
+    ],
+)
+def test_a_pending_job_waits_for_gpus_only_for_want_of_resources(
+    fields: dict[str, Any], waits: bool
+) -> None:
+    pending = {"job_id": 18, "job_state": "PENDING", "user_name": "bob", "nodes": "", **fields}
+    jobs = parse_squeue_json(json.dumps({"jobs": [SQUEUE_22_05["jobs"][0], pending]}))
+    assert [j.waits_for_gpus for j in jobs] == [False, waits]
+    assert [j.active for j in jobs] == [True, False]

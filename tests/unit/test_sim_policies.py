@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 
 from slurm_cdgpc.gpu.plant import Plant, WorkloadArrays
-from slurm_cdgpc.model.estimator import JobStatics
 from slurm_cdgpc.sim.cluster import ClusterView, PlantPolicy, Policy, Setpoints, Simulator
 from slurm_cdgpc.sim.fleet import parse_fleet
 from slurm_cdgpc.sim.metrics import PolicyRun, run_policies
@@ -190,61 +189,3 @@ def test_static_gpu_freq_picks_the_lowest_clock_that_meets_the_deadline() -> Non
         )
     )
     assert sp.graphics_mhz is not None and sp.graphics_mhz[0] == 1140.0
-
-
-def test_triage_weights_hopeless_jobs_like_jobs_without_deadline() -> None:
-    from slurm_cdgpc.control.discrete import ClockGrid  # noqa: PLC0415
-    from slurm_cdgpc.control.empc import ControllerSettings, JobState  # noqa: PLC0415
-    from slurm_cdgpc.model.estimator import JobEstimator  # noqa: PLC0415
-    from slurm_cdgpc.sim.policies import _TriageMpc  # noqa: PLC0415
-
-    specs = parse_fleet("1x8:A100").specs
-    est = JobEstimator()
-    est.add_jobs(JobStatics.of(specs, np.zeros(2, dtype=np.int64), np.array([1, 1])))
-    one = np.ones(2)
-    est.observe(one, one, np.array([300.0, 300.0]), np.array([1.0, 1.0]))  # 1 s per iteration
-    t_top = est.predict_iteration_s(one, one)
-    # job 0: 1000 iterations in 100 s: hopeless even at top clocks; job 1: 50 in 100 s
-    jobs = JobState(np.zeros(2, dtype=np.int64), np.array([1000.0, 50.0]), np.array([100.0, 100.0]))
-    mpc = _TriageMpc(
-        ClockGrid.from_tables([(specs[0].name, specs[0].clocks)]), ControllerSettings()
-    )
-    w = mpc.weights(est, jobs, 0.0)[0]
-    assert w[0] == pytest.approx(mpc.settings.default_pressure / t_top[0])
-    assert w[1] == pytest.approx(50.0 / 100.0)
-    mpc.triage = False
-    assert mpc.weights(est, jobs, 0.0)[0, 0] == pytest.approx(1000.0 / 100.0)
-
-
-def test_drain_presses_the_jobs_of_the_node_that_empties_first_while_the_queue_is_stuck() -> None:
-    from slurm_cdgpc.control.discrete import ClockGrid  # noqa: PLC0415
-    from slurm_cdgpc.control.empc import ControllerSettings, JobState  # noqa: PLC0415
-    from slurm_cdgpc.model.estimator import JobEstimator  # noqa: PLC0415
-    from slurm_cdgpc.sim.policies import _TriageMpc  # noqa: PLC0415
-
-    specs = parse_fleet("3x8:A100").specs
-    est = JobEstimator()
-    est.add_jobs(JobStatics.of(specs, np.zeros(3, dtype=np.int64), np.array([1, 2, 8])))
-    one = np.ones(3)
-    est.observe(one, one, np.full(3, 300.0), np.ones(3))  # 1 s per iteration
-    # no deadlines; node 0 holds job 0 (ends in 100 s) and job 1 (ends in 300 s): it empties in
-    # 300 s; node 1 is all job 2's, which ends in 1000 s; node 2 is empty
-    jobs = JobState(
-        np.zeros(3, dtype=np.int64), np.array([100.0, 300.0, 1000.0]), np.full(3, np.nan)
-    )
-    mpc = _TriageMpc(
-        ClockGrid.from_tables([(specs[0].name, specs[0].clocks)]), ControllerSettings()
-    )
-    mpc.drain_pressure = 1.0
-    mpc.job_nodes = np.array([[1, 0, 0], [2, 0, 0], [0, 8, 0]])
-    mpc.free_gpus = np.array([5, 0, 8])
-    base = mpc.settings.default_pressure
-    mpc.queueing = False  # nothing waits: no drain
-    np.testing.assert_allclose(mpc.weights(est, jobs, 0.0)[0], [base] * 3, rtol=1e-6)
-    mpc.queueing = True  # jobs wait although GPUs are free: both jobs of node 0 are pressed
-    np.testing.assert_allclose(mpc.weights(est, jobs, 0.0)[0], [1.0, 1.0, base], rtol=1e-6)
-    mpc.free_gpus = np.zeros(3)  # every GPU busy: the head waits for any GPU, no node drains
-    np.testing.assert_allclose(mpc.weights(est, jobs, 0.0)[0], [base] * 3, rtol=1e-6)
-    mpc.drain_pressure = 0.0  # off
-    mpc.free_gpus = np.array([5, 0, 8])
-    np.testing.assert_allclose(mpc.weights(est, jobs, 0.0)[0], [base] * 3, rtol=1e-6)

@@ -1,0 +1,70 @@
+"""The controller as configured: ``[control]`` → the settings cdgpcd and the simulator share.
+
+`shipped` is what a site runs with the default configuration; `paper` is the same controller
+with the method as published (Kang et al. 2022): the linear power family and none of the rules.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from slurm_cdgpc.config import ControlConfig
+from slurm_cdgpc.control.empc import ControllerSettings
+from slurm_cdgpc.model.estimator import EstimatorSettings
+from slurm_cdgpc.model.rls import RlsSettings
+
+
+@dataclass(frozen=True)
+class Tuning:
+    """Everything that decides clocks: the controller's rules and the models' settings."""
+
+    controller: ControllerSettings
+    estimator: EstimatorSettings
+
+    @classmethod
+    def from_config(cls, control: ControlConfig) -> Tuning:
+        return cls(
+            controller=ControllerSettings(
+                mode=control.dual_mode,
+                interval_s=control.interval_s,
+                guard_band=control.guard_band,
+                guard_per_sqrt_job=control.guard_per_sqrt_job,
+                offset_gain=control.offset_gain,
+                default_pressure=control.default_pressure,
+                uncertainty_sigmas=control.exploration_sigmas,
+                min_clock_fraction=control.min_clock_fraction,
+                floor_fallback=control.floor_fallback,
+                triage=control.triage,
+                drain_pressure=control.drain_pressure,
+            ),
+            estimator=EstimatorSettings(
+                family=control.model_family,
+                power=RlsSettings(forgetting=control.power_forgetting),
+                time=RlsSettings(forgetting=control.time_forgetting),
+            ),
+        )
+
+    def with_interval(self, interval_s: float) -> Tuning:
+        return replace(self, controller=replace(self.controller, interval_s=interval_s))
+
+
+def shipped(interval_s: float | None = None) -> Tuning:
+    """The default configuration's tuning (``interval_s``: the run's own control interval)."""
+    tuning = Tuning.from_config(ControlConfig())
+    return tuning if interval_s is None else tuning.with_interval(interval_s)
+
+
+def paper(interval_s: float | None = None) -> Tuning:
+    """The method as published: linear power model, fixed guard band, clock floor 0.5 of max,
+    no triage, drain, floor fallback or exploration margin."""
+    config = ControlConfig(
+        model_family="linear",
+        guard_per_sqrt_job=0.0,
+        min_clock_fraction=0.5,
+        floor_fallback=False,
+        triage=False,
+        drain_pressure=0.0,
+        exploration_sigmas=0.0,
+    )
+    tuning = Tuning.from_config(config)
+    return tuning if interval_s is None else tuning.with_interval(interval_s)
