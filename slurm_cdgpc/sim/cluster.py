@@ -16,6 +16,8 @@ Every ``interval_s`` (one control interval, default 60 s), at the interval's sta
 3. the policy sees a `ClusterView` (what a real system knows: measurements of the last
    interval, GPU counts and types, deadlines, reported progress, the budget; never the plant)
    and returns `Setpoints` (graphics/memory clock locks and/or per-GPU power limits per job);
+   a job outside ``progress_share`` (drawn per job from the seed) shows no iteration time and
+   no total or remaining work, as a live head sees a job that never reports its progress;
 4. the plant runs every job for the interval at its applied clock. A job's workload is drawn
    per GPU type from its model name (`draw_workloads`); its iteration time is scaled so that
    iterations × time per iteration at max clocks (default limit) is the trace's duration. A job
@@ -36,7 +38,7 @@ import math
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import numpy.typing as npt
@@ -251,9 +253,12 @@ class Simulator:
         interval_s: float = 60.0,
         seed: int = 0,
         workloads: Workloads | None = None,
+        progress_share: float = 1.0,
     ) -> None:
         if not budget_w > 0 or not math.isfinite(budget_w):
             raise InputError(f"the power budget must be a positive number of watts, got {budget_w}")
+        if not 0.0 <= progress_share <= 1.0:
+            raise InputError(f"the progress share must be in [0, 1], got {progress_share}")
         if not interval_s > 0:
             raise InputError(f"the control interval must be positive, got {interval_s}")
         self.trace = trace
@@ -263,6 +268,10 @@ class Simulator:
         self.seed = seed
         self.specs = fleet.specs
         self.workloads = workloads or draw_trace_workloads(trace, self.specs, seed)
+        #: per trace job: it reports its iterations (drawn once, so every policy sees the same)
+        self.progress_share = float(progress_share)
+        draw = np.random.default_rng([seed, 2]).random(len(trace))
+        self.reports_progress = draw < progress_share
         self.node_type = fleet.node_type
         self.node_gpus = fleet.node_gpus
         self.node_group = np.concatenate(
@@ -270,6 +279,19 @@ class Simulator:
         )
         self.idle_w_by_type = np.array([s.idle_power_w for s in self.specs])
         self.max_mhz_by_type = np.array([float(s.max_graphics_mhz) for s in self.specs])
+
+    def _as_seen(self, view: ClusterView) -> ClusterView:
+        """The view as a live head has it: a job that does not report its iterations has no
+        iteration time, total or remaining work (`progress_share`)."""
+        silent = ~self.reports_progress[view.job_id]
+        if not silent.any():
+            return view
+        return replace(
+            view,
+            iterations=np.where(silent, np.nan, view.iterations),
+            remaining_iterations=np.where(silent, np.nan, view.remaining_iterations),
+            iteration_s=np.where(silent, np.nan, view.iteration_s),
+        )
 
     # --- placement -------------------------------------------------------------------------
 
@@ -464,7 +486,7 @@ class Simulator:
             if isinstance(policy, PlantPolicy):
                 sp = policy.decide_with_plant(view, plant)
             else:
-                sp = policy.decide(view)
+                sp = policy.decide(self._as_seen(view))
             c_rec.append(time.perf_counter() - c0)
             top = self.max_mhz_by_type[run.types]
             clock = (
