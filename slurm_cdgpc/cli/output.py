@@ -14,6 +14,15 @@ def echo_json(payload: dict[str, Any]) -> None:
     click.echo(json.dumps(payload))
 
 
+def format_value(value: Any) -> str:
+    """A table cell: ``-`` for None, three decimals below 100, whole numbers above."""
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.3f}" if abs(value) < 100 else f"{value:.0f}"
+    return str(value)
+
+
 def format_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
     """Right-aligned columns (numbers line up), a header and a rule."""
     cells = [[str(h) for h in headers], *[[str(c) for c in row] for row in rows]]

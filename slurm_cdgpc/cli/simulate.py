@@ -5,18 +5,18 @@ from __future__ import annotations
 import io
 import os
 import sys
-from typing import Any
 
 import click
 
-from slurm_cdgpc.cli.output import echo_json, format_table
+from slurm_cdgpc.cli.output import echo_json, format_table, format_value
+from slurm_cdgpc.cli.sweep import BACKENDS, run_sweep, run_sweep_cell
 from slurm_cdgpc.errors import CdgpcError, InputError
 from slurm_cdgpc.sim.cluster import Simulator
-from slurm_cdgpc.sim.fleet import FleetSpec, default_fleet, parse_fleet
+from slurm_cdgpc.sim.fleet import default_fleet, parse_budget_w, parse_fleet
 from slurm_cdgpc.sim.metrics import PolicyRun, run_policies
 from slurm_cdgpc.sim.policies import POLICIES
 from slurm_cdgpc.sim.traces import load_trace
-from slurm_cdgpc.units import parse_duration_s, parse_power_w
+from slurm_cdgpc.units import parse_duration_s
 
 _TABLE = (
     ("policy", "policy"),
@@ -32,66 +32,159 @@ _TABLE = (
 )
 
 
-def parse_budget_w(text: str, fleet: FleetSpec) -> float:
-    """``0.6`` → 0.6 × the fleet's Σ max power limit; ``450kW`` → 450,000 W."""
-    try:
-        fraction = float(text)
-    except ValueError:
-        return parse_power_w(text)
-    if not 0.0 < fraction <= 1.0:
-        raise InputError(
-            f"budget {text!r}: a bare number is a fraction of the fleet's maximum power in "
-            "(0, 1]; give watts with a unit (e.g. 450kW)"
-        )
-    return fraction * fleet.max_power_w
-
-
-def _fmt(value: Any) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, float):
-        return f"{value:.3f}" if abs(value) < 100 else f"{value:.0f}"
-    return str(value)
-
-
 @click.command("simulate")
-@click.option("--trace", "trace_path", required=True, type=click.Path(dir_okay=False))
+@click.option(
+    "--trace",
+    "trace_paths",
+    required=True,
+    multiple=True,
+    type=click.Path(dir_okay=False),
+    help="Trace file (with --sweep: repeat for several).",
+)
 @click.option("--format", "trace_format", default=None, help="Trace format (default: detect).")
 @click.option("--fleet", "fleet_text", default=None, help="e.g. 64x8:A100-SXM4-80GB,32x8:V100-SXM2")
-@click.option("--budget", default="0.7", show_default=True, help="Fraction (0.6) or power (450kW).")
-@click.option("--policy", default="cdgpc", show_default=True, help=f"{', '.join(POLICIES)} or all.")
+@click.option(
+    "--budget",
+    default="0.7",
+    show_default=True,
+    help="Fraction (0.6) or power (450kW); with --sweep a list (0.6,0.7,450kW).",
+)
+@click.option(
+    "--policy",
+    default="cdgpc",
+    show_default=True,
+    help=f"{', '.join(POLICIES)} or all; with --sweep a list.",
+)
 @click.option("--interval", default="60s", show_default=True, help="Control interval.")
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--seed", default="0", show_default=True, help="With --sweep a list: 0,3,5-9.")
+@click.option(
+    "--progress-share",
+    default="1.0",
+    show_default=True,
+    help="Share of jobs that report their iterations; the others are seen as a head sees a "
+    "job that never reports. With --sweep a list, each in (0, 1].",
+)
 @click.option("--limit-jobs", type=click.IntRange(min=1), default=None, help="First N jobs only.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object on stdout.")
 @click.option("--report", "report_dir", default=None, type=click.Path(file_okay=False))
+@click.option(
+    "--sweep",
+    "sweep_dir",
+    default=None,
+    type=click.Path(file_okay=False),
+    help="Replay every combination of the lists, resumably, keeping each cell in this directory.",
+)
+@click.option(
+    "--backend",
+    type=click.Choice(BACKENDS),
+    default="local",
+    show_default=True,
+    help="--sweep: a local process pool, or a Slurm job array.",
+)
+@click.option(
+    "--workers",
+    type=click.IntRange(min=1),
+    default=None,
+    help="--sweep, local: processes [default: CPUs].",
+)
+@click.option(
+    "--cells-per-task",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="--sweep, slurm: cells per array task.",
+)
+@click.option(
+    "--sbatch-arg",
+    "sbatch_args",
+    multiple=True,
+    help="--sweep, slurm: an sbatch option (repeat), e.g. --sbatch-arg=--partition=cpu.",
+)
+@click.option("--wait", is_flag=True, help="--sweep, slurm: wait for the array, print the table.")
+@click.option(
+    "--sweep-cell",
+    nargs=2,
+    hidden=True,
+    is_eager=True,
+    expose_value=False,
+    callback=run_sweep_cell,
+    help="OUTDIR I,J: run these cells of a sweep here (a job array task).",
+)
 def simulate(
-    trace_path: str,
+    trace_paths: tuple[str, ...],
     trace_format: str | None,
     fleet_text: str | None,
     budget: str,
     policy: str,
     interval: str,
-    seed: int,
+    seed: str,
+    progress_share: str,
     limit_jobs: int | None,
     as_json: bool,
     report_dir: str | None,
+    sweep_dir: str | None,
+    backend: str,
+    workers: int | None,
+    cells_per_task: int,
+    sbatch_args: tuple[str, ...],
+    wait: bool,
 ) -> None:
     """Replay a job trace on a simulated GPU cluster under a power budget.
 
     Jobs are placed strict-FIFO first-fit on whole GPUs; every interval the policy sets clocks
     or power limits from what it measured; the calibrated plant says what the GPUs do. The
     default fleet covers the trace's 90th-percentile concurrent demand with 8-GPU A100 nodes.
+
+    With --sweep OUTDIR, every combination of the traces, budgets, policies, seeds and progress
+    shares is one replay (a cell) whose metrics land in OUTDIR/cells; cells already there are
+    not run again, and the table aggregates each trace, budget, share and policy over seeds.
     """
     try:
+        if sweep_dir is not None:
+            if report_dir is not None:
+                raise InputError("--report draws one replay; a --sweep has many")
+            run_sweep(
+                sweep_dir,
+                trace_paths,
+                trace_format=trace_format,
+                fleet_text=fleet_text,
+                budget=budget,
+                policy=policy,
+                interval=interval,
+                seed=seed,
+                progress_share=progress_share,
+                limit_jobs=limit_jobs,
+                as_json=as_json,
+                backend=backend,
+                workers=workers,
+                cells_per_task=cells_per_task,
+                sbatch_args=sbatch_args,
+                wait=wait,
+            )
+            return
+        if backend != "local" or workers is not None or cells_per_task != 1 or sbatch_args or wait:
+            raise InputError(
+                "--backend, --workers, --cells-per-task, --sbatch-arg and --wait need --sweep"
+            )
+        if len(trace_paths) > 1:
+            raise InputError("more than one --trace needs --sweep OUTDIR")
+        for name, text in (
+            ("--budget", budget),
+            ("--policy", policy),
+            ("--seed", seed),
+            ("--progress-share", progress_share),
+        ):
+            if "," in text:
+                raise InputError(f"{name} {text!r}: a list needs --sweep OUTDIR")
         _simulate(
-            trace_path,
+            trace_paths[0],
             trace_format,
             fleet_text,
             budget,
             policy,
             interval,
-            seed,
+            _one_seed(seed),
+            _one_share(progress_share),
             limit_jobs,
             as_json,
             report_dir,
@@ -103,6 +196,20 @@ def simulate(
         raise click.ClickException(lines[0]) from None
 
 
+def _one_seed(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise InputError(f"seed {text!r} is not an integer (ranges need --sweep OUTDIR)") from None
+
+
+def _one_share(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise InputError(f"progress share {text!r} is not a number") from None
+
+
 def _simulate(
     trace_path: str,
     trace_format: str | None,
@@ -111,6 +218,7 @@ def _simulate(
     policy: str,
     interval: str,
     seed: int,
+    progress_share: float,
     limit_jobs: int | None,
     as_json: bool,
     report_dir: str | None,
@@ -127,7 +235,9 @@ def _simulate(
         raise InputError(f"{trace_path}: no jobs to replay")
     fleet = fleet or default_fleet(trace)
     budget_w = parse_budget_w(budget, fleet)
-    simulator = Simulator(trace, fleet, budget_w, interval_s=interval_s, seed=seed)
+    simulator = Simulator(
+        trace, fleet, budget_w, interval_s=interval_s, seed=seed, progress_share=progress_share
+    )
     show = not as_json or sys.stderr.isatty()
     replays = len(names) + (0 if "max-clock" in names else 1)
     with click.progressbar(
@@ -147,6 +257,7 @@ def _simulate(
         "budget_w": budget_w,
         "interval_s": interval_s,
         "seed": seed,
+        "progress_share": progress_share,
     }
     if report_dir is not None:
         from slurm_cdgpc.sim.report import write_report  # noqa: PLC0415 (matplotlib is optional)
@@ -163,5 +274,5 @@ def _print(runs: dict[str, PolicyRun], as_json: bool, keyed: bool) -> None:
         else:
             echo_json(next(iter(runs.values())).metrics.as_dict())
         return
-    rows = [[_fmt(r.metrics.as_dict()[k]) for k, _ in _TABLE] for r in runs.values()]
+    rows = [[format_value(r.metrics.as_dict()[k]) for k, _ in _TABLE] for r in runs.values()]
     click.echo(format_table([h for _, h in _TABLE], rows))

@@ -20,6 +20,7 @@ import numpy.typing as npt
 from slurm_cdgpc.errors import InputError
 from slurm_cdgpc.gpu.catalog import GpuSpec, catalog_spec
 from slurm_cdgpc.sim.traces import Trace
+from slurm_cdgpc.units import parse_power_w
 
 IntArray = npt.NDArray[np.int64]
 FloatArray = npt.NDArray[np.float64]
@@ -102,6 +103,20 @@ def parse_fleet(text: str) -> FleetSpec:
             raise InputError(f"fleet group {part.strip()!r} needs at least one node and one GPU")
         groups.append(NodeGroup(nodes, gpus, catalog_spec(match[3])))
     return FleetSpec(tuple(groups))
+
+
+def parse_budget_w(text: str, fleet: FleetSpec) -> float:
+    """``0.6`` → 0.6 × the fleet's Σ max power limit; ``450kW`` → 450,000 W."""
+    try:
+        fraction = float(text)
+    except ValueError:
+        return parse_power_w(text)
+    if not 0.0 < fraction <= 1.0:
+        raise InputError(
+            f"budget {text!r}: a bare number is a fraction of the fleet's maximum power in "
+            "(0, 1]; give watts with a unit (e.g. 450kW)"
+        )
+    return fraction * fleet.max_power_w
 
 
 def concurrent_demand_quantile(
