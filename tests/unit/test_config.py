@@ -119,7 +119,9 @@ measurements = "7d"
 
 
 def test_command_line_beats_environment_beats_file_beats_default(tmp_path: Path) -> None:
-    path = write(tmp_path, '[control]\ninterval = "20s"\ndrain_pressure = 2\n[head]\nurl = "http://f:1"\n')
+    path = write(
+        tmp_path, '[control]\ninterval = "20s"\ndrain_pressure = 2\n[head]\nurl = "http://f:1"\n'
+    )
     env = {"CDGPC_CONTROL_INTERVAL": "15s", "CDGPC_HEAD_URL": "http://env:2"}
     overrides = {"control.interval": "10s", "head.url": None}  # None: option not given
 

@@ -261,3 +261,30 @@ def test_a_policy_cannot_write_into_the_simulator_through_its_view() -> None:
     fleet = parse_fleet("1x8:A100-SXM4-80GB")
     with pytest.raises(ValueError, match="read-only"):
         Simulator(_trace([0.0], [60.0], [1]), fleet, fleet.max_power_w).run(Vandal())
+
+
+@pytest.mark.parametrize("share", [0.0, 0.5, 1.0])
+def test_jobs_outside_the_progress_share_show_no_progress(share: float) -> None:
+    fleet = parse_fleet("2x8:A100-SXM4-80GB")
+    n = 40
+    trace = _trace([0.0] * n, [600.0] * n, [1] * n)
+    trace = replace(trace, iterations=np.full(n, 1000.0))
+    rec = Recorder()
+    sim = Simulator(trace, fleet, fleet.max_power_w, seed=3, progress_share=share)
+    sim.run(rec)
+    silent = {int(j) for j in np.flatnonzero(~sim.reports_progress)}
+    assert len(silent) == {0.0: n, 1.0: 0}.get(share, len(silent))
+    assert 0 < len(silent) < n or share in (0.0, 1.0)
+    view = next(v for v in rec.views if v.now_s == 120.0 and len(v))
+    for row, job in enumerate(view.job_id.tolist()):
+        seen = (view.iteration_s[row], view.remaining_iterations[row], view.iterations[row])
+        assert np.isnan(seen).all() == (job in silent)
+        assert np.isfinite(view.power_w[row])  # power is measured whether it reports or not
+    again = Simulator(trace, fleet, fleet.max_power_w, seed=3, progress_share=share)
+    assert np.array_equal(again.reports_progress, sim.reports_progress)  # same for every policy
+
+
+def test_a_progress_share_outside_zero_to_one_is_refused() -> None:
+    fleet = parse_fleet("1x8:A100-SXM4-80GB")
+    with pytest.raises(InputError, match="progress share"):
+        Simulator(_trace([0.0], [60.0], [1]), fleet, fleet.max_power_w, progress_share=1.5)
