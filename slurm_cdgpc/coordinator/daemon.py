@@ -159,6 +159,11 @@ class CoordinatorSettings:
     #: Slurm's queue (whether jobs wait for GPUs: the drain's input) counts this long after it
     #: was read; older, the drain is off until the next read
     queue_stale_s: float = 180.0
+    #: a registration re-plans out of cycle, no sooner than this after the last interval began
+    replan_gap_s: float = 5.0
+    #: a job's first intervals at its setpoint are its start-up: its model does not learn them
+    #: (it stays counted at its power limit meanwhile)
+    startup_intervals: int = 1
     controller: ControllerSettings = field(default_factory=lambda: shipped().controller)
     estimator: EstimatorSettings = field(default_factory=lambda: shipped().estimator)
 
@@ -176,6 +181,7 @@ class CoordinatorSettings:
             node_transport=config.node.transport,
             # three reconcile periods (`coordinator.main`: at least two control intervals)
             queue_stale_s=3 * max(config.head.reconcile_interval_s, 2 * c.interval_s),
+            replan_gap_s=c.interval_s / 6,
             controller=tuning.controller,
             estimator=tuning.estimator,
         )
@@ -424,6 +430,7 @@ class Coordinator:
         #: whether jobs wait for GPUs in Slurm, and when that was read (monotonic); None: unread
         self._queue_seen: tuple[bool, float] | None = None
         self._queue_known = False  # the drain has its input (logged on each change)
+        self._replan = threading.Event()  # a job registered: plan for it out of cycle
 
     # -- start-up ----------------------------------------------------------------------------
 
@@ -595,6 +602,7 @@ class Coordinator:
         for r, o in zip(batch, outcomes, strict=True):
             if isinstance(o, Job):
                 _log_registration(r)
+                self._replan.set()
         return [o for o in outcomes if o is not None]
 
     def _register_nodes(
@@ -740,10 +748,23 @@ class Coordinator:
         )
 
     def run(self, stop: threading.Event) -> None:
-        """Run intervals at a fixed period until ``stop`` is set (an overrun skips ahead)."""
+        """Run intervals at a fixed period until ``stop`` is set (an overrun skips ahead).
+
+        A registration asks for a plan out of cycle (`replan_gap_s` after the last interval
+        began, at the earliest): the new job's GPUs, held at the safe cap by its Prolog, are
+        planned for when it starts rather than an interval later, and the period starts anew.
+        """
         period_s = self.settings.interval_s
+
+        def wake_on_stop() -> None:  # ``stop`` wakes the loop as a registration does
+            stop.wait()
+            self._replan.set()
+
+        threading.Thread(target=wake_on_stop, name="wake-on-stop", daemon=True).start()
         next_s = time.monotonic()
         while not stop.is_set():
+            began_s = time.monotonic()
+            self._replan.clear()
             try:
                 self.run_interval()
             except LeadershipLostError:
@@ -762,7 +783,23 @@ class Coordinator:
                     "interval overran by %.2f s; %d tick(s) skipped", now_s - next_s, missed
                 )
                 next_s += missed * period_s
-            stop.wait(max(next_s - now_s, 0.0))
+            if self._wait(stop, next_s, began_s + self.settings.replan_gap_s):
+                next_s = time.monotonic()  # planned out of cycle: a full period from here
+
+    def _wait(self, stop: threading.Event, next_s: float, earliest_s: float) -> bool:
+        """Until ``next_s``, or a registration's wake-up from ``earliest_s`` on; True if woken
+        out of cycle."""
+        while not stop.is_set():
+            now_s = time.monotonic()
+            if now_s >= next_s:
+                return False
+            if self._replan.is_set():
+                if now_s >= earliest_s:
+                    return True
+                stop.wait(min(earliest_s, next_s) - now_s)
+                continue
+            self._replan.wait(next_s - now_s)
+        return False
 
     def run_interval(self) -> IntervalReport:
         k = self.interval
@@ -925,7 +962,15 @@ class Coordinator:
         return out
 
     def _measurements(self) -> Measurements:
-        samples = [s for per_job in self._trusted().values() for s in per_job]
+        """What the models learn from: the trusted samples, less each job's start-up (its first
+        ``startup_intervals`` under its setpoint: loading and compiling teach nothing)."""
+        learning_from = self._sampled_at - self.settings.startup_intervals
+        samples = [
+            s
+            for job_id, per_job in self._trusted().items()
+            if self._added_at.get(job_id, self.interval) < learning_from
+            for s in per_job
+        ]
         plan = self._planned_reported_w
         planned = np.array([plan.get(j.job_id, np.nan) for j in self.running.jobs])
         return self.running.measurements(samples, planned)

@@ -800,3 +800,38 @@ def test_the_head_hands_the_controller_slurms_queue_while_it_can_read_it(
     )
     cluster.tick()
     assert seen[-1] is None
+
+
+def test_a_registration_is_planned_out_of_cycle_not_an_interval_later(
+    make_cluster: MakeCluster,
+) -> None:
+    import threading  # noqa: PLC0415
+    import time  # noqa: PLC0415
+
+    cluster = make_cluster()
+    cluster.store.set_budget(1500.0, "root")
+    head = cluster.head
+    # a long period: only a registration can bring the next interval within the test
+    head.settings = replace(head.settings, interval_s=60.0, replan_gap_s=0.05)
+    stop = threading.Event()
+    loop = threading.Thread(target=head.run, args=(stop,), daemon=True)
+    loop.start()
+    try:
+        deadline = time.monotonic() + 5.0
+        while head.interval < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        first = head.interval
+        time.sleep(0.2)
+        assert head.interval == first  # the period is long: nothing until a registration
+        t0 = time.monotonic()
+        _register(cluster, "1", "n1", 0, 1)
+        while head.interval == first and time.monotonic() - t0 < 5.0:
+            time.sleep(0.01)
+        assert head.interval == first + 1
+        assert time.monotonic() - t0 < 2.0  # out of cycle, not 60 s later
+        report = head.last_report
+        assert report is not None and [j.job_id for j in report.jobs] == ["1"]
+    finally:
+        stop.set()
+        loop.join(timeout=5.0)
+    assert not loop.is_alive()  # stop wakes the loop at once
