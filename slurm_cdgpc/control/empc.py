@@ -58,7 +58,7 @@ class ControllerSettings:
     #: measured intervals before a job's plan counts towards the offset estimate
     settle_intervals: int = 3
     #: κ of the exploration margin (`EconomicMPC.exploration_margin_w`); 0 turns it off
-    uncertainty_sigmas: float = _SHIPPED.exploration_sigmas
+    exploration_sigmas: float = _SHIPPED.exploration_sigmas
     #: lowest core clock chosen, as a fraction of the top clock: below it a GPU takes longer
     #: and spends more energy per iteration
     min_clock_fraction: float = _SHIPPED.min_clock_fraction
@@ -85,7 +85,7 @@ class ControllerSettings:
             raise InputError(f"offset gain must be in [0, 1], got {self.offset_gain}")
         if not 0.0 <= self.min_clock_fraction < 1.0:
             raise InputError(f"clock floor must be in [0, 1), got {self.min_clock_fraction}")
-        if self.drain_pressure < 0 or self.uncertainty_sigmas < 0:
+        if self.drain_pressure < 0 or self.exploration_sigmas < 0:
             raise InputError("drain pressure and exploration sigmas must not be negative")
 
     def guard_for(self, jobs: int) -> float:
@@ -223,7 +223,7 @@ class EconomicMPC:
             self._last_price = result.price
         x, x_m = problem.best_response(result.price)
         binding = result.status[0] is StepStatus.BINDING
-        if s.uncertainty_sigmas > 0 and x_a is not None and xm_a is not None and binding:
+        if s.exploration_sigmas > 0 and x_a is not None and xm_a is not None and binding:
             margin_w = self.exploration_margin_w(estimator, x[0], x_m[0], x_a, xm_a)
             if margin_w > 0:
                 # never more than the room above every job's lowest clock: a margin must not
@@ -271,7 +271,7 @@ class EconomicMPC:
         sigma = np.sqrt(estimator.power.err_var)
         grow = np.maximum(spread(x, x_m) - spread(x_prev, xm_prev), 0.0)
         extra = np.where(known & np.isfinite(x_prev), estimator.statics.gpus * sigma * grow, 0.0)
-        return self.settings.uncertainty_sigmas * float(np.sum(extra))
+        return self.settings.exploration_sigmas * float(np.sum(extra))
 
     def problem(
         self,

@@ -31,7 +31,7 @@ class Tuning:
                 guard_per_sqrt_job=control.guard_per_sqrt_job,
                 offset_gain=control.offset_gain,
                 default_pressure=control.default_pressure,
-                uncertainty_sigmas=control.exploration_sigmas,
+                exploration_sigmas=control.exploration_sigmas,
                 min_clock_fraction=control.min_clock_fraction,
                 floor_fallback=control.floor_fallback,
                 triage=control.triage,

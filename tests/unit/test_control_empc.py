@@ -89,7 +89,7 @@ def test_urgent_jobs_get_higher_clocks() -> None:
 def test_offset_correction_absorbs_a_persistent_model_error() -> None:
     # the exploration margin is off: this test isolates the offset estimate
     settings = ControllerSettings(
-        offset_gain=0.3, uncertainty_sigmas=0.0, guard_band=0.003, guard_per_sqrt_job=0.0
+        offset_gain=0.3, exploration_sigmas=0.0, guard_band=0.003, guard_per_sqrt_job=0.0
     )
     mpc, est, jobs = _setup(10, settings, measured=False)
     budget = 10 * 4 * 260.0
@@ -165,7 +165,7 @@ def test_exploration_margin_is_zero_in_place_and_grows_with_the_move() -> None:
 
 
 def test_exploration_margin_never_makes_a_binding_step_infeasible() -> None:
-    settings = ControllerSettings(uncertainty_sigmas=1e6)  # an absurd margin
+    settings = ControllerSettings(exploration_sigmas=1e6)  # an absurd margin
     mpc, est, jobs = _setup(6, settings)
     rng = np.random.default_rng(1)
     one = np.ones(6)

@@ -78,7 +78,7 @@ def test_the_paper_is_the_same_controller_without_the_rules() -> None:
     assert controller.settings == paper(60.0).controller
     assert estimator.family == "linear"
     s = controller.settings
-    assert (s.triage, s.floor_fallback, s.drain_pressure, s.uncertainty_sigmas) == (
+    assert (s.triage, s.floor_fallback, s.drain_pressure, s.exploration_sigmas) == (
         False,
         False,
         0.0,
