@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: test demo lint unit soak clean
+.PHONY: test demo lint unit soak clean prepare
 
 # (Re)install when the package metadata changes; the editable install picks up code edits.
 $(STAMP): setup.cfg pyproject.toml
@@ -18,7 +18,12 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check slurm_cdgpc tests
 	$(BIN)/mypy
 
-test: lint
+# what the tests need on this machine (PostgreSQL, munged, Slurm, sshd, iproute2): installed
+# and started as root, named in one line each otherwise (those tests then skip)
+prepare:
+	@bash tests/prepare.sh
+
+test: prepare lint
 	$(BIN)/pytest
 
 unit: $(STAMP)
