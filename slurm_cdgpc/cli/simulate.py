@@ -5,18 +5,23 @@ from __future__ import annotations
 import io
 import os
 import sys
+from collections.abc import Callable
 
 import click
 
 from slurm_cdgpc.cli.output import echo_json, format_table, format_value
 from slurm_cdgpc.cli.sweep import BACKENDS, run_sweep, run_sweep_cell
 from slurm_cdgpc.errors import CdgpcError, InputError
-from slurm_cdgpc.sim.cluster import Simulator
+from slurm_cdgpc.sim.cluster import SimulationResult, Simulator
 from slurm_cdgpc.sim.fleet import default_fleet, parse_budget_w, parse_fleet
-from slurm_cdgpc.sim.metrics import PolicyRun, run_policies
-from slurm_cdgpc.sim.policies import POLICIES
+from slurm_cdgpc.sim.metrics import PolicyRun, compute_metrics, run_policies
+from slurm_cdgpc.sim.policies import POLICIES, make_policy
 from slurm_cdgpc.sim.traces import load_trace
+from slurm_cdgpc.sim.twin import HeadTwin
 from slurm_cdgpc.units import parse_duration_s
+
+#: fast: the policy decides on the simulator's view; head: cdgpc through the head's interval
+ENGINES = ("fast", "head")
 
 _TABLE = (
     ("policy", "policy"),
@@ -65,6 +70,14 @@ _TABLE = (
     "job that never reports. With --sweep a list, each in (0, 1].",
 )
 @click.option("--limit-jobs", type=click.IntRange(min=1), default=None, help="First N jobs only.")
+@click.option(
+    "--engine",
+    type=click.Choice(ENGINES),
+    default="fast",
+    show_default=True,
+    help="fast: the policy on the simulator's view; head: cdgpc through the real head "
+    "(store, exchange with node agents), slower.",
+)
 @click.option("--json", "as_json", is_flag=True, help="One JSON object on stdout.")
 @click.option("--report", "report_dir", default=None, type=click.Path(file_okay=False))
 @click.option(
@@ -120,6 +133,7 @@ def simulate(
     seed: str,
     progress_share: str,
     limit_jobs: int | None,
+    engine: str,
     as_json: bool,
     report_dir: str | None,
     sweep_dir: str | None,
@@ -138,9 +152,14 @@ def simulate(
     With --sweep OUTDIR, every combination of the traces, budgets, policies, seeds and progress
     shares is one replay (a cell) whose metrics land in OUTDIR/cells; cells already there are
     not run again, and the table aggregates each trace, budget, share and policy over seeds.
+
+    With --engine head, cdgpc runs through the head's own interval (cdgpcd's code, a SQLite
+    store, node agents answered from the simulator): a digital twin of the product.
     """
     try:
         if sweep_dir is not None:
+            if engine != "fast":
+                raise InputError("--engine head replays one trace: not with --sweep")
             if report_dir is not None:
                 raise InputError("--report draws one replay; a --sweep has many")
             run_sweep(
@@ -186,6 +205,7 @@ def simulate(
             _one_seed(seed),
             _one_share(progress_share),
             limit_jobs,
+            engine,
             as_json,
             report_dir,
         )
@@ -220,12 +240,15 @@ def _simulate(
     seed: int,
     progress_share: float,
     limit_jobs: int | None,
+    engine: str,
     as_json: bool,
     report_dir: str | None,
 ) -> None:
     names = list(POLICIES) if policy == "all" else [policy]
     if policy != "all" and policy not in POLICIES:
         raise InputError(f"unknown policy {policy!r} (known: {', '.join(POLICIES)}, all)")
+    if engine == "head" and policy != "cdgpc":
+        raise InputError(f"--engine head runs cdgpc only, not --policy {policy}")
     interval_s = parse_duration_s(interval)
     fleet = parse_fleet(fleet_text) if fleet_text is not None else None
     trace = load_trace(trace_path, trace_format)
@@ -239,7 +262,7 @@ def _simulate(
         trace, fleet, budget_w, interval_s=interval_s, seed=seed, progress_share=progress_share
     )
     show = not as_json or sys.stderr.isatty()
-    replays = len(names) + (0 if "max-clock" in names else 1)
+    replays = 2 if engine == "head" else len(names) + (0 if "max-clock" in names else 1)
     with click.progressbar(
         length=replays * len(trace), label="simulating", file=sys.stderr if show else io.StringIO()
     ) as bar:
@@ -249,7 +272,11 @@ def _simulate(
             bar.update(done - last.get(name, 0))
             last[name] = done
 
-        runs = run_policies(simulator, names, tick)
+        runs = (
+            _replay_head(simulator, tick)
+            if engine == "head"
+            else run_policies(simulator, names, tick)
+        )
     meta = {
         "trace": os.path.basename(trace_path),
         "jobs": len(trace),
@@ -264,15 +291,40 @@ def _simulate(
 
         for path in write_report(report_dir, runs, meta):
             click.echo(f"wrote {path}", err=True)
-    _print(runs, as_json, policy == "all")
+    _print(runs, as_json, policy == "all", engine)
 
 
-def _print(runs: dict[str, PolicyRun], as_json: bool, keyed: bool) -> None:
+def _replay_head(simulator: Simulator, tick: Callable[[str, int], None]) -> dict[str, PolicyRun]:
+    """The max-clock reference on the simulator, then cdgpc through the head (`HeadTwin`)."""
+    reference = simulator.run(make_policy("max-clock"), lambda done: tick("max-clock", done))
+    with HeadTwin() as twin:
+        result = simulator.run(twin, lambda done: tick(twin.name, done))
+    return {twin.name: PolicyRun(result, compute_metrics(result, reference))}
+
+
+def _intervals_per_s(result: SimulationResult) -> float:
+    """Simulated intervals per second of the replay's wall time."""
+    return result.t_s.size / result.wall_s if result.wall_s > 0 else 0.0
+
+
+def _print(runs: dict[str, PolicyRun], as_json: bool, keyed: bool, engine: str = "fast") -> None:
+    def record(r: PolicyRun) -> dict[str, object]:
+        out = r.metrics.as_dict()
+        if engine == "head":  # the fast engine's JSON stays what sweeps compare cell by cell
+            out.update(engine=engine, intervals_per_s=_intervals_per_s(r.result))
+        return out
+
     if as_json:
         if keyed:
-            echo_json({k: r.metrics.as_dict() for k, r in runs.items()})
+            echo_json({k: record(r) for k, r in runs.items()})
         else:
-            echo_json(next(iter(runs.values())).metrics.as_dict())
+            echo_json(record(next(iter(runs.values()))))
         return
     rows = [[format_value(r.metrics.as_dict()[k]) for k, _ in _TABLE] for r in runs.values()]
     click.echo(format_table([h for _, h in _TABLE], rows))
+    if engine == "head":
+        for r in runs.values():
+            click.echo(
+                f"head engine: {r.result.t_s.size} intervals in {r.result.wall_s:.1f} s "
+                f"({_intervals_per_s(r.result):.1f} intervals/s)"
+            )
