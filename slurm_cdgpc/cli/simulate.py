@@ -6,11 +6,13 @@ import io
 import os
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import click
 
 from slurm_cdgpc.cli.output import echo_json, format_table, format_value
 from slurm_cdgpc.cli.sweep import BACKENDS, run_sweep, run_sweep_cell
+from slurm_cdgpc.config import ControlConfig, load_config
 from slurm_cdgpc.errors import CdgpcError, InputError
 from slurm_cdgpc.sim.cluster import SimulationResult, Simulator
 from slurm_cdgpc.sim.fleet import default_fleet, parse_budget_w, parse_fleet
@@ -78,6 +80,14 @@ _TABLE = (
     help="fast: the policy on the simulator's view; head: cdgpc through the real head "
     "(store, exchange with node agents), slower.",
 )
+@click.option(
+    "--config",
+    "config_path",
+    default=None,
+    type=click.Path(dir_okay=False, exists=True),
+    help="A cdgpc.toml whose [control] section cdgpc runs with, as cdgpcd would "
+    "[default: the shipped settings].",
+)
 @click.option("--json", "as_json", is_flag=True, help="One JSON object on stdout.")
 @click.option("--report", "report_dir", default=None, type=click.Path(file_okay=False))
 @click.option(
@@ -134,6 +144,7 @@ def simulate(
     progress_share: str,
     limit_jobs: int | None,
     engine: str,
+    config_path: str | None,
     as_json: bool,
     report_dir: str | None,
     sweep_dir: str | None,
@@ -160,6 +171,8 @@ def simulate(
         if sweep_dir is not None:
             if engine != "fast":
                 raise InputError("--engine head replays one trace: not with --sweep")
+            if config_path is not None:
+                raise InputError("--config is for one replay; a --sweep runs the shipped settings")
             if report_dir is not None:
                 raise InputError("--report draws one replay; a --sweep has many")
             run_sweep(
@@ -206,6 +219,7 @@ def simulate(
             _one_share(progress_share),
             limit_jobs,
             engine,
+            None if config_path is None else load_config(Path(config_path), env={}).control,
             as_json,
             report_dir,
         )
@@ -241,6 +255,7 @@ def _simulate(
     progress_share: float,
     limit_jobs: int | None,
     engine: str,
+    control: ControlConfig | None,
     as_json: bool,
     report_dir: str | None,
 ) -> None:
@@ -273,9 +288,9 @@ def _simulate(
             last[name] = done
 
         runs = (
-            _replay_head(simulator, tick)
+            _replay_head(simulator, tick, control)
             if engine == "head"
-            else run_policies(simulator, names, tick)
+            else run_policies(simulator, names, tick, control)
         )
     meta = {
         "trace": os.path.basename(trace_path),
@@ -294,10 +309,12 @@ def _simulate(
     _print(runs, as_json, policy == "all", engine)
 
 
-def _replay_head(simulator: Simulator, tick: Callable[[str, int], None]) -> dict[str, PolicyRun]:
+def _replay_head(
+    simulator: Simulator, tick: Callable[[str, int], None], control: ControlConfig | None
+) -> dict[str, PolicyRun]:
     """The max-clock reference on the simulator, then cdgpc through the head (`HeadTwin`)."""
     reference = simulator.run(make_policy("max-clock"), lambda done: tick("max-clock", done))
-    with HeadTwin() as twin:
+    with HeadTwin(control=control) as twin:
         result = simulator.run(twin, lambda done: tick(twin.name, done))
     return {twin.name: PolicyRun(result, compute_metrics(result, reference))}
 

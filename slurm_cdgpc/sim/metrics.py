@@ -43,6 +43,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from slurm_cdgpc.config import ControlConfig
 from slurm_cdgpc.errors import InputError
 from slurm_cdgpc.sim.cluster import SimulationResult, Simulator
 from slurm_cdgpc.sim.policies import make_policy
@@ -186,8 +187,10 @@ def run_policies(
     simulator: Simulator,
     names: Sequence[str],
     progress: Callable[[str, int], None] | None = None,
+    control: ControlConfig | None = None,
 ) -> dict[str, PolicyRun]:
-    """Replay the simulator's trace under each policy in ``names``, on the same seeded workload.
+    """Replay the simulator's trace under each policy in ``names``, on the same seeded workload
+    (``control``: the ``[control]`` section ``cdgpc`` runs with; None: the shipped one).
 
     The ``max-clock`` replay (the reference of ``violations_induced``) runs first, whether
     asked for or not; it is returned only when asked for.
@@ -197,7 +200,7 @@ def run_policies(
 
     def replay(name: str) -> SimulationResult:
         tick = None if progress is None else (lambda done: progress(name, done))
-        return simulator.run(make_policy(name), tick)
+        return simulator.run(make_policy(name, control), tick)
 
     reference = replay("max-clock")
     runs: dict[str, PolicyRun] = {}

@@ -49,6 +49,7 @@ from typing import Final
 import numpy as np
 import numpy.typing as npt
 
+from slurm_cdgpc.config import ControlConfig
 from slurm_cdgpc.control.discrete import ClockGrid
 from slurm_cdgpc.control.empc import EconomicMPC, JobState, Measurements, QueueState
 from slurm_cdgpc.control.tuning import Tuning, paper, shipped
@@ -377,10 +378,15 @@ POLICIES: Final = tuple(_FACTORIES)
 READS_PLANT: Final = ("max-clock", "oracle")
 
 
-def make_policy(name: str) -> Policy:
-    """A fresh policy called ``name`` (one of `POLICIES`)."""
+def make_policy(name: str, control: ControlConfig | None = None) -> Policy:
+    """A fresh policy called ``name`` (one of `POLICIES`); ``control``: the ``[control]``
+    section ``cdgpc`` runs with, as cdgpcd would (None: the shipped one)."""
     try:
         factory = _FACTORIES[name]
     except KeyError:
         raise InputError(f"unknown policy {name!r} (known: {', '.join(POLICIES)})") from None
+    if name == "cdgpc" and control is not None:
+        return Cdgpc(
+            "cdgpc", lambda interval_s: Tuning.from_config(control).with_interval(interval_s)
+        )
     return factory()

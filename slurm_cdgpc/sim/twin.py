@@ -30,7 +30,8 @@ from slurm_cdgpc.agent.protocol import (
     LockReport,
     ProgressReport,
 )
-from slurm_cdgpc.control.tuning import shipped
+from slurm_cdgpc.config import ControlConfig
+from slurm_cdgpc.control.tuning import Tuning
 from slurm_cdgpc.coordinator.daemon import Coordinator, CoordinatorSettings, IntervalReport
 from slurm_cdgpc.gpu.catalog import GpuSpec
 from slurm_cdgpc.gpu.device import ThrottleReason
@@ -182,9 +183,11 @@ class HeadTwin(Policy):
 
     name = "head"
 
-    def __init__(self, directory: Path | None = None) -> None:
+    def __init__(self, directory: Path | None = None, control: ControlConfig | None = None) -> None:
         #: where the store's temporary directory is made (None: the system's default)
         self.directory = directory
+        #: the ``[control]`` section the head runs with (None: the shipped one)
+        self.control = control
         self.coordinator: Coordinator | None = None
         self.transport: ViewTransport | None = None
         #: the head's last interval (`Coordinator.run_interval`'s report)
@@ -208,7 +211,7 @@ class HeadTwin(Policy):
         self.offset_s = 0.0  # head time − simulator time, from the first interval on
         self._intervals = 0
         self.transport = ViewTransport.of(fleet, self.clock)
-        tuning = shipped(interval_s)
+        tuning = Tuning.from_config(self.control or ControlConfig()).with_interval(interval_s)
         settings = CoordinatorSettings(
             interval_s=interval_s,
             lease_s=3 * interval_s,

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import json
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import pytest
+from click.testing import CliRunner
 from sqlalchemy import Engine
 
-from slurm_cdgpc.config import ControlConfig, load_config
+from slurm_cdgpc.cli.main import cli
+from slurm_cdgpc.config import Config, ControlConfig, load_config
 from slurm_cdgpc.control.empc import ControllerSettings, EconomicMPC
 from slurm_cdgpc.control.tuning import Tuning, paper, shipped
 from slurm_cdgpc.coordinator.daemon import Coordinator, CoordinatorSettings
@@ -85,3 +89,29 @@ def test_the_paper_is_the_same_controller_without_the_rules() -> None:
         0.0,
     )
     assert (s.guard_per_sqrt_job, s.min_clock_fraction) == (0.0, 0.5)
+
+
+def test_a_sites_control_section_is_what_the_simulator_runs(engine: Engine) -> None:
+    control = ControlConfig(triage=False, drain_pressure=0.0, guard_band=0.004)
+    policy = make_policy("cdgpc", control)
+    policy.start(parse_fleet("1x8:A100-SXM4-80GB"), 1e4, 30.0)
+    head = _head(engine, CoordinatorSettings.from_config(replace(Config(), control=control)))
+    assert policy.controller.settings == head.controller.settings  # type: ignore[attr-defined]
+    assert head.controller.settings.triage is False
+
+
+def test_simulate_config_runs_the_files_control_section(tmp_path: Path) -> None:
+    trace = REPO / "tests" / "data" / "sim" / "synthetic40.csv"
+    site = tmp_path / "site.toml"
+    site.write_text("[control]\nmin_clock_fraction = 0.9\nfloor_fallback = false\n")
+    args = ["simulate", "--trace", str(trace), "--limit-jobs", "12", "--budget", "0.45", "--json"]
+    runner = CliRunner()
+    shipped_run = runner.invoke(cli, args)
+    site_run = runner.invoke(cli, [*args, "--config", str(site)])
+    assert shipped_run.exit_code == 0 and site_run.exit_code == 0, site_run.output
+    # a 0.9 floor cannot hold a 0.45 budget: the file's settings, not the shipped ones, ran
+    shipped_over = json.loads(shipped_run.stdout)["over_budget_intervals_pct"]
+    assert json.loads(site_run.stdout)["over_budget_intervals_pct"] > shipped_over
+    site.write_text("[control]\ntriage = maybe\n")
+    bad = runner.invoke(cli, [*args, "--config", str(site)])
+    assert bad.exit_code != 0 and bad.output.count("\n") == 1 and "Error:" in bad.output
