@@ -515,7 +515,7 @@ _SCHEMA: dict[str, tuple[type[Any], dict[str, _Key]]] = {
 _REMOVED: dict[tuple[str, str], str] = {
     ("control", "horizon"): (
         "was removed: a prediction horizon never changed the clocks applied (DESIGN.md, "
-        '"The horizon"); delete the line'
+        '"No horizon"); delete the line'
     ),
 }
 

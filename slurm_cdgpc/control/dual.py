@@ -1,6 +1,7 @@
 """Lagrangian dual decomposition of the economic MPC step (Kang et al., IEEE TIE 2022).
 
-For H horizon steps × N jobs (H is usually 1) and prices λ_h ≥ 0, the Lagrangian
+For H independent budgets × N jobs (the controller passes one, H = 1) and prices λ_h ≥ 0, the
+Lagrangian
 
     Σ_n w_n T_n(x_n) + λ (Σ_n g_n P_n(x_n) − B)
 
