@@ -261,9 +261,9 @@ def test_guard_band_grows_on_small_clusters() -> None:
     assert ControllerSettings(guard_per_sqrt_job=0.0).guard_for(1) == s.guard_band
 
 
-def test_a_constant_future_budget_cannot_change_todays_clocks_so_there_is_no_horizon() -> None:
-    # the per-step problems of an economic MPC without coupling decouple (DESIGN.md, "Control
-    # core"): the horizon was removed; the controller takes one budget, the one in force
+def test_the_controller_takes_one_budget_the_one_in_force() -> None:
+    # the per-step problems decouple, so a horizon never changed the applied clocks and was
+    # removed (DESIGN.md, "No horizon")
     mpc, est, jobs = _setup(3)
     with pytest.raises(TypeError):
         ControllerSettings(horizon=4)  # type: ignore[call-arg]
