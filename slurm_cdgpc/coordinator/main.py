@@ -43,7 +43,7 @@ from slurm_cdgpc.errors import CdgpcError, FatalError, InputError
 from slurm_cdgpc.service import serve, settle_heap
 from slurm_cdgpc.slurm.pyslurm_jobs import load_pyslurm
 from slurm_cdgpc.slurm.pyslurm_jobs import read_jobs as pyslurm_read_jobs
-from slurm_cdgpc.slurm.squeue import SQUEUE, SlurmJob, SqueueError, read_jobs
+from slurm_cdgpc.slurm.squeue import SQUEUE, SlurmJob, SqueueError, read_jobs, running_jobs
 from slurm_cdgpc.store import Store, StoreError, make_engine, upgrade
 from slurm_cdgpc.store.leader import LeaderLock, LeadershipLostError, default_holder
 from slurm_cdgpc.transport.auth import (
@@ -260,7 +260,7 @@ def _reconcile_until(
             coordinator.observe_queue(None)
             continue
         coordinator.observe_queue(any(job.waits_for_gpus for job in jobs))
-        running = {job.job_id: job for job in jobs if job.active}
+        running = running_jobs(jobs)
         try:
             reconcile_with_slurm(coordinator, running, now_s=time.time(), grace_s=period_s)
         except CdgpcError as e:

@@ -78,11 +78,6 @@ def parse_job(job: Any) -> SlurmJob:
     )
 
 
-def running_jobs(pyslurm: ModuleType) -> dict[str, SlurmJob]:
-    """Jobs Slurm runs now (RUNNING, COMPLETING, CONFIGURING), by raw job id."""
-    return {j.job_id: j for j in read_jobs(pyslurm) if j.active}
-
-
 def read_jobs(pyslurm: ModuleType) -> list[SlurmJob]:
     """Every job slurmctld knows: running, pending and finishing."""
     try:

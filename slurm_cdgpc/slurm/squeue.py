@@ -6,7 +6,7 @@ give ``job_state: ["RUNNING"]`` and numbers as ``{"set": true, "infinite": false
 Both give ``nodes`` as a Slurm hostlist (``n[1-2]``) and ``gres_detail`` as one string per node
 in that order (``gpu:2(IDX:0-1)``, ``gpu:a100:1(IDX:3)``): the GPUs the job holds on each node.
 A job that cannot be read is skipped with a log line, never an exception. The head calls
-`running_jobs` every few intervals to finish registered jobs that Slurm no longer runs (an
+`read_jobs` every few intervals to finish registered jobs that Slurm no longer runs (an
 Epilog that never reached it) and to adopt running jobs that never registered
 (`slurm_cdgpc.coordinator.reconcile`).
 """
@@ -230,11 +230,9 @@ def parse_squeue_json(text: str | bytes) -> list[SlurmJob]:
     return out
 
 
-def running_jobs(
-    *, squeue: Path = SQUEUE, timeout_s: float = DEFAULT_TIMEOUT_S
-) -> dict[str, SlurmJob]:
-    """Jobs Slurm runs now (RUNNING, COMPLETING, CONFIGURING), by raw job id."""
-    return {j.job_id: j for j in read_jobs(squeue=squeue, timeout_s=timeout_s) if j.active}
+def running_jobs(jobs: Iterable[SlurmJob]) -> dict[str, SlurmJob]:
+    """Of ``jobs``, those Slurm runs now (RUNNING, COMPLETING, CONFIGURING), by raw job id."""
+    return {j.job_id: j for j in jobs if j.active}
 
 
 def read_jobs(*, squeue: Path = SQUEUE, timeout_s: float = DEFAULT_TIMEOUT_S) -> list[SlurmJob]:

@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
-from slurm_cdgpc.slurm.pyslurm_jobs import running_jobs
-from slurm_cdgpc.slurm.squeue import SqueueError
+from slurm_cdgpc.slurm.pyslurm_jobs import read_jobs
+from slurm_cdgpc.slurm.squeue import SqueueError, running_jobs
 
 
 class _Job:
@@ -57,10 +57,12 @@ def test_jobs_running_on_gpus_read_as_squeue_reads_them() -> None:
         "n2": {"cpus": "0", "gres": {"gpu": {"count": "1", "indexes": "3"}, "mps": 100}},
     }
     jobs = running_jobs(
-        _pyslurm(
-            _Job(7, "RUNNING", layout),
-            _Job(8, "PENDING", {}),
-            _Job(9, "COMPLETING", {"n1": {"gres": {}}}, array_id=5),
+        read_jobs(
+            _pyslurm(
+                _Job(7, "RUNNING", layout),
+                _Job(8, "PENDING", {}),
+                _Job(9, "COMPLETING", {"n1": {"gres": {}}}, array_id=5),
+            )
         )
     )
     assert sorted(jobs) == ["7", "9"]
@@ -79,6 +81,6 @@ def test_jobs_running_on_gpus_read_as_squeue_reads_them() -> None:
 def test_an_unreadable_job_is_skipped_and_a_failed_load_is_a_soft_error() -> None:
     broken = _Job(3, "RUNNING", {"n1": {"gres": {"gpu": {"indexes": "x-y"}}}})
     good = _Job(4, "RUNNING", {"n1": {"gres": {"gpu": {"count": "1", "indexes": "0"}}}})
-    assert list(running_jobs(_pyslurm(broken, good))) == ["4"]
+    assert list(running_jobs(read_jobs(_pyslurm(broken, good)))) == ["4"]
     with pytest.raises(SqueueError, match="Unable to contact"):
-        running_jobs(_pyslurm(fail=True))
+        read_jobs(_pyslurm(fail=True))
