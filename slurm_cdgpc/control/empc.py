@@ -169,7 +169,8 @@ class EconomicMPC:
     """The head's controller: `step` once per interval.
 
     ``grid`` holds every clock the controller may ever set; the clock floor
-    (``settings.min_clock_fraction``) is applied on top of it.
+    (``settings.min_clock_fraction``) is applied on top of it, once, here: the settings are
+    fixed at construction (another tuning is another controller).
     """
 
     def __init__(self, grid: ClockGrid, settings: ControllerSettings | None = None) -> None:

@@ -200,7 +200,7 @@ def test_triage_weights_hopeless_jobs_like_jobs_without_deadline() -> None:
     w = mpc.weights(est, jobs, 0.0)[0]
     assert w[0] == pytest.approx(mpc.settings.default_pressure / t_top[0])
     assert w[1] * t_top[1] == pytest.approx(50.0 / 100.0)
-    mpc.settings = ControllerSettings(triage=False)
+    mpc = EconomicMPC(mpc.grid, ControllerSettings(triage=False))
     assert mpc.weights(est, jobs, 0.0)[0, 0] * t_top[0] == pytest.approx(1000.0 / 100.0)
 
 
@@ -227,7 +227,7 @@ def test_drain_presses_the_jobs_of_the_node_that_empties_first_while_the_queue_i
     np.testing.assert_allclose(pressure(stuck), [1.0, 1.0, base], rtol=1e-6)
     full = QueueState.from_matrix(True, nodes, np.zeros(3, dtype=np.int64))
     np.testing.assert_allclose(pressure(full), [base] * 3, rtol=1e-6)  # waits for any GPU
-    mpc.settings = ControllerSettings(drain_pressure=0.0)  # off
+    mpc = EconomicMPC(mpc.grid, ControllerSettings(drain_pressure=0.0))  # off
     np.testing.assert_allclose(pressure(stuck), [base] * 3, rtol=1e-6)
 
 
