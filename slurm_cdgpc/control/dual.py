@@ -115,8 +115,9 @@ class DualProblem:
             s = self.weight * self.time_theta[:, 0] / (lam * g)
             # implicit differentiation of s(λ)/x² = m(x), s ∝ 1/λ:
             # dx/dλ = −(s / (λ x²)) / (2 s / x³ + m'(x))
-            dx = -(s / (lam * x**2)) / (
-                2.0 * s / x**3 + self.family.marginal_slope(a, x, self.knee_x)
+            x2 = x * x
+            dx = -(s / (lam * x2)) / (
+                2.0 * s / (x2 * x) + self.family.marginal_slope(a, x, self.knee_x)
             )
             dp = g * self.family.marginal(a, x, self.knee_x) * np.where(interior, dx, 0.0)
             interior_m = (x_m > self.xm_lo) & (x_m < self.xm_hi)

@@ -266,7 +266,8 @@ class EconomicMPC:
 
         def spread(xc: FloatArray, xm: FloatArray) -> FloatArray:
             phi = estimator.power_regressors(np.nan_to_num(xc, nan=1.0), np.nan_to_num(xm, nan=1.0))
-            quad: FloatArray = np.einsum("ni,nij,nj->n", phi, cov, phi)
+            # two two-operand contractions: einsum does not reorder a three-operand one
+            quad: FloatArray = np.einsum("ni,ni->n", phi, np.einsum("nij,nj->ni", cov, phi))
             return np.sqrt(np.maximum(quad, 0.0))
 
         sigma = np.sqrt(estimator.power.err_var)

@@ -88,9 +88,13 @@ class PowerFamily(ABC):
         mem_mask: FloatArray,
         knee_x: FloatArray,
     ) -> FloatArray:
-        """P = φ_P · θ per GPU."""
-        phi = self.regressors(x, x_m, mem_mask, knee_x)
-        return np.asarray(np.einsum("...k,...k->...", phi, theta), dtype=np.float64)
+        """P = φ_P · θ per GPU (summed term by term: no regressor matrix is built)."""
+        c = self.core_params
+        core = self.basis(x, knee_x)
+        total = core[..., 0] * theta[..., 0]
+        for j in range(1, c):
+            total = total + core[..., j] * theta[..., j]
+        return np.asarray(total + theta[..., c] * (mem_mask * x_m) + theta[..., c + 1])
 
     def clock_at_power(
         self,
@@ -143,10 +147,11 @@ class BentPower(PowerFamily):
 
     def basis(self, x: FloatArray, knee_x: FloatArray) -> FloatArray:
         # h(x) = max(x, x³/k²): linear below the knee, cubic above, continuous at k
-        return np.maximum(x, x**3 / knee_x**2)[..., None]
+        # (products, not powers: numpy's x**3 is a general pow, twice the time at 100,000 jobs)
+        return np.maximum(x, x * x * x / (knee_x * knee_x))[..., None]
 
     def marginal(self, a: FloatArray, x: FloatArray, knee_x: FloatArray) -> FloatArray:
-        return a[..., 0] * np.where(x > knee_x, 3.0 * x**2 / knee_x**2, 1.0)
+        return a[..., 0] * np.where(x > knee_x, 3.0 * (x * x) / (knee_x * knee_x), 1.0)
 
     def marginal_slope(self, a: FloatArray, x: FloatArray, knee_x: FloatArray) -> FloatArray:
         # at the knee m jumps from a to 3a: a job parked there does not move with λ (slope ∞)
@@ -169,7 +174,7 @@ class CubicPower(PowerFamily):
     core_params = 2
 
     def basis(self, x: FloatArray, knee_x: FloatArray) -> FloatArray:
-        return np.stack([x, x**3], axis=-1)
+        return np.stack([x, x * x * x], axis=-1)
 
     def marginal(self, a: FloatArray, x: FloatArray, knee_x: FloatArray) -> FloatArray:
         return a[..., 0] + 3.0 * a[..., 1] * x**2
