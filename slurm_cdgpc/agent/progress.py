@@ -19,7 +19,11 @@ that every job can write), takes one JSON line per connection (`ProgressLine`, a
 cannot lie about it) and hands the report to a callback (`NodeAgent.record_progress`). It answers
 ``ok`` or ``error: <reason>``. Any local user may report any job id: the agent keeps each uid's
 report apart and the head counts only those of root or the job's own user, from the job's nodes.
-Connections are served on their own threads with a timeout, at most ``max_connections`` at once.
+Connections are served on their own threads, at most ``max_connections`` at once and at most
+``max_per_uid`` from any one uid (root included: no sender needs more than a few at once, and a
+report takes milliseconds), so that one user cannot keep another's reports out. Each connection
+lives at most ``timeout_s`` in all, however slowly its sender writes; a connection over either
+limit is answered ``error: ...`` and closed at once.
 
 The socket path: ``$CDGPC_NODE_PROGRESS_SOCKET``, else ``/run/cdgpc/progress.sock`` (the
 ``node.progress_socket`` default; the client does not read the config file).
@@ -36,6 +40,7 @@ import stat
 import struct
 import sys
 import threading
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Final
@@ -81,13 +86,14 @@ def report_progress(
         raise ProtocolError(f"{JOB_ID_ENV} is not set (run this inside a Slurm job)")
     line = ProgressLine(job, step, total)  # validates: ProtocolError
     where = Path(path) if path is not None else socket_path()
+    until_s = time.monotonic() + timeout_s
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
             sock.settimeout(timeout_s)
             sock.connect(os.fspath(where))
             sock.sendall(line.to_json() + b"\n")
             sock.shutdown(socket.SHUT_WR)
-            answer = _read_line(sock, 1024).decode("ascii", "replace").strip()
+            answer = _read_line(sock, 1024, until_s).decode("ascii", "replace").strip()
     except FileNotFoundError:
         logger.warning("cdgpc-progress: no node agent socket at %s; progress not reported", where)
         return False
@@ -126,10 +132,16 @@ def _count(text: str) -> int:
     return int(text)
 
 
-def _read_line(sock: socket.socket, limit: int) -> bytes:
-    """Bytes up to the first newline (or EOF), at most ``limit + 1`` of them."""
+def _read_line(sock: socket.socket, limit: int, until_s: float) -> bytes:
+    """Bytes up to the first newline (or EOF), at most ``limit + 1`` of them, by ``until_s``
+    (`time.monotonic`): each wait is for what is left, so a peer that trickles bytes gets no
+    longer than a silent one (`TimeoutError`)."""
     data = bytearray()
     while len(data) <= limit and b"\n" not in data:
+        left_s = until_s - time.monotonic()
+        if left_s <= 0:
+            raise TimeoutError("timed out")
+        sock.settimeout(left_s)
         chunk = sock.recv(limit + 1 - len(data))
         if not chunk:
             break
@@ -150,11 +162,19 @@ class ProgressServer:
         *,
         timeout_s: float = 2.0,
         max_connections: int = 16,
+        max_per_uid: int = 4,
     ) -> None:
+        if not 1 <= max_per_uid <= max_connections:
+            raise FatalError(
+                f"need 1 <= max_per_uid <= max_connections, got {max_per_uid}, {max_connections}"
+            )
         self.path = Path(path)
         self._record = record
         self.timeout_s = timeout_s
-        self._slots = threading.BoundedSemaphore(max_connections)
+        self.max_connections = max_connections
+        self.max_per_uid = max_per_uid
+        self._lock = threading.Lock()
+        self._open_by_uid: dict[int, int] = {}  # connections being served, per sender uid
         self._stop = threading.Event()
         self._sock: socket.socket | None = None
         self._thread: threading.Thread | None = None
@@ -214,32 +234,53 @@ class ProgressServer:
                 logger.error("progress socket: accept failed: %s", e)
                 self._stop.wait(0.2)
                 continue
-            if not self._slots.acquire(blocking=False):
-                logger.warning("progress socket: too many connections; dropping one")
-                conn.close()
+            until_s = time.monotonic() + self.timeout_s  # the connection's whole life
+            try:
+                raw = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
+                pid, uid, _gid = _PEERCRED.unpack(raw)
+            except OSError as e:
+                _answer_and_close(conn, f"error: cannot identify the sender: {e.strerror or e}")
                 continue
-            threading.Thread(target=self._handle, args=(conn,), daemon=True).start()
+            refusal = self._take_slot(uid)
+            if refusal:
+                logger.warning("progress socket: pid %d uid %d refused: %s", pid, uid, refusal)
+                _answer_and_close(conn, f"error: {refusal}")
+                continue
+            threading.Thread(
+                target=self._handle, args=(conn, pid, uid, until_s), daemon=True
+            ).start()
 
-    def _handle(self, conn: socket.socket) -> None:
+    def _take_slot(self, uid: int) -> str:
+        """Count one more connection from ``uid``; the reason it may not have one, else ""."""
+        with self._lock:
+            if sum(self._open_by_uid.values()) >= self.max_connections:
+                return f"too many reports in flight (at most {self.max_connections})"
+            held = self._open_by_uid.get(uid, 0)
+            if held >= self.max_per_uid:
+                return f"uid {uid} has {held} reports in flight (at most {self.max_per_uid})"
+            self._open_by_uid[uid] = held + 1
+            return ""
+
+    def _release_slot(self, uid: int) -> None:
+        with self._lock:
+            held = self._open_by_uid.pop(uid) - 1
+            if held:
+                self._open_by_uid[uid] = held
+
+    def _handle(self, conn: socket.socket, pid: int, uid: int, until_s: float) -> None:
         try:
             with conn:
-                conn.settimeout(self.timeout_s)
-                answer = self._answer(conn)
-                with contextlib.suppress(OSError):
-                    conn.sendall(answer.encode("ascii", "replace") + b"\n")
+                try:
+                    answer = self._answer(conn, pid, uid, until_s)
+                finally:
+                    self._release_slot(uid)  # what is left cannot wait on the sender
+                _answer_and_close(conn, answer)
         except Exception:
             logger.exception("progress socket: internal error")
-        finally:
-            self._slots.release()
 
-    def _answer(self, conn: socket.socket) -> str:
+    def _answer(self, conn: socket.socket, pid: int, uid: int, until_s: float) -> str:
         try:
-            raw = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
-            pid, uid, _gid = _PEERCRED.unpack(raw)
-        except OSError as e:
-            return f"error: cannot identify the sender: {e.strerror or e}"
-        try:
-            data = _read_line(conn, MAX_PROGRESS_LINE_BYTES)
+            data = _read_line(conn, MAX_PROGRESS_LINE_BYTES, until_s)
         except OSError as e:
             logger.info("progress socket: pid %d uid %d: %s", pid, uid, e)
             return "error: no complete line received in time"
@@ -255,6 +296,13 @@ class ProgressServer:
             "progress: job %s step %d/%s (uid %d)", line.job_id, line.step, line.total, uid
         )
         return "ok"
+
+
+def _answer_and_close(conn: socket.socket, answer: str) -> None:
+    """Send the one-line answer without waiting (it fits the socket's empty buffer), close."""
+    with conn, contextlib.suppress(OSError):
+        conn.setblocking(False)
+        conn.send(answer.encode("ascii", "replace") + b"\n")
 
 
 if __name__ == "__main__":

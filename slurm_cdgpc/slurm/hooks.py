@@ -15,11 +15,16 @@ When the head cannot be reached (down, timeout, MUNGE down, 5xx) the request is 
 disk (`slurm_cdgpc.slurm.spool`) and the hook returns at once. After every request the head did
 answer, the hook forwards whatever the spool holds, within its time budget.
 
-Bounds: each request has a socket timeout (default 1 s) and the whole hook a budget (default 2 s)
-that no step outlives by more than one timeout. The exit status is 0 whatever happens (a failing
-Prolog drains the node and requeues the job), unless ``--strict`` is given and the job could be
-neither registered nor spooled. Each run writes one syslog line (ident ``cdgpc-prolog`` or
-``cdgpc-epilog``, facility daemon) naming the job; nothing is printed.
+Bounds: each request has a timeout (default 1 s) for the whole of it, connect to last byte,
+however slowly the peer sends, and no request runs past the hook's budget (default 2 s); the
+Prolog's forwarding of the spool stops one timeout early, to leave the hold its turn. Past the
+budget and `BACKSTOP_MARGIN_S`, a timer (``setitimer``, armed by `main`) ends the step under way
+that no request bound covers as if the head were unreachable: the request is spooled and the
+hook ends. A wait is cut at once; a name lookup or a write to a stuck disk when the call
+returns. A hook still running one margin later exits at once. The exit status is 0
+whatever happens (a failing Prolog drains the node and requeues the job), unless ``--strict``
+is given and the job could be neither registered nor spooled. Each run writes one syslog line
+(ident ``cdgpc-prolog`` or ``cdgpc-epilog``, facility daemon) naming the job; nothing is printed.
 
 Import cost matters: this module and everything it imports use the standard library only (a unit
 test checks that numpy, sqlalchemy and cvxpy stay out).
@@ -30,11 +35,12 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 import syslog
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Final
@@ -42,7 +48,7 @@ from typing import Final
 from slurm_cdgpc.agent.forward import agent_url
 from slurm_cdgpc.agent.protocol import HOLD_PATH, RELEASE_PATH
 from slurm_cdgpc.config import load_config
-from slurm_cdgpc.errors import CdgpcError, InputError
+from slurm_cdgpc.errors import CdgpcError, InputError, SoftError
 from slurm_cdgpc.slurm.comment import (
     Deadline,
     deadline_warnings,
@@ -60,6 +66,8 @@ logger = logging.getLogger(__name__)
 KINDS: Final = ("prolog", "epilog")
 DEFAULT_TIMEOUT_S: Final = 1.0
 DEFAULT_BUDGET_S: Final = 2.0
+#: how long past its budget a hook runs before the backstop timer ends the step under way
+BACKSTOP_MARGIN_S: Final = 0.5
 #: statuses after which a request is spooled and retried later (auth, clock skew, the head's
 #: database); any other refusal (400: malformed) cannot heal and is only logged
 _RETRYABLE: Final = frozenset({401, 403, 408, 429})
@@ -77,6 +85,12 @@ class HookSettings:
     budget_s: float = DEFAULT_BUDGET_S
     strict: bool = False
     scontrol: Path = SCONTROL
+    #: when this run's budget ends (`time.monotonic`), set by `run`: no request runs past it
+    until_s: float | None = None
+
+
+class HookOverrunError(SoftError):
+    """The hook ran past its budget and margin: the backstop timer ended the step under way."""
 
 
 @dataclass(frozen=True)
@@ -273,7 +287,7 @@ def _forward(client: JobsClient, spool: Spool, until_s: float) -> str:
     """Forward the spool (bounded); a note for the log line when anything was waiting."""
     try:
         result = spool.forward(client, until_s=until_s)
-    except SpoolError as e:
+    except (SpoolError, HookOverrunError) as e:  # what is left stays spooled
         return f"; spool: {e}"
     if not (result.sent or result.dropped or result.left):
         return ""
@@ -289,6 +303,7 @@ def make_client(settings: HookSettings, environ: Mapping[str, str]) -> HeadClien
         config.head.url,
         signer_from_config(config, settings.timeout_s),
         timeout_s=settings.timeout_s,
+        until_s=settings.until_s,
     )
 
 
@@ -298,6 +313,7 @@ def _local_agent(settings: HookSettings, environ: Mapping[str, str]) -> HeadClie
         agent_url(config),
         signer_from_config(config, settings.timeout_s),
         timeout_s=settings.timeout_s,
+        until_s=settings.until_s,
         peer="the local agent",
     )
 
@@ -378,6 +394,8 @@ def run(
 ) -> int:
     """One hook run: the exit status (0 unless strict and nothing recorded); one ``emit`` line."""
     start_s = time.monotonic()
+    until_s = _until(start_s, settings.budget_s)
+    settings = replace(settings, until_s=until_s)
     try:
         env = read_hook_env(environ)
     except InputError as e:
@@ -390,7 +408,6 @@ def run(
     except CdgpcError as e:
         client_error = f"no client: {e}"
     spool = Spool(settings.spool_dir)
-    until_s = _until(start_s, settings.budget_s)
     if kind == "prolog":
         # the hold comes last and may take one request timeout: the spool gets that much less
         hold = None if hold_factory is None else hold_factory(settings, environ)
@@ -417,19 +434,46 @@ def run(
     return 1 if settings.strict and outcome.failed else 0
 
 
+def _arm_backstop(settings: HookSettings, emit: Emit, job: str) -> None:
+    """At the budget plus `BACKSTOP_MARGIN_S`, raise `HookOverrunError` in whatever step is under
+    way (it fails as an unreachable head does, so its request is spooled); one margin later,
+    exit at once (1 under ``--strict``, which cannot tell then what was recorded)."""
+    fired = 0
+
+    def overrun(_signum: int, _frame: object) -> None:
+        nonlocal fired
+        fired += 1
+        if fired == 1:
+            raise HookOverrunError(
+                f"the hook ran {BACKSTOP_MARGIN_S:g} s past its {settings.budget_s:g} s budget"
+            )
+        emit(syslog.LOG_ERR, f"job {job}: still running past the backstop; exiting")
+        os._exit(1 if settings.strict else 0)
+
+    signal.signal(signal.SIGALRM, overrun)
+    signal.setitimer(signal.ITIMER_REAL, settings.budget_s + BACKSTOP_MARGIN_S, BACKSTOP_MARGIN_S)
+
+
 def main(kind: str, argv: Sequence[str] | None = None) -> int:
     """Entry point of ``cdgpc-prolog`` / ``cdgpc-epilog``: never raises, 0 unless strict."""
     if kind not in KINDS:
         raise InputError(f"hook kind must be one of {KINDS}, got {kind!r}")
     emit = _syslog_emit(kind)
     strict = False
+    job = os.environ.get("SLURM_JOB_ID", "?")
     try:
         settings = settings_from_args(kind, sys.argv[1:] if argv is None else argv)
         strict = settings.strict
+        _arm_backstop(settings, emit, job)
         return run(kind, settings, os.environ, emit=emit)
     except SystemExit as e:  # argparse: a wrong wrapper; say so, keep the node up
         emit(syslog.LOG_ERR, f"bad arguments {argv!r}: exit {e.code}")
         return 0
+    except HookOverrunError as e:  # out of time outside any request: nothing more is done
+        emit(syslog.LOG_ERR, f"job {job}: {e}; stopped")
+        return 1 if strict else 0
     except Exception as e:  # a bug must not drain the node
         emit(syslog.LOG_ERR, f"internal error: {type(e).__name__}: {' '.join(str(e).split())}")
         return 1 if strict else 0
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)

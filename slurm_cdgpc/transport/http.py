@@ -7,7 +7,9 @@ head's API server, this is the only module that speaks HTTP.
 `NodeExchanger` sends one `ExchangeRequest` to each node concurrently, one connection per
 node, each with its own timeout; a node that does not answer in time, refuses, or answers
 garbage comes back as a `NodeFailure` with a one-line reason, never as an exception: one dead
-node must not stop the control loop. Plain-HTTP nodes are served by one event loop on the
+node must not stop the control loop. Every bound here is on a whole request, not on each socket
+operation: a peer that accepts and then trickles its reply a byte at a time is cut off when its
+time is up, like a silent one. Plain-HTTP nodes are served by one event loop on the
 calling thread (`_Round`): non-blocking sockets under ``epoll``, so a thousand nodes cost a
 thousand sockets, not a thousand thread switches. ``https://`` nodes, and credentials that
 take a process to make (MUNGE), go through a thread pool. `HeadClient` is what
@@ -113,24 +115,98 @@ class _Endpoint:
         default = 443 if self.scheme == "https" else 80
         return host if self.port == default else f"{host}:{self.port}"
 
-    def connect(self, timeout_s: float) -> socket.socket:
+    def connect(self, deadline: _Deadline) -> socket.socket:
+        """A connected socket (TLS for ``https``), each address tried in turn as
+        `socket.create_connection` does, all of it by ``deadline``."""
         if self.literal_family is None:
-            sock = socket.create_connection((self.host, self.port), timeout=timeout_s)
-        else:  # what create_connection does, less the address lookup: 30 of a Prolog's 70 us
-            sock = socket.socket(self.literal_family, socket.SOCK_STREAM)
+            infos = socket.getaddrinfo(self.host, self.port, type=socket.SOCK_STREAM)
+            addresses = [_Address(family, sockaddr) for family, _, _, _, sockaddr in infos]
+        else:  # no address lookup: 30 of a Prolog's 70 us
+            addresses = [_Address(self.literal_family, (self.host, self.port))]
+        error: OSError = OSError(f"no address for {self.host}")
+        for family, sockaddr in addresses:
+            sock = socket.socket(family, socket.SOCK_STREAM)
             try:
-                sock.settimeout(timeout_s)
-                sock.connect((self.host, self.port))
+                deadline.wait_on(sock)
+                sock.connect(sockaddr)
+            except TimeoutError:
+                sock.close()
+                raise deadline.expired() from None
+            except OSError as e:
+                sock.close()
+                error = e
+                continue
             except BaseException:
                 sock.close()
                 raise
+            break
+        else:
+            raise error
         if self.scheme != "https":
             return sock
         try:
+            deadline.wait_on(sock)  # the handshake: one wait in all (CPython's ssl module)
             return _tls_context().wrap_socket(sock, server_hostname=self.host)
+        except TimeoutError:
+            sock.close()
+            raise deadline.expired() from None
         except BaseException:
             sock.close()
             raise
+
+
+class _Deadline:
+    """When one request must be done, on the `time.monotonic` clock: every socket operation of
+    it waits only for what is left, so a peer that sends a byte just before each wait would end
+    gets no more time than a silent one."""
+
+    __slots__ = ("at_s", "bound_s")
+
+    def __init__(self, timeout_s: float, until_s: float | None = None) -> None:
+        now = time.monotonic()
+        self.at_s = now + timeout_s if until_s is None else min(now + timeout_s, until_s)
+        self.bound_s = max(self.at_s - now, 0.0)
+
+    def expired(self) -> TimeoutError:
+        return TimeoutError(f"no whole reply within {self.bound_s:.3g} s")
+
+    def wait_on(self, sock: socket.socket) -> None:
+        """Let ``sock``'s next operation wait for what is left; `TimeoutError` when nothing is."""
+        left_s = self.at_s - time.monotonic()
+        if left_s <= 0:
+            raise self.expired()
+        sock.settimeout(left_s)
+
+
+class _ReplyStream(io.RawIOBase):
+    """A socket read as a file, every read bounded by the request's `_Deadline`."""
+
+    def __init__(self, sock: socket.socket, deadline: _Deadline) -> None:
+        super().__init__()
+        self._sock = sock
+        self._deadline = deadline
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        self._deadline.wait_on(self._sock)
+        try:
+            return self._sock.recv_into(buffer)
+        except TimeoutError:
+            raise self._deadline.expired() from None
+
+
+def _send_all(sock: socket.socket, data: bytes, deadline: _Deadline) -> None:
+    """`socket.sendall` by ``deadline`` (an ``ssl`` socket's ``sendall`` waits anew per write)."""
+    view = memoryview(data)
+    while view:
+        deadline.wait_on(sock)
+        try:
+            sent = sock.send(view)
+        except TimeoutError:
+            raise deadline.expired() from None
+        view = view[sent:]
 
 
 @functools.lru_cache(maxsize=65536)
@@ -176,9 +252,15 @@ def _request(
     body: bytes,
     signer: Signer | None,
     timeout_s: float,
+    *,
+    until_s: float | None = None,
 ) -> tuple[int, bytes]:
     """One signed request on its own connection; (status, body). Raises OSError or
     `http.client.HTTPException` on the wire, `ProtocolError` on a reply over the cap.
+
+    From the connect to the reply's last byte the request has ``timeout_s`` in all, and ends by
+    ``until_s`` (`time.monotonic`) if that comes first; past it, `TimeoutError` (one line) however
+    steadily the peer still sends.
 
     HTTP/1.1 written and read here rather than by `http.client`, which parses every reply's
     headers with the `email` package: that and its request assembly were a third of the head's
@@ -187,10 +269,11 @@ def _request(
     full_path = endpoint.prefix + path
     credential = None if signer is None else signer.sign(method, full_path, body)
     message = _message(endpoint, method, full_path, body, credential)
-    sock = endpoint.connect(timeout_s)
+    deadline = _Deadline(timeout_s, until_s)
+    sock = endpoint.connect(deadline)
     try:
-        sock.sendall(message)
-        with sock.makefile("rb") as reply:
+        _send_all(sock, message, deadline)
+        with io.BufferedReader(_ReplyStream(sock, deadline)) as reply:
             return _read_reply(reply)
     finally:
         sock.close()
@@ -280,7 +363,9 @@ class NodeExchanger:
     """Concurrent, signed exchanges with node agents (``POST /v1/exchange``).
 
     Every node has ``timeout_s`` to accept the connection and then ``timeout_s`` to answer once
-    its request is written; the whole round ends after ``2 * timeout_s`` whatever happens.
+    its request is written; the whole round ends after ``2 * timeout_s`` whatever happens. An
+    ``https`` node's request, on a pool thread, ends with the round too, so a node that trickles
+    its reply cannot keep a thread of the pool past it.
     """
 
     def __init__(
@@ -328,7 +413,7 @@ class NodeExchanger:
                 plain[node] = (target, endpoint)
             else:
                 tls[node] = target
-        futures = {node: self._pool.submit(self._one, node, t) for node, t in tls.items()}
+        futures = {node: self._pool.submit(self._one, node, t, deadline) for node, t in tls.items()}
         if plain:
             results.update(self._round(plain, started, deadline))
         late = _too_late(self.timeout_s)
@@ -415,7 +500,9 @@ class NodeExchanger:
 
     # -- https: a thread each ---------------------------------------------------------------------
 
-    def _one(self, node: str, target: NodeTarget) -> ExchangeResponse | NodeFailure:
+    def _one(
+        self, node: str, target: NodeTarget, deadline: float
+    ) -> ExchangeResponse | NodeFailure:
         try:
             status, data = _request(
                 target.url,
@@ -423,7 +510,8 @@ class NodeExchanger:
                 EXCHANGE_PATH,
                 target.request.to_json(),
                 self.signer,
-                self.timeout_s,
+                2 * self.timeout_s,
+                until_s=deadline,
             )
         except (OSError, http.client.HTTPException) as e:
             return NodeFailure(_one_line(f"{target.url}: {type(e).__name__}: {e}"))
@@ -702,7 +790,10 @@ def _failure(call: _Call, error: BaseException) -> NodeFailure:
 
 class HeadClient:
     """Signed JSON requests to cdgpcd's API (``cdgpc-admin``, the Prolog and Epilog), or to a
-    node's own agent (``peer="the local agent"``: the Epilog's release)."""
+    node's own agent (``peer="the local agent"``: the Epilog's release).
+
+    Each request has ``timeout_s`` in all, connect to last byte, and none runs past ``until_s``
+    (`time.monotonic`; a hook's budget); a request out of time is a `HeadUnavailableError`."""
 
     def __init__(
         self,
@@ -710,12 +801,14 @@ class HeadClient:
         signer: Signer | None,
         *,
         timeout_s: float = 10.0,
+        until_s: float | None = None,
         peer: str = "cdgpcd",
     ) -> None:
         _Endpoint.parse(url)
         self.url = url.rstrip("/")
         self.signer = signer
         self.timeout_s = timeout_s
+        self.until_s = until_s
         self.peer = peer
 
     def get(self, path: str, query: Mapping[str, object] | None = None) -> Any:
@@ -731,7 +824,9 @@ class HeadClient:
 
     def _call(self, method: str, path: str, body: bytes) -> Any:
         try:
-            status, data = _request(self.url, method, path, body, self.signer, self.timeout_s)
+            status, data = _request(
+                self.url, method, path, body, self.signer, self.timeout_s, until_s=self.until_s
+            )
         except (OSError, http.client.HTTPException) as e:
             raise HeadUnavailableError(
                 f"cannot reach {self.peer} at {self.url}: {_one_line(str(e) or type(e).__name__)}"

@@ -273,3 +273,47 @@ def test_the_prologs_spool_leaves_the_hold_one_timeout_of_the_budget(
         )
     with_hold, without = budgets
     assert 1.0 < with_hold <= 1.5 and 1.5 < without <= 2.0
+
+
+#: a Prolog whose every request blocks in Python far past any timeout (a stand-in for a step
+#: that no socket bound reaches)
+_STUCK_PROLOG = """
+import sys, time
+from slurm_cdgpc.slurm import hooks
+from slurm_cdgpc.transport import http
+http._request = lambda *args, **kwargs: time.sleep(60)
+sys.exit(hooks.main("prolog"))
+"""
+
+
+def test_a_prolog_stuck_past_its_budget_spools_and_exits_0_at_its_backstop(
+    tmp_path: Path,
+) -> None:
+    """The backstop timer ends the stuck registration as an unreachable head (spooled), and
+    the stuck hold after it by exiting, one margin later."""
+    key = tmp_path / "hmac.key"
+    key.write_bytes(b"k" * 32)
+    key.chmod(0o600)
+    config = tmp_path / "cdgpc.toml"
+    config.write_text(
+        f'[auth]\nmethod = "hmac"\nhmac_key_file = "{key}"\n[head]\nurl = "http://127.0.0.1:9"\n'
+    )
+    spool_dir = tmp_path / "spool"
+    args = ["--config", str(config), "--spool-dir", str(spool_dir)]
+    started = time.monotonic()
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", _STUCK_PROLOG, *args],
+            env={**ENV, "SLURM_JOB_COMMENT": "", "PYTHONPATH": str(REPO)},
+            capture_output=True,
+            timeout=30,
+            check=False,
+        )
+    except subprocess.TimeoutExpired:
+        pytest.fail("the stuck Prolog was still running 30 s after it started")
+    took_s = time.monotonic() - started
+    assert (done.returncode, done.stdout, done.stderr) == (0, b"", b"")
+    # budget, two margins, and the interpreter's start
+    assert took_s < hooks.DEFAULT_BUDGET_S + 2 * hooks.BACKSTOP_MARGIN_S + 2.0, took_s
+    [record] = Spool(spool_dir).pending()
+    assert record.name.endswith("-register-42.json")
