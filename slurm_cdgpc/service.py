@@ -1,8 +1,10 @@
 """Process plumbing shared by the daemons (``cdgpcd``, ``cdgpc-noded``).
 
-Logs go to stderr, one line per event (journald adds time stamps); ``CDGPC_DEBUG=1`` logs at
-debug level and shows tracebacks. A `CdgpcError` ends the process with ``Error: <one line>``
-and exit status 2 for bad input (configuration), 1 otherwise.
+Logs go to stderr, one line per event (journald adds time stamps); when stderr is the journal's
+stream, each line carries its syslog priority (`slurm_cdgpc.systemd.JournalFormatter`), so
+``journalctl -p err`` finds the errors. ``CDGPC_DEBUG=1`` logs at debug level and shows
+tracebacks. A `CdgpcError` ends the process with ``Error: <one line>`` and exit status 2 for bad
+input (configuration), 1 otherwise.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import sys
 from collections.abc import Callable
 
 from slurm_cdgpc.errors import CdgpcError, InputError
+from slurm_cdgpc.systemd import JournalFormatter, stream_is_journal, syslog_priority
 
 DEBUG_ENV = "CDGPC_DEBUG"
 #: one line per event; journald adds the time
@@ -44,15 +47,15 @@ def settle_heap() -> None:
 def serve(prog: str, body: Callable[[], int]) -> int:
     """Set up logging, run ``body``, and turn our errors into one line and an exit status."""
     debug = debug_enabled()
-    logging.basicConfig(
-        stream=sys.stderr,
-        level=logging.DEBUG if debug else logging.INFO,
-        format=LOG_FORMAT,
-    )
+    journal = stream_is_journal(sys.stderr)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JournalFormatter(LOG_FORMAT) if journal else logging.Formatter(LOG_FORMAT))
+    logging.basicConfig(level=logging.DEBUG if debug else logging.INFO, handlers=[handler])
     try:
         return body()
     except CdgpcError as e:
         if debug:
             logger.exception("%s failed", prog)
-        print(f"Error: {' '.join(str(e).split())}", file=sys.stderr)
+        prefix = f"<{syslog_priority(logging.ERROR)}>" if journal else ""
+        print(f"{prefix}Error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2 if isinstance(e, InputError) else 1

@@ -14,7 +14,9 @@ SIGTERM, SIGINT and SIGHUP stop it: the listener and the progress socket close, 
 reset to default clocks, the state file is removed, exit status 0 (1 if a GPU could not be reset;
 systemd's ExecStopPost then resets the clocks with nvidia-smi). Logs go to stderr, one line per
 event (journald adds the time stamps). ``CDGPC_DEBUG=1`` logs at debug level and shows
-tracebacks. With ``node.backend = simulated`` only, ``CDGPC_SIMULATED_FAULTS`` names a file of
+tracebacks. Under systemd (``Type=notify``, `slurm_cdgpc.systemd`) it sends ``READY=1`` once it
+listens, ``WATCHDOG=1`` from the tick loop and ``STOPPING=1`` when it stops. With
+``node.backend = simulated`` only, ``CDGPC_SIMULATED_FAULTS`` names a file of
 GPU faults to inject (clock writes failing, garbage power; `slurm_cdgpc.gpu.simulated.FaultFile`):
 the fault tests' hook, logged as a warning at start.
 """
@@ -45,6 +47,7 @@ from slurm_cdgpc.errors import CdgpcError, FatalError, InputError
 from slurm_cdgpc.gpu.device import GpuSet
 from slurm_cdgpc.service import serve, settle_heap
 from slurm_cdgpc.slurm.spool import DEFAULT_SPOOL_DIR, forward_spool
+from slurm_cdgpc.systemd import Notifier
 from slurm_cdgpc.transport.auth import (
     AccessPolicy,
 )
@@ -154,6 +157,7 @@ def _serve(config: Config, agent: NodeAgent, stop: threading.Event) -> bool:
     progress: ProgressServer | None = None
     server: AgentHttpServer | None = None
     thread: threading.Thread | None = None
+    notifier = Notifier.from_environment()
     try:
         verifier = verifier_from_config(config)
         policy = make_policy(config)
@@ -186,12 +190,15 @@ def _serve(config: Config, agent: NodeAgent, stop: threading.Event) -> bool:
             config.lease.duration_s,
             config.lease.safe_cap,
         )
+        notifier.ready(f"{len(agent.gpus)} GPU(s), listening on port {server.port}")
         while not stop.wait(TICK_PERIOD_S):
             try:
                 agent.tick()
             except Exception:
                 logger.exception("watchdog tick failed")
+            notifier.watchdog()  # the loop turns: the lease watchdog is alive
     finally:
+        notifier.stopping("stopping: restoring default clocks")
         if server is not None:
             server.shutdown()
             server.server_close()

@@ -21,6 +21,11 @@ lock is released (a standby takes over at its next try), exit status 0. The agen
 their lease lapses and they fall to the safe cap (DESIGN.md, "Node agent and safety"), which is
 what keeps the cluster within budget without a head. Logs go to stderr, one line per event
 (journald adds time stamps); ``CDGPC_DEBUG=1`` logs at debug level and shows tracebacks.
+
+Under systemd (``Type=notify``, `slurm_cdgpc.systemd`): ``READY=1`` once the head knows its role,
+as a standby when it has read who holds the lock, as the active head when its API listens; the
+``STATUS=`` line says which. The watchdog is fed from the standby's wait and, on the active head,
+while the control loop starts intervals (`control_stall_s`); ``STOPPING=1`` at a signal.
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ from slurm_cdgpc.slurm.pyslurm_jobs import read_jobs as pyslurm_read_jobs
 from slurm_cdgpc.slurm.squeue import SQUEUE, SlurmJob, SqueueError, read_jobs, running_jobs
 from slurm_cdgpc.store import Store, StoreError, make_engine, upgrade
 from slurm_cdgpc.store.leader import LeaderLock, LeadershipLostError, default_holder
+from slurm_cdgpc.systemd import Notifier, ProgressWatchdog
 from slurm_cdgpc.transport.auth import (
     AccessPolicy,
 )
@@ -106,11 +112,20 @@ def exchange_timeout_s(interval_s: float) -> float:
     return min(0.3 * interval_s, MAX_EXCHANGE_TIMEOUT_S)
 
 
+def control_stall_s(interval_s: float) -> float:
+    """How long the control loop may go without starting an interval before the watchdog
+    gives up on it: a period's wait, the interval's two exchange rounds, two more periods for
+    the solve and the store; never under a minute (a restart costs more than a late one)."""
+    return max(3 * interval_s + 2 * exchange_timeout_s(interval_s), 60.0)
+
+
 def run(config: Config) -> int:
     stop = threading.Event()
+    notifier = Notifier.from_environment()
 
     def on_signal(signum: int, _frame: FrameType | None) -> None:
         logger.info("%s received: stopping after this interval", signal.Signals(signum).name)
+        notifier.stopping()
         stop.set()
 
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
@@ -135,12 +150,18 @@ def run(config: Config) -> int:
         )
         try:
             coordinator = Coordinator(store, exchanger, settings, leader=leader)
-            if not wait_for_leadership(leader, stop):
+            if not wait_for_leadership(leader, stop, notifier):
                 logger.info("cdgpcd stopped as a standby")
                 return 0
+            watchdog = ProgressWatchdog(
+                notifier, lambda: coordinator.interval, control_stall_s(config.control.interval_s)
+            )
+            threading.Thread(
+                target=watchdog.run, args=(stop,), name="watchdog", daemon=True
+            ).start()
             try:
                 coordinator.start()
-                _serve(config, coordinator, stop)
+                _serve(config, coordinator, stop, notifier)
             except LeadershipLostError:
                 logger.error("another head is active: stopping without pushing again")
                 raise
@@ -154,12 +175,18 @@ def run(config: Config) -> int:
     return 0
 
 
-def wait_for_leadership(leader: LeaderLock, stop: threading.Event) -> bool:
+def wait_for_leadership(
+    leader: LeaderLock, stop: threading.Event, notifier: Notifier | None = None
+) -> bool:
     """Take the leader lock, waiting as a standby while another head holds it; False if
-    ``stop`` was set first. Says once who holds it, and again whenever that changes."""
+    ``stop`` was set first. Says once who holds it, and again whenever that changes. A standby
+    that knows who holds the lock is ready: it is doing its job."""
+    notifier = notifier or Notifier(None)
     period_s = max(leader.lease_s / STANDBY_TRIES_PER_LEASE, 0.05)
     said = ""
     while not stop.is_set():
+        notifier.watchdog()
+        known = False
         try:
             if leader.try_acquire():
                 logger.info(
@@ -173,10 +200,15 @@ def wait_for_leadership(leader: LeaderLock, stop: threading.Event) -> bool:
             news = (
                 f"standby: {state.holder or 'nobody'} holds the leader lock (epoch {state.epoch})"
             )
+            known = True
         except StoreError as e:
             news = f"standby: cannot reach the leader lock: {e}"
         if news != said:
             logger.info("%s; trying every %gs", news, period_s)
+            if known:
+                notifier.ready(news)
+            else:
+                notifier.status(news)
             said = news
         stop.wait(period_s)
     return False
@@ -189,7 +221,9 @@ def _release(leader: LeaderLock) -> None:
         logger.warning("leader lock not released (a standby waits for its lease): %s", e)
 
 
-def _serve(config: Config, coordinator: Coordinator, stop: threading.Event) -> None:
+def _serve(
+    config: Config, coordinator: Coordinator, stop: threading.Event, notifier: Notifier
+) -> None:
     address = (config.head.listen_address, config.head.listen_port)
     try:
         server = HeadHttpServer(
@@ -213,6 +247,7 @@ def _serve(config: Config, coordinator: Coordinator, stop: threading.Event) -> N
         ).start()
     else:
         logger.info("neither pyslurm nor %s: no reconcile with Slurm", SQUEUE)
+    epoch = coordinator.leader.epoch if coordinator.leader is not None else 0
     try:
         logger.info(
             "cdgpcd listening on %s:%d (%s auth), interval %gs, lease %gs, leader epoch %d%s",
@@ -221,9 +256,10 @@ def _serve(config: Config, coordinator: Coordinator, stop: threading.Event) -> N
             config.auth.method,
             config.control.interval_s,
             config.lease.duration_s,
-            coordinator.leader.epoch if coordinator.leader is not None else 0,
+            epoch,
             ", SHADOW MODE: nothing is applied" if config.control.shadow else "",
         )
+        notifier.ready(f"active (leader epoch {epoch}), listening on {address[0]}:{server.port}")
         coordinator.run(stop)
     finally:
         server.shutdown()

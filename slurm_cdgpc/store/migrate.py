@@ -7,16 +7,17 @@ serialised (PostgreSQL: an advisory lock; SQLite: the write lock), and the secon
 left to do.
 
 A file holds statements separated by ``;`` at the end of a line; ``--`` starts a comment. The
-first migration creates ``schema_version`` itself.
+first migration creates ``schema_version`` itself. The files live in the top-level ``sql/``;
+``slurm_cdgpc/sql`` links to it, so a wheel carries them as package data (`sql_dir`).
 """
 
 from __future__ import annotations
 
 import logging
 import re
-import sys
 import time
 from dataclasses import dataclass
+from importlib import resources
 from pathlib import Path
 
 from sqlalchemy import Connection, Engine, inspect, text
@@ -44,11 +45,11 @@ class Migration:
 
 
 def sql_dir() -> Path:
-    """``sql/`` beside the package (a source checkout or editable install), else the copy
-    installed under ``<prefix>/share/slurm-cdgpc/sql``."""
+    """The package's ``sql`` data (a wheel's copy, or the link to ``sql/`` in a source checkout
+    or editable install), else ``sql/`` beside the package (a checkout without the link)."""
     candidates = (
+        Path(str(resources.files("slurm_cdgpc") / "sql")).resolve(),
         Path(__file__).resolve().parents[2] / "sql",
-        Path(sys.prefix) / "share" / "slurm-cdgpc" / "sql",
     )
     for path in candidates:
         if path.is_dir():
