@@ -19,6 +19,7 @@ fi
 command -v sshd >/dev/null || [ -x /usr/sbin/sshd ] ||
     missing "openssh-server openssh-client" "the SSH transport tests"
 command -v ip >/dev/null || missing iproute2 "the network partition fault tests"
+command -v promtool >/dev/null || missing prometheus "the promtool check of /metrics"
 
 if ((${#need[@]})); then
     if [ "$(id -u)" -eq 0 ] && command -v apt-get >/dev/null; then

@@ -109,6 +109,16 @@ class TickResult:
     changed: tuple[int, ...] = ()
 
 
+@dataclass(frozen=True)
+class LeaseState:
+    """The lease as ``GET /metrics`` shows it (`NodeAgent.lease`)."""
+
+    lapsed: bool
+    left_s: float  # until the lease lapses (negative: lapsed that long ago)
+    lapses: int  # since the agent started
+    safe_capped: int  # GPUs a lapse moved to the safe cap that still hold it
+
+
 def _one_line(text: object) -> str:
     line = " ".join(str(text).split())
     line = "".join(c if c.isprintable() and c.isascii() else "?" for c in line)
@@ -175,6 +185,7 @@ class NodeAgent:
         #: (job, reporting uid) -> its latest report; the head keeps only the owner's and root's
         self._progress: dict[tuple[str, int], ProgressReport] = {}
         self._lapsed = False
+        self._lapses = 0
         self._epoch = 0  # the highest leader epoch seen (persisted in the state file)
         #: the GPUs whose locks the state file on disk lists (the file never lists fewer GPUs
         #: than are locked: a GPU not in here is written down before it is locked)
@@ -490,6 +501,7 @@ class NodeAgent:
                 return TickResult(lapsed=False)
             if not self._lapsed:
                 self._lapsed = True
+                self._lapses += 1
                 logger.warning(
                     "lease lapsed %.1f s ago (no valid exchange from the head): %s",
                     now_s - self._lease_deadline,
@@ -548,6 +560,16 @@ class NodeAgent:
     def lapsed(self) -> bool:
         with self._lock:
             return self._lapsed
+
+    @property
+    def lease(self) -> LeaseState:
+        with self._lock:
+            return LeaseState(
+                self._lapsed,
+                self._lease_deadline - self._monotonic(),
+                self._lapses,
+                len(self._lapse_capped),
+            )
 
     @property
     def lease_expires_s(self) -> float:

@@ -11,6 +11,9 @@ Routes:
   held; ``{"job_id": "...", "gpus": [0, 1]}`` holds a starting job's GPUs at the safe cap until
   the head's first setpoint for it (`NodeAgent.hold_job`).
 - ``GET /v1/health``: unauthenticated, answers ``{"ok": true}`` and nothing else.
+- ``GET /metrics``: unauthenticated, as the head's is: Prometheus text (`agent.metrics`), the
+  lease, exchanges served and refused, the process; no job, user or GPU in any label. It reads,
+  and changes nothing.
 
 Every refusal is a one-line JSON error ``{"error": "..."}`` and changes nothing: 400 bad JSON or
 schema, 401 missing/bad/replayed credential or an exchange that names another node (a request
@@ -25,9 +28,11 @@ at once (more are closed at once).
 from __future__ import annotations
 
 import logging
+import time
 from http import HTTPStatus
 from typing import Any, Final
 
+from slurm_cdgpc.agent.metrics import CONTENT_TYPE, AgentMetrics
 from slurm_cdgpc.agent.node import NodeAgent, StaleEpochError, WrongNodeError
 from slurm_cdgpc.agent.protocol import (
     HOLD_PATH,
@@ -57,11 +62,13 @@ logger = logging.getLogger(__name__)
 
 EXCHANGE_PATH: Final = "/v1/exchange"
 HEALTH_PATH: Final = "/v1/health"
+METRICS_PATH: Final = "/metrics"
 _ROUTES: Final = {
     EXCHANGE_PATH: "POST",
     RELEASE_PATH: "POST",
     HOLD_PATH: "POST",
     HEALTH_PATH: "GET",
+    METRICS_PATH: "GET",
 }
 _LOOPBACK: Final = frozenset({"127.0.0.1", "::1", "::ffff:127.0.0.1"})
 
@@ -89,6 +96,7 @@ class AgentHttpServer(EventedHttpServer):
         loop: EventLoop | None = None,
     ) -> None:
         self.agent = agent
+        self.metrics = AgentMetrics(agent)
         super().__init__(
             address,
             _Handler,
@@ -115,6 +123,8 @@ class _Handler(JsonHandler):
                 self._error(HTTPStatus.NOT_FOUND, f"no such path (use {EXCHANGE_PATH})")
             elif method != allowed:
                 self._error(HTTPStatus.METHOD_NOT_ALLOWED, f"use {allowed}", allow=allowed)
+            elif self.path == METRICS_PATH:
+                self._send_bytes(HTTPStatus.OK, self.server.metrics.render(), CONTENT_TYPE)
             elif method == "GET":
                 self._send(HTTPStatus.OK, {"ok": True})
             elif self.path == RELEASE_PATH:
@@ -235,6 +245,7 @@ class _Handler(JsonHandler):
             logger.warning("%s (%s): bad exchange request: %s", peer, principal, e)
             self._error(HTTPStatus.BAD_REQUEST, str(e))
             return
+        began_s = time.perf_counter()
         try:
             response = self.server.agent.exchange(request)
         except StaleEpochError as e:
@@ -253,6 +264,7 @@ class _Handler(JsonHandler):
             len(request.release),
             len(response.refused),
         )
+        self.server.metrics.exchange_served(time.perf_counter() - began_s)
         self._send_bytes(HTTPStatus.OK, response.to_json())
 
     def _body(self) -> bytes | None:
@@ -284,6 +296,8 @@ class _Handler(JsonHandler):
 
     def _error(self, status: HTTPStatus, message: str, *, allow: str | None = None) -> None:
         self.close_connection = True
+        if self.command == "POST" and self.path == EXCHANGE_PATH:
+            self.server.metrics.exchange_refused(status.value)
         self._send(status, {"error": " ".join(message.split())[:500]}, allow=allow)
 
     def _send(self, status: HTTPStatus, data: object, *, allow: str | None = None) -> None:

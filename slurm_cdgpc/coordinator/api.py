@@ -18,7 +18,7 @@ or replayed credential), 403 (authenticated, not allowed), 404, 405, 409, 411, 4
 ``GET /v1/jobs``           read        active jobs with their clocks and power
 ``GET /v1/nodes``          read        nodes, reachability, worst-case power
 ``GET /v1/decisions``      read        ``?limit=N`` (default 20, at most 1000) latest decisions
-``GET /metrics``           none        Prometheus text format
+``GET /metrics``           none        Prometheus text format 0.0.4 (`coordinator.metrics`)
 ``GET /v1/health``         none        ``{"ok": true}``
 =========================  ==========  ======================================================
 """
@@ -29,6 +29,7 @@ import ipaddress
 import logging
 import math
 import re
+import time
 from collections.abc import Callable, Mapping
 from http import HTTPStatus
 from typing import Any, Final
@@ -42,7 +43,7 @@ from slurm_cdgpc.agent.protocol import (
     load_json,
 )
 from slurm_cdgpc.coordinator.daemon import Coordinator, IntervalReport, JobView
-from slurm_cdgpc.coordinator.metrics import render_metrics
+from slurm_cdgpc.coordinator.metrics import CONTENT_TYPE
 from slurm_cdgpc.errors import InputError
 from slurm_cdgpc.store import ACTIVE_STATES, BudgetChange, DecisionRecord, Job, Node, StoreError
 from slurm_cdgpc.transport.auth import (
@@ -338,10 +339,12 @@ class _Handler(JsonHandler):
     # an event-loop server, not a socketserver: it gives the handler what JsonHandler uses
     server: HeadHttpServer
     server_version = "cdgpcd"
+    _began_s: float  # when routing began (a registration's time runs from here)
 
     # -- routing --------------------------------------------------------------------------------
 
     def _route(self, method: str) -> None:
+        self._began_s = time.monotonic()
         try:
             self._dispatch(method)
         except Exception as e:
@@ -379,8 +382,7 @@ class _Handler(JsonHandler):
             return
         if path == "/metrics":
             self._allow(method, "GET")
-            text = render_metrics(c, c.store.jobs(ACTIVE_STATES), c.store.nodes())
-            self._send_bytes(HTTPStatus.OK, text.encode(), "text/plain; version=0.0.4")
+            self._send_bytes(HTTPStatus.OK, c.metrics.render(), CONTENT_TYPE)
             return
         match = _JOB_PATH.fullmatch(path)
         if match is not None:
@@ -480,6 +482,7 @@ class _Handler(JsonHandler):
         def committed(outcome: Callable[[], Job]) -> None:
             try:
                 self._send(HTTPStatus.OK, job_dict(outcome(), self.server.job_views()))
+                self._count_registration(HTTPStatus.OK)
             except Exception as e:  # refused, not committed, or a bug: one line either way
                 self._failed("POST", e)
             finally:
@@ -543,7 +546,13 @@ class _Handler(JsonHandler):
 
     def _error(self, status: HTTPStatus, message: str, *, allow: str | None = None) -> None:
         self.close_connection = True
+        if self.command == "POST" and urlsplit(self.path).path == "/v1/jobs":
+            self._count_registration(status)
         self._send(status, {"error": " ".join(message.split())[:500]}, allow=allow)
+
+    def _count_registration(self, status: HTTPStatus) -> None:
+        elapsed_s = time.monotonic() - self._began_s
+        self.server.coordinator.metrics.registration_answered(status.value, elapsed_s)
 
     def _send(self, status: HTTPStatus, data: object, *, allow: str | None = None) -> None:
         self._send_bytes(status, dump_json(data), "application/json", allow=allow)

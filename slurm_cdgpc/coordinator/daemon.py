@@ -93,6 +93,7 @@ from slurm_cdgpc.control.empc import (
 )
 from slurm_cdgpc.control.tuning import Tuning, shipped
 from slurm_cdgpc.coordinator.jobs import GpuRef, GpuSample, JobInfo, RunningJobs
+from slurm_cdgpc.coordinator.metrics import HeadMetrics
 from slurm_cdgpc.errors import CdgpcError, InputError
 from slurm_cdgpc.gpu.catalog import CATALOG, GpuSpec, catalog_spec
 from slurm_cdgpc.model.estimator import EstimatorSettings, JobEstimator
@@ -269,6 +270,8 @@ class _NodeState:
     steady: frozenset[int] = frozenset()
     #: per GPU, the interval's mean power from the energy counter, where it can be trusted
     mean_w: dict[int, float] = field(default_factory=dict)
+    #: when the node last answered an exchange (the head's clock; None: never)
+    answered_s: float | None = None
 
 
 def _interval_power(
@@ -431,6 +434,7 @@ class Coordinator:
         self._queue_seen: tuple[bool, float] | None = None
         self._queue_known = False  # the drain has its input (logged on each change)
         self._replan = threading.Event()  # a job registered: plan for it out of cycle
+        self.metrics = HeadMetrics(self)  # GET /metrics: this head's own registry
 
     # -- start-up ----------------------------------------------------------------------------
 
@@ -459,7 +463,9 @@ class Coordinator:
             state = self._nodes.get(node.name)
             gpu_type = node.gpu_type or None
             if state is None:
-                self._nodes[node.name] = _NodeState(node.url, gpu_type, node.worst_case_power_w)
+                self._nodes[node.name] = _NodeState(
+                    node.url, gpu_type, node.worst_case_power_w, answered_s=node.last_seen_s
+                )
             else:
                 state.url = node.url
                 state.gpu_type = state.gpu_type or gpu_type
@@ -771,9 +777,11 @@ class Coordinator:
                 raise
             except CdgpcError as e:
                 logger.error("interval %d failed: %s", self.interval, e)
+                self.metrics.intervals_failed.inc()
                 self.interval += 1
             except Exception:
                 logger.exception("interval %d failed", self.interval)
+                self.metrics.intervals_failed.inc()
                 self.interval += 1
             next_s += period_s
             now_s = time.monotonic()
@@ -802,6 +810,7 @@ class Coordinator:
         return False
 
     def run_interval(self) -> IntervalReport:
+        began_s = time.perf_counter()
         k = self.interval
         now_s = self._clock()
         active = self.store.jobs(ACTIVE_STATES)
@@ -834,6 +843,7 @@ class Coordinator:
         report = self._persist(k, now_s, budget_w, uncontrolled_w, decision, responses, setpoints)
         self.last_report = report
         self.interval = k + 1
+        self.metrics.interval_seconds.observe(time.perf_counter() - began_s)
         return report
 
     # -- 1. reconcile --------------------------------------------------------------------------
@@ -1105,14 +1115,18 @@ class Coordinator:
                 request = ExchangeRequest(k, lease_s, points, release, epoch=epoch, node=name)
             except ProtocolError as e:  # no agent could take it: counted as unreachable
                 logger.error("node %s: no exchange possible: %s", name, e)
+                self.metrics.exchange_failures.labels("request").inc()
                 continue
             targets[name] = NodeTarget(node.url, request)
         if not targets:
             return {}
-        responses = self.transport.exchange(targets)
+        with self.metrics.exchange_seconds.time():
+            responses = self.transport.exchange(targets)
         for name, node in self._nodes.items():
             result = responses.get(name, NodeFailure("not exchanged"))
             if isinstance(result, NodeFailure):
+                if name in targets:
+                    self.metrics.exchange_failed(result.reason)
                 if node.reachable is not False:
                     logger.warning("node %s: unreachable: %s", name, result.reason)
                 node.reachable = False
@@ -1121,6 +1135,9 @@ class Coordinator:
                 continue
             if node.reachable is False:
                 logger.info("node %s: reachable again", name)
+            if node.answered_s is not None and now_s > node.answered_s + self.settings.lease_s:
+                self.metrics.lease_lapses.inc()  # its last lease ran out before this exchange
+            node.answered_s = now_s
             sent = targets[name].request
             node.steady, node.mean_w = _interval_power(node, result.gpus, k, self._limit_w)
             node.reachable = True

@@ -1,103 +1,213 @@
-"""Prometheus text exposition of cdgpcd (``GET /metrics``), low cardinality on purpose.
+"""Prometheus exposition of cdgpcd (``GET /metrics``), low cardinality on purpose.
 
 Cluster-level series only: budget, power (measured, predicted, uncontrolled), price, solve time,
-jobs by state, nodes by reachability. No series per job or per GPU: a cluster runs thousands of
-jobs a day, and every job id would be a new time series. Per-job detail is in ``GET /v1/jobs``
-and the store's audit trail.
+jobs by state, nodes by reachability, and what this head counted and timed since it started
+(registrations, exchange failures, lease lapses, interval, exchange and registration times).
+No series per job, per node or per GPU: a cluster runs thousands of jobs a day, and every job
+id would be a new time series. Every label takes values from a small fixed set. Per-job detail
+is in ``GET /v1/jobs`` and the store's audit trail.
+
+Each head has a registry of its own (`HeadMetrics.registry`), never the library's global one:
+tests build many heads in one process. The gauges are read from the coordinator and its store
+at each scrape (`_StateCollector`); counters and histograms are this process's.
 """
 
 from __future__ import annotations
 
 import math
-from collections import Counter
-from collections.abc import Iterable
-from typing import TYPE_CHECKING
+import re
+from collections import Counter as Tally
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Final
 
-from slurm_cdgpc.store import ACTIVE_STATES, Job, Node
+from prometheus_client import Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
+from prometheus_client.metrics_core import Metric
+from prometheus_client.platform_collector import PlatformCollector
+from prometheus_client.process_collector import ProcessCollector
+from prometheus_client.registry import Collector, CollectorRegistry
+
+from slurm_cdgpc.store import ACTIVE_STATES
 
 if TYPE_CHECKING:
     from slurm_cdgpc.coordinator.daemon import Coordinator
 
+#: the text format `generate_latest` writes (0.0.4)
+CONTENT_TYPE: Final = CONTENT_TYPE_PLAIN_0_0_4
+#: bucket bounds in seconds: an interval (a solve, one exchange round, one store transaction)
+INTERVAL_BUCKETS_S: Final = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+#: one exchange round with every node: bounded by twice the per-node timeout (at most 10 s)
+EXCHANGE_BUCKETS_S: Final = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0)
+#: a registration, request to committed answer: a Prolog waits for it
+REGISTRATION_BUCKETS_S: Final = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    10.0,
+)
+#: why an exchange with a node failed. ``request``: the head could not build it; the others are
+#: read from the transport's one-line reason (`NodeFailure`), in this order, ``connection``
+#: being whatever matches none (refused, reset, no route, a failed lookup or ssh)
+EXCHANGE_FAILURE_KINDS: Final = ("request", "timeout", "refused", "reply", "connection")
+_FAILURE_SHAPES: Final = (
+    ("timeout", re.compile(r"no answer|timed out|TimeoutError|passed before a credential")),
+    ("refused", re.compile(r": HTTP [0-9]{3}: ")),  # the agent answered with an error
+    ("reply", re.compile(r"\breply\b")),  # an answer that is not an exchange response
+)
+#: HTTP statuses a refused registration may get (`slurm_cdgpc.coordinator.api`)
+REFUSAL_CODES: Final = (400, 401, 403, 411, 413, 500, 503)
 
-def _value(x: float | None) -> str:
-    if x is None or math.isnan(x):
-        return "NaN"
-    if math.isinf(x):
-        return "+Inf" if x > 0 else "-Inf"
-    return repr(float(x))
+
+def failure_kind(reason: str) -> str:
+    """The kind (`EXCHANGE_FAILURE_KINDS`) of a transport's failure ``reason``."""
+    for kind, shape in _FAILURE_SHAPES:
+        if shape.search(reason):
+            return kind
+    return "connection"
 
 
-def _gauge(
-    lines: list[str], name: str, help_text: str, samples: Iterable[tuple[str, float | None]]
-) -> None:
-    lines.append(f"# HELP {name} {help_text}")
-    lines.append(f"# TYPE {name} gauge")
-    for labels, value in samples:
-        lines.append(f"{name}{labels} {_value(value)}")
+class HeadMetrics:
+    """cdgpcd's metric families over one `Coordinator`, in a registry of their own."""
+
+    def __init__(self, coordinator: Coordinator) -> None:
+        self.registry = CollectorRegistry()
+        ProcessCollector(registry=self.registry)  # process_resident_memory_bytes, CPU, fds
+        PlatformCollector(registry=self.registry)  # python_info
+        self.registry.register(_StateCollector(coordinator))
+        r = self.registry
+        self.registrations = Counter(
+            "cdgpc_registrations", "job registrations accepted (committed)", registry=r
+        )
+        self.registrations_refused = Counter(
+            "cdgpc_registrations_refused",
+            "job registrations refused, by the HTTP status of the answer",
+            ["code"],
+            registry=r,
+        )
+        for code in REFUSAL_CODES:
+            self.registrations_refused.labels(str(code))
+        self.registration_seconds = Histogram(
+            "cdgpc_registration_duration_seconds",
+            "time from a registration's request to its committed answer",
+            buckets=REGISTRATION_BUCKETS_S,
+            registry=r,
+        )
+        self.exchange_failures = Counter(
+            "cdgpc_exchange_failures",
+            "exchanges with a node that failed, by kind",
+            ["kind"],
+            registry=r,
+        )
+        for kind in EXCHANGE_FAILURE_KINDS:
+            self.exchange_failures.labels(kind)
+        self.exchange_seconds = Histogram(
+            "cdgpc_exchange_duration_seconds",
+            "time of one exchange round with every node (its slowest answer or timeout)",
+            buckets=EXCHANGE_BUCKETS_S,
+            registry=r,
+        )
+        self.lease_lapses = Counter(
+            "cdgpc_lease_lapses",
+            "nodes that answered after more than a lease without an answered exchange "
+            "(their agent's lease lapsed meanwhile)",
+            registry=r,
+        )
+        self.interval_seconds = Histogram(
+            "cdgpc_interval_duration_seconds",
+            "time of one control interval, reconcile to persist (intervals that completed)",
+            buckets=INTERVAL_BUCKETS_S,
+            registry=r,
+        )
+        self.intervals_failed = Counter(
+            "cdgpc_intervals_failed", "control intervals that failed (nothing pushed)", registry=r
+        )
+
+    def registration_answered(self, status: int, elapsed_s: float) -> None:
+        """Count a registration's answer; an accepted one is timed as well."""
+        if status == 200:
+            self.registrations.inc()
+            self.registration_seconds.observe(elapsed_s)
+        else:
+            self.registrations_refused.labels(str(status)).inc()
+
+    def exchange_failed(self, reason: str) -> None:
+        self.exchange_failures.labels(failure_kind(reason)).inc()
+
+    def render(self) -> bytes:
+        """The exposition text (`CONTENT_TYPE`)."""
+        return generate_latest(self.registry)
 
 
-def render_metrics(coordinator: Coordinator, jobs: Iterable[Job], nodes: Iterable[Node]) -> str:
-    """The exposition text for the last interval, the active jobs and the nodes."""
-    report = coordinator.last_report
-    budget = coordinator.store.current_budget()
-    budget_w = budget.budget_w if budget is not None else coordinator.settings.initial_budget_w
-    lines: list[str] = []
-    _gauge(
-        lines, "cdgpc_budget_watts", "GPU power budget in force (NaN: uncapped)", [("", budget_w)]
-    )
-    if report is not None:
-        _gauge(
-            lines,
-            "cdgpc_measured_power_watts",
-            "GPU power the agents reported at the last exchange",
-            [("", report.measured_power_w)],
+class _StateCollector(Collector):
+    """The last interval, the active jobs and the nodes, read at each scrape."""
+
+    def __init__(self, coordinator: Coordinator) -> None:
+        self._coordinator = coordinator
+
+    def collect(self) -> Iterator[Metric]:
+        c = self._coordinator
+        report = c.last_report
+        budget = c.store.current_budget()
+        budget_w = budget.budget_w if budget is not None else c.settings.initial_budget_w
+        yield _gauge("cdgpc_budget_watts", "GPU power budget in force (NaN: uncapped)", budget_w)
+        if report is not None:
+            yield _gauge(
+                "cdgpc_measured_power_watts",
+                "GPU power the agents reported at the last exchange",
+                report.measured_power_w,
+            )
+            yield _gauge(
+                "cdgpc_predicted_power_watts",
+                "power of the controlled jobs the last decision predicted",
+                report.predicted_power_w,
+            )
+            yield _gauge(
+                "cdgpc_uncontrolled_power_watts",
+                "power counted outside the optimisation (idle GPUs, unreachable nodes at worst "
+                "case)",
+                report.uncontrolled_w,
+            )
+            yield _gauge("cdgpc_price", "dual price of the last decision", report.price)
+            yield _gauge(
+                "cdgpc_solve_seconds", "controller time of the last decision", report.solve_s
+            )
+            yield _gauge("cdgpc_interval", "index of the last control interval", report.interval)
+            yield _gauge(
+                "cdgpc_jobs_controlled",
+                "jobs whose clocks the last decision chose",
+                sum(1 for j in report.jobs if j.controlled),
+            )
+        by_state = Tally(j.state for j in c.store.jobs(ACTIVE_STATES))
+        jobs = GaugeMetricFamily("cdgpc_jobs", "active jobs by state", labels=["state"])
+        for state in ACTIVE_STATES:
+            jobs.add_metric([state], by_state.get(state, 0))
+        yield jobs
+        reach = Tally("true" if n.reachable else "false" for n in c.store.nodes())
+        nodes = GaugeMetricFamily(
+            "cdgpc_nodes", "known nodes by reachability at the last exchange", labels=["reachable"]
         )
-        _gauge(
-            lines,
-            "cdgpc_predicted_power_watts",
-            "power of the controlled jobs the last decision predicted",
-            [("", report.predicted_power_w)],
+        for reachable in ("true", "false"):
+            nodes.add_metric([reachable], reach.get(reachable, 0))
+        yield nodes
+        yield _gauge(
+            "cdgpc_shadow", "1 when decisions are recorded but not applied", c.settings.shadow
         )
-        _gauge(
-            lines,
-            "cdgpc_uncontrolled_power_watts",
-            "power counted outside the optimisation (idle GPUs, unreachable nodes at worst case)",
-            [("", report.uncontrolled_w)],
+        yield _gauge(
+            "cdgpc_leader_epoch",
+            "this head's leader epoch (0: no leader lock); it rises at each takeover",
+            0 if c.leader is None else c.leader.epoch,
         )
-        _gauge(lines, "cdgpc_price", "dual price of the last decision", [("", report.price)])
-        _gauge(
-            lines,
-            "cdgpc_solve_seconds",
-            "controller time of the last decision",
-            [("", report.solve_s)],
-        )
-        _gauge(
-            lines, "cdgpc_interval", "index of the last control interval", [("", report.interval)]
-        )
-        _gauge(
-            lines,
-            "cdgpc_jobs_controlled",
-            "jobs whose clocks the last decision chose",
-            [("", sum(1 for j in report.jobs if j.controlled))],
-        )
-    by_state = Counter(j.state for j in jobs)
-    _gauge(
-        lines,
-        "cdgpc_jobs",
-        "active jobs by state",
-        [(f'{{state="{s}"}}', by_state.get(s, 0)) for s in ACTIVE_STATES],
-    )
-    reach = Counter("true" if n.reachable else "false" for n in nodes)
-    _gauge(
-        lines,
-        "cdgpc_nodes",
-        "known nodes by reachability at the last exchange",
-        [(f'{{reachable="{r}"}}', reach.get(r, 0)) for r in ("true", "false")],
-    )
-    _gauge(
-        lines,
-        "cdgpc_shadow",
-        "1 when decisions are recorded but not applied",
-        [("", float(coordinator.settings.shadow))],
-    )
-    return "\n".join(lines) + "\n"
+
+
+def _gauge(name: str, help_text: str, value: float | None) -> GaugeMetricFamily:
+    """A gauge of one sample; None is NaN."""
+    return GaugeMetricFamily(name, help_text, value=math.nan if value is None else float(value))

@@ -89,6 +89,7 @@ ENDPOINTS = (
     Endpoint("head", "GET", "/v1/status", "read"),
     Endpoint("head", "GET", "/v1/decisions", "read"),
     Endpoint("agent", "GET", "/v1/health", "none"),
+    Endpoint("agent", "GET", "/metrics", "none"),
     Endpoint("agent", "POST", "/v1/exchange", "node"),
     Endpoint("agent", "POST", "/v1/release", "node"),
     Endpoint("agent", "POST", "/v1/hold", "node"),
