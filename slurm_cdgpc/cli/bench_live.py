@@ -1,6 +1,7 @@
-"""``cdgpc-admin bench exchange`` and ``bench register``: the live head and agents on loopback.
+"""``cdgpc-admin bench exchange``, ``bench register`` and ``bench slow-headers``: the live head
+and agents on loopback.
 
-Both start real servers in worker processes (stopped on exit, Ctrl-C included) and print one
+Each starts real servers in worker processes (stopped on exit, Ctrl-C included) and prints one
 JSON object; registered on the ``bench`` group by `slurm_cdgpc.cli.bench`.
 """
 
@@ -128,4 +129,70 @@ def register_cmd(
     )
 
 
-COMMANDS = (exchange_cmd, register_cmd)
+@click.command("slow-headers")
+@click.option("--requests", type=click.IntRange(min=1), default=300, show_default=True)
+@click.option("--concurrency", type=click.IntRange(min=1), default=4, show_default=True)
+@click.option(
+    "--connections",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Attacking connections (default: what cdgpcd allows one host, 64).",
+)
+@click.option(
+    "--fill-bytes",
+    type=click.IntRange(min=0),
+    default=None,
+    help="What each attacking connection sends at once (default: 4 KiB short of the head's "
+    "header block bound).",
+)
+@click.option("--chunk-bytes", type=click.IntRange(min=1), default=300, show_default=True)
+@click.option(
+    "--period-s",
+    type=click.FloatRange(0.0, min_open=True),
+    default=0.05,
+    show_default=True,
+    help="How often each attacking connection sends its chunk.",
+)
+@click.option(
+    "--warmup-s",
+    type=click.FloatRange(min=0.0),
+    default=5.0,
+    show_default=True,
+    help="How long the attack runs before registrations are timed.",
+)
+@click.option("--json", "as_json", is_flag=True, help="Accepted for symmetry: output is JSON.")
+def slow_headers_cmd(
+    requests: int,
+    concurrency: int,
+    connections: int | None,
+    fill_bytes: int | None,
+    chunk_bytes: int,
+    period_s: float,
+    warmup_s: float,
+    as_json: bool,
+) -> None:
+    """Time job registrations against a live cdgpcd while one host trickles header blocks.
+
+    The attack holds as many connections as one host may, each sending a header block that
+    never ends: most of the head's bound at once, then a few hundred bytes at a time.
+    Registrations are timed without it, then under it.
+    """
+    from slurm_cdgpc.bench.slow_headers import (  # noqa: PLC0415 (only when run)
+        PER_HOST_CONNECTIONS,
+        bench_slow_headers,
+    )
+
+    echo_json(
+        bench_slow_headers(
+            requests,
+            concurrency=concurrency,
+            connections=connections or PER_HOST_CONNECTIONS,
+            fill_bytes=fill_bytes,
+            chunk_bytes=chunk_bytes,
+            period_s=period_s,
+            warmup_s=warmup_s,
+        )
+    )
+
+
+COMMANDS = (exchange_cmd, register_cmd, slow_headers_cmd)

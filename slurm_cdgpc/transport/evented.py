@@ -22,7 +22,9 @@ queued: the head checks HMAC-signed registrations that way and commits each turn
 The bounds: ``max_connections`` open at once and ``max_per_peer`` from
 one address (over either, a connection is closed at once), ``request_timeout_s`` for a
 connection's whole life however slowly its peer sends, and the body cap (the handler's). A
-header block over `MAX_HEADER_BLOCK_BYTES` is refused with 431 without waiting for its end.
+header block over `MAX_HEADER_BLOCK_BYTES` is refused with 431 (414 when its request line alone
+is) without waiting for its end. The search for a block's end resumes where the last read left
+it: a peer trickling a block costs each read its new bytes, not the whole block again.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import functools
 import io
 import logging
 import queue
+import re
 import selectors
 import socket
 import threading
@@ -42,12 +45,17 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 from slurm_cdgpc.transport.auth import AccessPolicy, Verifier
-from slurm_cdgpc.transport.server import MAX_LINE_BYTES, JsonHandler, PeerLimit
+from slurm_cdgpc.transport.server import JsonHandler, PeerLimit, content_length, header_value
 
 logger = logging.getLogger(__name__)
 
-#: a request line and headers together; a block with no end by then is answered 431
-MAX_HEADER_BLOCK_BYTES: Final = MAX_LINE_BYTES
+#: a request line and headers together; a longer block is answered 431 as soon as it is over
+#: (a registration's is about 300 bytes)
+MAX_HEADER_BLOCK_BYTES: Final = 16 * 1024
+#: the end of a header block: a line end followed by an empty line
+_BLOCK_END: Final = re.compile(rb"\n\r?\n")
+#: bytes searched again on the next read: an end not found may have begun in them
+_END_OVERLAP: Final = len(b"\n\r\n") - 1
 #: worker threads: they run handlers, which block on the store or on ``unmunge``
 DEFAULT_WORKERS: Final = 16
 _RECV_BYTES: Final = 65536
@@ -57,6 +65,9 @@ _ACCEPTS_PER_TURN: Final = 64
 #: most this much after its time: a sweep of a few hundred, not a heap entry per connection
 #: ever accepted, which at thousands of requests a second held tens of thousands for 10 s)
 _SWEEP_S: Final = 0.1
+#: how long a refused peer's unread bytes are read and dropped before its connection is closed
+#: (closed with them unread, the kernel resets it, and the peer may lose the answer)
+_LINGER_S: Final = 1.0
 
 
 @dataclass(eq=False, slots=True)
@@ -66,6 +77,11 @@ class _Connection:
     address: Any
     deadline: float
     inbuf: bytearray = field(default_factory=bytearray)
+    #: how much of ``inbuf`` has been searched for the end of its header block, in vain
+    scanned: int = 0
+    #: the request at the head of ``inbuf``, once its header block is whole: the block's
+    #: length, the body's and whether ``100 Continue`` is expected
+    framed: tuple[int, int, bool] | None = None
     #: the events the selector watches on ``sock`` (0: none; the socket is not registered)
     watching: int = 0
     #: a request is with a worker (the socket is not read meanwhile)
@@ -78,6 +94,8 @@ class _Connection:
     #: the socket is closed; a connection whose request is with a worker keeps its slot until
     #: the answer comes back
     closed: bool = False
+    #: answered for the last time and shut for writing: what still comes is dropped
+    lingering: bool = False
 
     @property
     def peer(self) -> str:
@@ -344,6 +362,10 @@ class EventLoop:
         except OSError:
             self._close(conn)
             return
+        if conn.lingering:
+            if not data:
+                self._close(conn)
+            return
         if not data:
             if conn.inbuf.strip():  # a truncated request: the handler says what is missing
                 request = bytes(conn.inbuf)
@@ -360,20 +382,24 @@ class EventLoop:
     def _frame(self, conn: _Connection) -> None:
         """Dispatch the request at the head of ``conn.inbuf`` once it is whole."""
         buf = conn.inbuf
-        end = _header_end(buf)
-        if end is None:
-            if len(buf) > MAX_HEADER_BLOCK_BYTES:
-                buf.clear()
-                handler = self._handler(conn, b"")
-                handler.send_error(431, "Request header block too large")
-                self._watch(conn, 0)
-                self._send(conn, _written(handler), close=True)
-            return
-        length, expect = _framing(bytes(buf[:end]))
+        if conn.framed is None:
+            end = _header_end(buf, conn.scanned)
+            if end is None:
+                conn.scanned = max(0, len(buf) - _END_OVERLAP)
+                if len(buf) > MAX_HEADER_BLOCK_BYTES:
+                    self._refuse_header_block(conn)
+                return
+            if end > MAX_HEADER_BLOCK_BYTES:
+                self._refuse_header_block(conn)
+                return
+            conn.scanned = 0
+            conn.framed = (end, *_framing(bytes(buf[:end])))
+        end, length, expect = conn.framed
         if length > conn.server.max_body_bytes:
             # the handler answers 413 from the header alone; the body is not read
             request = bytes(buf[:end])
             buf.clear()
+            conn.framed = None
             self._dispatch(conn, request, close=True)
             return
         if len(buf) < end + length:
@@ -383,8 +409,21 @@ class EventLoop:
             return
         request = bytes(buf[: end + length])
         del buf[: end + length]
+        conn.framed = None
         conn.continued = False
         self._dispatch(conn, request, close=False)
+
+    def _refuse_header_block(self, conn: _Connection) -> None:
+        """Answer a header block over `MAX_HEADER_BLOCK_BYTES` at once, and close."""
+        line_too_long = conn.inbuf.find(b"\n", 0, MAX_HEADER_BLOCK_BYTES) < 0
+        conn.inbuf.clear()
+        handler = self._handler(conn, b"")
+        if line_too_long:
+            handler.send_error(414, "Request line too long")
+        else:
+            handler.send_error(431, "Request header block too large")
+        self._watch(conn, 0)
+        self._send(conn, _written(handler), close=True)
 
     def _continue(self, conn: _Connection) -> None:
         try:
@@ -490,12 +529,36 @@ class EventLoop:
 
     def _answered(self, conn: _Connection, close: bool) -> None:
         if close:
-            self._close(conn)
+            self._end(conn)
             return
         conn.close_after = False
         self._watch(conn, selectors.EVENT_READ)
         if conn.inbuf:
             self._frame(conn)
+
+    def _end(self, conn: _Connection) -> None:
+        """Close ``conn`` after its last answer; if the peer sent more than was used (the rest
+        of a refused request, read or still to come), first let it read the answer: its own
+        half is shut, and what comes is dropped until it closes (`_LINGER_S` at most)."""
+        try:
+            unread = bool(conn.inbuf) or bool(conn.sock.recv(1, socket.MSG_PEEK))
+        except (BlockingIOError, InterruptedError):
+            unread = False
+        except OSError:
+            self._close(conn)
+            return
+        if not unread:
+            self._close(conn)
+            return
+        conn.inbuf.clear()
+        try:
+            conn.sock.shutdown(socket.SHUT_WR)
+        except OSError:
+            self._close(conn)
+            return
+        conn.lingering = True
+        conn.deadline = min(conn.deadline, time.monotonic() + _LINGER_S)
+        self._watch(conn, selectors.EVENT_READ)
 
     # -- workers ---------------------------------------------------------------------------------
 
@@ -546,37 +609,36 @@ class EventLoop:
             self.answer(conn, _written(h), h.close_connection)
 
 
-def _header_end(buf: bytearray) -> int | None:
-    """The offset just past the header block's empty line, or None while it has not come."""
-    line_end = buf.find(b"\n")  # the request line
-    while line_end >= 0:
-        start = line_end + 1
-        if buf[start : start + 1] == b"\n":
-            return start + 1
-        if buf[start : start + 2] == b"\r\n":
-            return start + 2
-        line_end = buf.find(b"\n", start)
-    return None
+def _header_end(buf: bytearray, start: int) -> int | None:
+    """The offset just past the header block's empty line, searched for from ``start``; None
+    while it has not come."""
+    match = _BLOCK_END.search(buf, start)
+    return None if match is None else match.end()
 
 
 def _framing(head: bytes) -> tuple[int, bool]:
     """The body's length and whether ``100 Continue`` is expected, read off a header block
-    loosely: only to know where the request ends. A missing, malformed or chunked length
-    frames no body; the handler refuses the request with the precise reason."""
-    length: int | None = None
+    only to know where the request ends, by the handler's rule (`content_length`). Without a
+    length, or with none to trust (a malformed one, two that differ, any ``Transfer-Encoding``),
+    no body is framed; the handler refuses the untrusted ones with the precise reason, and
+    closes the connection."""
+    lengths: list[str] = []
     expect = False
     for line in head.split(b"\n")[1:]:
-        name, colon, value = line.partition(b":")
+        name, colon, value = line.removesuffix(b"\r").partition(b":")
         if not colon:
             continue
         name = name.lower()
-        if name == b"content-length" and length is None:
-            text = value.strip()
-            length = int(text) if text.isdigit() and len(text) <= 12 else 0
+        if name == b"content-length":
+            lengths.append(header_value(value).decode("iso-8859-1"))
         elif name == b"transfer-encoding":
             return 0, False
         elif name == b"expect":
-            expect = value.strip().lower() == b"100-continue"
+            expect = header_value(value).lower() == b"100-continue"
+    try:
+        length = content_length(lengths)
+    except ValueError:
+        return 0, False
     return length or 0, expect
 
 

@@ -24,7 +24,7 @@ import re
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler
 from typing import Any, Final, Protocol
@@ -37,8 +37,16 @@ logger = logging.getLogger(__name__)
 MAX_LINE_BYTES: Final = 65536
 MAX_HEADERS: Final = 100
 _VERSION: Final = re.compile(r"HTTP/(?P<major>[0-9])\.(?P<minor>[0-9])")
-#: a header name (RFC 9110 token): no spaces, no folding, nothing before the colon
+#: a method or a header name (RFC 9110 token): no spaces, no folding, nothing before the colon
 _TOKEN: Final = re.compile(rb"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
+#: a request target: visible ASCII only (RFC 9112 §3.2)
+_TARGET: Final = re.compile(rb"[\x21-\x7e]+")
+#: the bytes a header value may hold: no control character but a tab (RFC 9110 §5.5: a CR, LF
+#: or NUL in a value is refused, not passed on); `bytes.translate` deletes these, and what is
+#: left is what may not be there
+_FIELD_BYTES: Final = bytes(b for b in range(256) if b == 0x09 or 0x20 <= b != 0x7F)
+#: a ``Content-Length`` value (RFC 9110 §8.6), at most a terabyte's digits
+_CONTENT_LENGTH: Final = re.compile(r"[0-9]{1,12}")
 
 
 class PeerLimit:
@@ -91,7 +99,8 @@ class JsonHandler(BaseHTTPRequestHandler):
     The request line and headers are parsed here rather than by the standard library, which
     runs every header block through the `email` package: that was a fifth of the head's CPU per
     registration. Same limits (`MAX_LINE_BYTES`, `MAX_HEADERS`), a lighter `headers` object, and
-    stricter: a folded header line or a malformed field is refused, not reinterpreted."""
+    stricter: a folded header line, a malformed field or request line, and a request whose end
+    could be read two ways (`_check_framing`) are refused, not reinterpreted."""
 
     server: _ServerSettings  # type: ignore[assignment]  # an event loop's, not a socketserver
     raw_requestline: bytes  # set by handle_one_request before parse_request
@@ -121,12 +130,13 @@ class JsonHandler(BaseHTTPRequestHandler):
         # errors below carry a status line (the standard library's default, HTTP/0.9, has none)
         self.request_version = "HTTP/1.0"
         self.close_connection = True
-        self.requestline = str(self.raw_requestline, "iso-8859-1").rstrip("\r\n")
-        words = self.requestline.split()
-        if len(words) != 3:
+        line = _line(self.raw_requestline)
+        self.requestline = str(line, "iso-8859-1")
+        words = line.split(b" ")  # one space apart: no other reading of the line (RFC 9112 §3)
+        if len(words) != 3 or _TOKEN.fullmatch(words[0]) is None or not _TARGET.fullmatch(words[1]):
             self.send_error(HTTPStatus.BAD_REQUEST, "Bad request syntax")
             return False
-        command, path, version = words
+        command, path, version = (str(word, "iso-8859-1") for word in words)
         match = _VERSION.fullmatch(version)
         if match is None:
             self.send_error(HTTPStatus.BAD_REQUEST, "Bad request version")
@@ -140,6 +150,7 @@ class JsonHandler(BaseHTTPRequestHandler):
         self.close_connection = match["minor"] == "0"
         try:
             self.headers = _read_headers(self.rfile)
+            _check_framing(self.headers, host_required=match["minor"] != "0")
         except _HeaderError as e:
             self.send_error(e.status, str(e))
             return False
@@ -252,17 +263,71 @@ class Headers:
         return list(self._fields)
 
 
+def content_length(values: Iterable[str]) -> int | None:
+    """The body's length by a request's ``Content-Length`` values (None: there is none).
+
+    ValueError for a value that is not a number of bytes, or for two that differ: either leaves
+    the end of the body unknowable (RFC 9112 §6.3). The event loop frames a request by this and
+    the handler refuses what it raises, so the two never read one request two ways."""
+    length: str | None = None
+    for value in values:
+        if _CONTENT_LENGTH.fullmatch(value) is None:
+            raise ValueError("Content-Length must be a number of bytes")
+        if length is not None and value != length:
+            raise ValueError("Content-Length is given twice, with different values")
+        length = value
+    return None if length is None else int(length)
+
+
+def header_value(raw: bytes) -> bytes:
+    """A header's value: what follows the colon on its line (the line's end already removed),
+    less the spaces and tabs around it (RFC 9112 §5)."""
+    return raw.strip(b" \t")
+
+
+def _line(raw: bytes) -> bytes:
+    """``raw`` less its line end: CRLF, or a bare LF (RFC 9112 §2.2); one CR, never two."""
+    if raw.endswith(b"\r\n"):
+        return raw[:-2]
+    return raw[:-1] if raw.endswith(b"\n") else raw
+
+
 def _read_headers(rfile: io.BufferedIOBase) -> Headers:
     """The header block up to its empty line."""
     headers = Headers()
     for _ in range(MAX_HEADERS + 1):
-        line = rfile.readline(MAX_LINE_BYTES + 1)
-        if len(line) > MAX_LINE_BYTES:
+        raw = rfile.readline(MAX_LINE_BYTES + 1)
+        if len(raw) > MAX_LINE_BYTES:
             raise _HeaderError(HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE, "Line too long")
-        if line in (b"\r\n", b"\n", b""):
+        # the line less its end, as `_line` (written out: this runs for every header line)
+        if raw[-2:] == b"\r\n":
+            line = raw[:-2]
+        elif raw[-1:] == b"\n":
+            line = raw[:-1]
+        else:  # the peer closed before the block's empty line
+            raise _HeaderError(HTTPStatus.BAD_REQUEST, "Header block cut short")
+        if not line:
             return headers
         name, colon, value = line.partition(b":")
-        if not colon or _TOKEN.fullmatch(name) is None:
+        if not colon or _TOKEN.fullmatch(name) is None or value.translate(None, _FIELD_BYTES):
             raise _HeaderError(HTTPStatus.BAD_REQUEST, "Malformed header line")
-        headers.add(name.decode("ascii"), value.strip(b" \t\r\n").decode("iso-8859-1"))
+        headers.add(name.decode("ascii"), header_value(value).decode("iso-8859-1"))
     raise _HeaderError(HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE, "Too many headers")
+
+
+def _check_framing(headers: Headers, *, host_required: bool) -> None:
+    """Refuse what two readers of one request could read two ways (RFC 9112): a missing
+    (HTTP/1.1) or repeated ``Host`` (§3.2); any ``Transfer-Encoding``, empty included, for
+    none is served (§6.1); and a ``Content-Length`` `content_length` refuses (§6.3)."""
+    fields = headers._by_name  # read only, once per request: no copies of its lists
+    hosts = len(fields.get("host", ()))
+    if hosts > 1 or (host_required and not hosts):
+        raise _HeaderError(HTTPStatus.BAD_REQUEST, "exactly one Host header is needed")
+    if "transfer-encoding" in fields:
+        raise _HeaderError(
+            HTTPStatus.NOT_IMPLEMENTED, "Transfer-Encoding is not supported: send Content-Length"
+        )
+    try:
+        content_length(fields.get("content-length", ()))
+    except ValueError as e:
+        raise _HeaderError(HTTPStatus.BAD_REQUEST, str(e)) from None

@@ -148,11 +148,11 @@ def test_headers_are_parsed_case_insensitively_and_repeats_are_kept(
 @pytest.mark.parametrize(
     ("request_bytes", "status"),
     [
-        (b"GET / HTTP/1.1\r\nX: a\r\n folded\r\n\r\n", 400),  # obsolete line folding
-        (b"GET / HTTP/1.1\r\nBad Name: a\r\n\r\n", 400),  # space in a header name
-        (b"GET / HTTP/1.1\r\nno colon here\r\n\r\n", 400),
-        (b"GET / HTTP/1.1\r\n" + b"X: y\r\n" * (MAX_HEADERS + 1) + b"\r\n", 431),
-        (b"GET / HTTP/1.1\r\nX: " + b"y" * 70000 + b"\r\n\r\n", 431),
+        (b"GET / HTTP/1.1\r\nHost: x\r\nX: a\r\n folded\r\n\r\n", 400),  # obsolete line folding
+        (b"GET / HTTP/1.1\r\nHost: x\r\nBad Name: a\r\n\r\n", 400),  # space in a header name
+        (b"GET / HTTP/1.1\r\nHost: x\r\nno colon here\r\n\r\n", 400),
+        (b"GET / HTTP/1.1\r\nHost: x\r\n" + b"X: y\r\n" * (MAX_HEADERS + 1) + b"\r\n", 431),
+        (b"GET / HTTP/1.1\r\nHost: x\r\nX: " + b"y" * 70000 + b"\r\n\r\n", 431),
         (b"GET / HTTP/2.0\r\n\r\n", 505),
         (b"GET / HTTX/1.1\r\n\r\n", 400),
         (b"GET /\r\n\r\n", 400),  # HTTP/0.9 is not served
@@ -177,7 +177,7 @@ def test_keep_alive_serves_several_requests_on_one_connection(server: Server) ->
 def test_expect_100_continue_is_honoured(server: Server) -> None:
     with socket.create_connection(("127.0.0.1", server.port), timeout=WAIT_S) as sock:
         sock.sendall(
-            b"POST / HTTP/1.1\r\nContent-Length: 2\r\nExpect: 100-continue\r\n"
+            b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\nExpect: 100-continue\r\n"
             b"Connection: close\r\n\r\n"
         )
         assert sock.recv(1024).startswith(b"HTTP/1.1 100")
@@ -315,7 +315,7 @@ def test_a_peer_trickling_bytes_is_cut_off_at_the_request_deadline(kind: type[Se
         with socket.create_connection(("127.0.0.1", srv.port), timeout=WAIT_S) as sock:
             start = time.monotonic()
             cut = False
-            for byte in b"GET /slow HTTP/1.1\r\nX-Slow: " + b"a" * 100:
+            for byte in b"GET /slow HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"a" * 100:
                 try:
                     sock.sendall(bytes([byte]))
                 except OSError:
@@ -385,9 +385,9 @@ def test_pipelined_requests_are_answered_in_order() -> None:
     try:
         reply = _raw(
             srv,
-            b"POST /1 HTTP/1.1\r\nContent-Length: 2\r\n\r\nab"
-            b"GET /2 HTTP/1.1\r\n\r\n"
-            b"GET /3 HTTP/1.1\r\nConnection: close\r\n\r\n",
+            b"POST /1 HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\nab"
+            b"GET /2 HTTP/1.1\r\nHost: x\r\n\r\n"
+            b"GET /3 HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
         )
         assert reply.count(b"HTTP/1.1 200") == 3
         assert reply.index(b"'/1'") < reply.index(b"'/2'") < reply.index(b"'/3'")
@@ -400,9 +400,12 @@ def test_a_reader_too_slow_for_its_answer_holds_up_nobody() -> None:
     srv = _evented(workers=1)
     try:
         with socket.create_connection(("127.0.0.1", srv.port), timeout=WAIT_S) as slow:
-            slow.sendall(b"GET /big HTTP/1.1\r\nConnection: close\r\n\r\n")
+            slow.sendall(b"GET /big HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
             time.sleep(0.3)  # the loop has sent what the socket takes and waits to send more
-            assert _status(_raw(srv, b"GET /quick HTTP/1.1\r\nConnection: close\r\n\r\n")) == 200
+            assert (
+                _status(_raw(srv, b"GET /quick HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"))
+                == 200
+            )
             received = 0
             while chunk := slow.recv(1 << 20):
                 received += len(chunk)
@@ -419,9 +422,9 @@ def test_an_answered_request_leaves_nothing_to_the_cyclic_collector(server: Serv
     gc.set_debug(gc.DEBUG_SAVEALL)  # what the collector would free is kept here to be seen
     try:
         for request, status in (
-            (b"GET /now HTTP/1.1\r\nConnection: close\r\n\r\n", 200),
-            (b"GET /later HTTP/1.1\r\nConnection: close\r\n\r\n", 200),  # deferred
-            (b"GET / HTTP/1.1\r\nno colon here\r\n\r\n", 400),  # refused
+            (b"GET /now HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n", 200),
+            (b"GET /later HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n", 200),  # deferred
+            (b"GET / HTTP/1.1\r\nHost: x\r\nno colon here\r\n\r\n", 400),  # refused
         ):
             assert _status(_raw(server, request)) == status
         time.sleep(0.2)  # the serving threads drop their last references after answering
@@ -439,10 +442,13 @@ def test_a_deferred_answer_holds_no_worker() -> None:
     try:
         with socket.create_connection(("127.0.0.1", srv.port), timeout=WAIT_S) as later:
             start = time.monotonic()
-            later.sendall(b"GET /later HTTP/1.1\r\nConnection: close\r\n\r\n")
+            later.sendall(b"GET /later HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
             time.sleep(0.1)
             # the one worker is free again: this is answered while /later still waits
-            assert _status(_raw(srv, b"GET /now HTTP/1.1\r\nConnection: close\r\n\r\n")) == 200
+            assert (
+                _status(_raw(srv, b"GET /now HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"))
+                == 200
+            )
             assert time.monotonic() - start < 0.5
             reply = later.recv(65536)
             assert _status(reply) == 200 and b"'/later'" in reply
@@ -455,9 +461,12 @@ def test_an_answer_deferred_from_the_loops_thread_still_comes() -> None:
     srv = _echo_server(kind=_Inline)[0]
     try:
         with socket.create_connection(("127.0.0.1", srv.port), timeout=WAIT_S) as later:
-            later.sendall(b"GET /later HTTP/1.1\r\nConnection: close\r\n\r\n")
+            later.sendall(b"GET /later HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
             time.sleep(0.1)  # the loop is free while /later waits for its thread
-            assert _status(_raw(srv, b"GET /now HTTP/1.1\r\nConnection: close\r\n\r\n")) == 200
+            assert (
+                _status(_raw(srv, b"GET /now HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"))
+                == 200
+            )
             reply = later.recv(65536)
             assert _status(reply) == 200 and b"'/later'" in reply
     finally:
@@ -468,8 +477,12 @@ def test_requests_the_server_chooses_are_handled_on_the_loops_thread_and_turns_a
     srv, thread = _echo_server(kind=_Chosen)
     assert isinstance(srv, _Chosen)
     try:
-        assert _status(_raw(srv, b"GET /now HTTP/1.1\r\nConnection: close\r\n\r\n")) == 200
-        assert _status(_raw(srv, b"GET /else HTTP/1.1\r\nConnection: close\r\n\r\n")) == 200
+        assert (
+            _status(_raw(srv, b"GET /now HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")) == 200
+        )
+        assert (
+            _status(_raw(srv, b"GET /else HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")) == 200
+        )
         assert srv.handled_on == [thread.name, "http-loop-worker"]
         assert srv.turns >= 2  # the first one's bug was logged, and the loop went on
     finally:
@@ -500,7 +513,7 @@ def test_servers_sharing_a_loop_answer_each_for_itself_and_close_alone() -> None
     first, second = serve(_Name, 111), serve(_Echo, 1024)
     thread = threading.Thread(target=loop.serve_forever, daemon=True)
     thread.start()
-    get = b"GET /x HTTP/1.1\r\nConnection: close\r\n\r\n"
+    get = b"GET /x HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
     try:
         with pytest.raises(RuntimeError, match="shared"):
             first.serve_forever()
@@ -532,7 +545,7 @@ def test_connections_over_the_bound_are_closed_at_once(kind: type[Server]) -> No
             assert third.recv(1) == b""
         held.pop().close()
         time.sleep(0.2)
-        assert _status(_raw(srv, b"GET / HTTP/1.1\r\nConnection: close\r\n\r\n")) == 200
+        assert _status(_raw(srv, b"GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")) == 200
     finally:
         for sock in held:
             sock.close()
@@ -543,7 +556,9 @@ def test_a_header_block_without_end_is_refused_once_over_its_bound() -> None:
     srv = _evented()
     try:
         with socket.create_connection(("127.0.0.1", srv.port), timeout=WAIT_S) as sock:
-            sock.sendall(b"GET / HTTP/1.1\r\n" + b"X: y\r\n" * 11000)  # 66 kB, no empty line
+            sock.sendall(
+                b"GET / HTTP/1.1\r\nHost: x\r\n" + b"X: y\r\n" * 11000
+            )  # 66 kB, no empty line
             reply = sock.recv(65536)
         assert _status(reply) == 431 and b"header block too large" in reply
     finally:
@@ -563,7 +578,9 @@ def test_a_bug_while_framing_one_connection_costs_that_connection_only(
 
     monkeypatch.setattr(EventLoop, "_frame", broken)
     try:
-        assert _raw(srv, b"GET /boom HTTP/1.1\r\n\r\n") == b""  # closed, unanswered
-        assert _status(_raw(srv, b"GET /fine HTTP/1.1\r\nConnection: close\r\n\r\n")) == 200
+        assert _raw(srv, b"GET /boom HTTP/1.1\r\nHost: x\r\n\r\n") == b""  # closed, unanswered
+        assert (
+            _status(_raw(srv, b"GET /fine HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")) == 200
+        )
     finally:
         _stop(srv)
