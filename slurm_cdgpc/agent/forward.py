@@ -1,14 +1,21 @@
 """``cdgpc-noded exchange [--config PATH]``: the node's end of the SSH transport.
 
 The head runs this through ``ssh NODE cdgpc-noded exchange`` (`slurm_cdgpc.transport.ssh`). It
-reads one `ExchangeRequest` JSON from stdin (at most `MAX_MESSAGE_BYTES`), hands it to the agent
-running on this node (``POST /v1/exchange`` on ``node.listen_port``, on loopback when the agent
-listens on every address) signed with this node's credentials (``auth.method``: MUNGE, or the
-root-only HMAC key; the SSH session runs as root, so it can use either), and writes the agent's
-`ExchangeResponse` JSON to stdout. The agent checks the credential and the request exactly as for
-an exchange over HTTP: this program adds no way in that root on the node did not already have. A
-request that names another node is refused by the agent, changing nothing, and its one-line
-reason is the error printed here.
+reads one `ExchangeRequest` JSON from stdin (at most `MAX_MESSAGE_BYTES`) after the head's
+credential for it (an ``Authorization:`` line), hands both to the agent running on this node
+(``POST /v1/exchange`` on ``node.listen_port``, on loopback when the agent listens on every
+address), and writes the agent's answer to stdout as it came, after the agent's reply
+credential (an ``X-Cdgpc-Reply-Auth:`` line): the head checks that credential against the
+request it signed, so whatever answers on the agent's port instead of the agent is refused
+there. The agent checks the credential and the request exactly as for an exchange over HTTP:
+this program adds no way in that root on the node did not already have. A request that names
+another node is refused by the agent, changing nothing, and its one-line reason is the error
+printed here.
+
+A head older than this agent sends the bare JSON, unsigned, and reads bare JSON: the request is
+then signed with this node's credentials (``auth.method``: MUNGE, or the root-only HMAC key; the
+SSH session runs as root, so it can use either), and the agent's answer checked here before
+its JSON is written.
 
 On any failure it writes nothing to stdout, ``Error: <one line>`` to stderr, and exits non-zero
 (2: bad request or configuration, 1: the agent could not be reached or refused).
@@ -17,6 +24,7 @@ On any failure it writes nothing to stdout, ``Error: <one line>`` to stderr, and
 from __future__ import annotations
 
 import argparse
+import http.client
 import logging
 import sys
 from collections.abc import Sequence
@@ -31,12 +39,23 @@ from slurm_cdgpc.agent.protocol import (
 from slurm_cdgpc.config import Config, load_config
 from slurm_cdgpc.errors import SoftError
 from slurm_cdgpc.service import serve
+from slurm_cdgpc.transport.auth import MAX_CREDENTIAL_CHARS, REPLY_HEADER
 from slurm_cdgpc.transport.credentials import signer_from_config
-from slurm_cdgpc.transport.http import NodeExchanger, NodeFailure, NodeTarget
+from slurm_cdgpc.transport.http import (
+    EXCHANGE_PATH,
+    NodeExchanger,
+    NodeFailure,
+    NodeTarget,
+    error_text,
+    send_signed,
+)
+from slurm_cdgpc.transport.ssh import REQUEST_HEADER, envelope, open_envelope
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S: Final = 10.0
+#: the longest ``Authorization:`` line before the request (the credential's cap and the name)
+_MAX_CREDENTIAL_LINE: Final = MAX_CREDENTIAL_CHARS + 64
 #: where to reach an agent that listens on every address
 _WILDCARDS: Final = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}
 
@@ -64,8 +83,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     def body() -> int:
-        request = read_request(sys.stdin.buffer)
-        reply = forward(load_config(args.config), request, timeout_s=args.timeout)
+        credential, data = read_input(sys.stdin.buffer)
+        if credential is None:  # a head older than this agent
+            request = ExchangeRequest.from_json(data)
+            reply = forward(load_config(args.config), request, timeout_s=args.timeout)
+        else:
+            reply = relay(load_config(args.config), credential, data, timeout_s=args.timeout)
         sys.stdout.buffer.write(reply)
         sys.stdout.buffer.flush()
         return 0
@@ -73,8 +96,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     return serve("cdgpc-noded exchange", body)
 
 
+def read_input(stream: BinaryIO, limit_bytes: int = MAX_MESSAGE_BYTES) -> tuple[str | None, bytes]:
+    """The head's credential (None: a bare request) and the request's body from ``stream``,
+    read to its end but never past the credential's line and ``limit_bytes`` + 1."""
+    data = stream.read(limit_bytes + _MAX_CREDENTIAL_LINE + 1)
+    credential, body = open_envelope(data, REQUEST_HEADER)
+    if len(body) > limit_bytes:
+        raise MessageTooLargeError(f"request is larger than {limit_bytes} bytes")
+    return credential, body
+
+
 def read_request(stream: BinaryIO, limit_bytes: int = MAX_MESSAGE_BYTES) -> ExchangeRequest:
-    """One request from ``stream``, read to its end but never past ``limit_bytes`` + 1."""
+    """One bare request from ``stream``, read to its end but never past ``limit_bytes`` + 1."""
     data = stream.read(limit_bytes + 1)
     if len(data) > limit_bytes:
         raise MessageTooLargeError(f"request is larger than {limit_bytes} bytes")
@@ -90,8 +123,30 @@ def agent_url(config: Config) -> str:
     return f"http://{host}:{config.node.listen_port}"
 
 
+def relay(config: Config, credential: str, body: bytes, *, timeout_s: float) -> bytes:
+    """The local agent's answer to the head's signed request, as it came, after its reply
+    credential: an `envelope` for the head to check (this program cannot: under MUNGE only one
+    ``unmunge`` of the head's credential succeeds, and that one is the agent's)."""
+    url = agent_url(config)
+    try:
+        reply = send_signed(url, "POST", EXCHANGE_PATH, body, credential, timeout_s)
+    except (OSError, http.client.HTTPException) as e:
+        raise AgentUnreachableError(
+            f"local agent: {url}: {type(e).__name__}: {' '.join(str(e).split())}"
+        ) from e
+    if reply.status != 200:
+        raise AgentUnreachableError(
+            f"local agent: {url}: HTTP {reply.status}: {error_text(reply.body)}"
+        )
+    logger.debug("%s: answer relayed", url)
+    if reply.credential is None:  # the head refuses it, and says why
+        return reply.body
+    return envelope(REPLY_HEADER, reply.credential, reply.body)
+
+
 def forward(config: Config, request: ExchangeRequest, *, timeout_s: float) -> bytes:
-    """The local agent's signed answer to ``request`` (response JSON), else an error."""
+    """The local agent's signed answer to ``request`` (response JSON, its reply credential
+    checked here), else an error."""
     url = agent_url(config)
     name = request.node  # the agent refuses it unless that is its own name
     exchanger = NodeExchanger(signer_from_config(config, timeout_s), timeout_s=timeout_s)

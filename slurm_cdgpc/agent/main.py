@@ -5,10 +5,10 @@ over ssh, it relays one exchange (JSON on stdin) to the running agent and prints
 
 Start-up, in this order: load the config; open the GPUs (``node.backend``: ``nvml`` or
 ``simulated``); build the `NodeAgent`, which resets every GPU first if a crash left a state file;
-build the request verifier (``auth.method``); start the progress socket (a failure there is logged,
-not fatal: clock safety matters more than progress reports); start the HTTP listener and a
-thread that forwards spooled Prolog/Epilog records to the head every `SPOOL_FORWARD_PERIOD_S`;
-then tick the lease watchdog every `TICK_PERIOD_S` on the main thread.
+build the request verifier and the reply signer (``auth.method``); start the progress socket (a
+failure there is logged, not fatal: clock safety matters more than progress reports); start the
+HTTP listener and a thread that forwards spooled Prolog/Epilog records to the head every
+`SPOOL_FORWARD_PERIOD_S`; then tick the lease watchdog every `TICK_PERIOD_S` on the main thread.
 
 SIGTERM, SIGINT and SIGHUP stop it: the listener and the progress socket close, every GPU is
 reset to default clocks, the state file is removed, exit status 0 (1 if a GPU could not be reset;
@@ -169,7 +169,9 @@ def _serve(config: Config, agent: NodeAgent, stop: threading.Event) -> bool:
             progress = None
         address = (config.node.listen_address, config.node.listen_port)
         try:
-            server = AgentHttpServer(address, agent, verifier, policy)
+            server = AgentHttpServer(
+                address, agent, verifier, policy, signer=signer_from_config(config)
+            )
         except OSError as e:
             raise FatalError(
                 f"cannot listen on {address[0]}:{address[1]}: {e.strerror or e}"

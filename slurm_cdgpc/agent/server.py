@@ -10,7 +10,8 @@ Routes:
   (loopback), authenticated like an exchange. ``{"job_id": "..."}`` resets the GPUs the job
   held; ``{"job_id": "...", "gpus": [0, 1]}`` holds a starting job's GPUs at the safe cap until
   the head's first setpoint for it (`NodeAgent.hold_job`).
-- ``GET /v1/health``: unauthenticated, answers ``{"ok": true}`` and nothing else.
+- ``GET /v1/health``: unauthenticated, answers ``{"ok": true}`` and nothing else (signed when
+  the request carries a credential that checks out).
 - ``GET /metrics``: unauthenticated, as the head's is: Prometheus text (`agent.metrics`), the
   lease, exchanges served and refused, the process; no job, user or GPU in any label. It reads,
   and changes nothing.
@@ -23,6 +24,13 @@ one already seen (it lost the leader lock), 411 no Content-Length, 413 body over
 authentication backend down, 500 a bug (logged with its traceback). The body is authenticated
 before it is parsed. Each connection has a deadline, and at most `max_connections` are served
 at once (more are closed at once).
+
+Every answer to a request whose credential checked out, refusals included, is signed with the
+agent's own signer (`Signer.sign_reply`, header ``X-Cdgpc-Reply-Auth``): bound to the request's
+nonce, this node's name, the exchange's leader epoch (0 for a hold or a release), the status
+and the body. The head and the hooks refuse an answer without it, so whatever else answers on
+this port (a local user's socket while the agent restarts) cannot pass for the agent. Answers
+to requests that did not authenticate cannot be bound to one, and go unsigned.
 """
 
 from __future__ import annotations
@@ -46,13 +54,17 @@ from slurm_cdgpc.agent.protocol import (
     job_id,
     load_json,
 )
+from slurm_cdgpc.errors import CdgpcError
 from slurm_cdgpc.transport.auth import (
+    REPLY_HEADER,
     AccessPolicy,
     AuthError,
     AuthUnavailableError,
     ForbiddenError,
     Operation,
     Principal,
+    Reply,
+    Signer,
     Verifier,
 )
 from slurm_cdgpc.transport.evented import EventedHttpServer, EventLoop
@@ -74,7 +86,8 @@ _LOOPBACK: Final = frozenset({"127.0.0.1", "::1", "::ffff:127.0.0.1"})
 
 
 class AgentHttpServer(EventedHttpServer):
-    """An event-loop HTTP server bound to one `NodeAgent`, `Verifier` and `AccessPolicy`.
+    """An event-loop HTTP server bound to one `NodeAgent`, `Verifier` and `AccessPolicy`, which
+    signs its answers with ``signer`` (None: unsigned, which every client refuses).
 
     Requests are handled on the loop's thread (``workers=0``): the agent serves one exchange an
     interval, which takes about a millisecond and holds the agent's lock throughout, so a pool
@@ -90,12 +103,14 @@ class AgentHttpServer(EventedHttpServer):
         verifier: Verifier,
         policy: AccessPolicy,
         *,
+        signer: Signer | None = None,
         request_timeout_s: float = 10.0,
         max_body_bytes: int = MAX_MESSAGE_BYTES,
         max_connections: int = 32,
         loop: EventLoop | None = None,
     ) -> None:
         self.agent = agent
+        self.signer = signer
         self.metrics = AgentMetrics(agent)
         super().__init__(
             address,
@@ -113,6 +128,9 @@ class AgentHttpServer(EventedHttpServer):
 class _Handler(JsonHandler):
     server: AgentHttpServer
     server_version = "cdgpc-noded"
+    #: the authenticated request's nonce and leader epoch, which its signed answer binds
+    _nonce: str | None = None
+    _epoch = 0
 
     # -- routing --------------------------------------------------------------------------------
 
@@ -126,6 +144,7 @@ class _Handler(JsonHandler):
             elif self.path == METRICS_PATH:
                 self._send_bytes(HTTPStatus.OK, self.server.metrics.render(), CONTENT_TYPE)
             elif method == "GET":
+                self._vouch()
                 self._send(HTTPStatus.OK, {"ok": True})
             elif self.path == RELEASE_PATH:
                 self._release_job()
@@ -151,7 +170,8 @@ class _Handler(JsonHandler):
             self._error(HTTPStatus.UNAUTHORIZED, "exactly one Authorization header is needed")
             return None
         try:
-            principal = self.server.verifier.verify(credentials[0], "POST", self.path, body)
+            verified = self.server.verifier.verify_request(credentials[0], "POST", self.path, body)
+            self._nonce, principal = verified.nonce, verified.principal
             self.server.policy.require(principal, Operation.NODE)
         except ForbiddenError as e:
             logger.warning("%s: %s forbidden: %s", peer, self.path, e)
@@ -166,6 +186,19 @@ class _Handler(JsonHandler):
             self._error(HTTPStatus.SERVICE_UNAVAILABLE, str(e))
             return None
         return principal
+
+    def _vouch(self) -> None:
+        """``GET /v1/health`` needs no credential: one that is given and checks out gets a
+        signed answer; one that does not leaves it unsigned and refuses nothing."""
+        credentials = self.headers.get_all("Authorization") or []
+        if len(credentials) != 1:
+            return
+        try:
+            verified = self.server.verifier.verify_request(credentials[0], "GET", self.path, b"")
+        except (AuthError, AuthUnavailableError) as e:
+            logger.debug("%s: health: unsigned answer: %s", self.client_address[0], e)
+            return
+        self._nonce = verified.nonce
 
     def _local_request(
         self, what: str, hook: str, fields: frozenset[str]
@@ -245,6 +278,7 @@ class _Handler(JsonHandler):
             logger.warning("%s (%s): bad exchange request: %s", peer, principal, e)
             self._error(HTTPStatus.BAD_REQUEST, str(e))
             return
+        self._epoch = request.epoch
         began_s = time.perf_counter()
         try:
             response = self.server.agent.exchange(request)
@@ -302,3 +336,13 @@ class _Handler(JsonHandler):
 
     def _send(self, status: HTTPStatus, data: object, *, allow: str | None = None) -> None:
         self._send_bytes(status, dump_json(data), allow=allow)
+
+    def _signed(self, status: HTTPStatus, body: bytes) -> list[str]:
+        if self._nonce is None or self.server.signer is None:
+            return []
+        try:
+            reply = Reply.to(self._nonce, self.server.agent.node_name, self._epoch, status, body)
+            return [f"{REPLY_HEADER}: {self.server.signer.sign_reply(reply)}"]
+        except CdgpcError as e:  # the client takes the answer for no answer
+            logger.error("%s: answer to %s not signed: %s", self.client_address[0], self.path, e)
+            return []

@@ -1,11 +1,12 @@
 """``bench exchange``: one control interval's exchange with N live node agents on loopback.
 
 A few worker processes each host N/processes real `AgentHttpServer`s, one loopback port per
-node, each over a real `NodeAgent` with simulated GPUs and its own HMAC verifier (as every
-``cdgpc-noded`` has); a process's agents share one event-loop thread, as each ``cdgpc-noded``
-has one of its own. The head side is the real `NodeExchanger` with real signing. Every interval
-sends every node a setpoint for each of its GPUs (alternating between two supported clocks, so
-every interval really changes the locks and rewrites each agent's state file) and a lease.
+node, each over a real `NodeAgent` with simulated GPUs and its own HMAC verifier and reply
+signer (as every ``cdgpc-noded`` has); a process's agents share one event-loop thread, as each
+``cdgpc-noded`` has one of its own. The head side is the real `NodeExchanger` with real signing
+and real checks of the agents' signed answers. Every interval sends every node a setpoint for
+each of its GPUs (alternating between two supported clocks, so every interval really changes the
+locks and rewrites each agent's state file) and a lease.
 Measured: the wall time of `NodeExchanger.exchange` per interval, the nodes that came back
 as `NodeFailure`, and the CPU the head and the agents' processes spent on it: here all of them
 share the same cores, so an interval cannot take less than their sum divided by the cores.
@@ -222,6 +223,7 @@ def serve_agents(shard: Shard, conn: Connection, stop: Event, parent_pid: int) -
     try:
         key = load_key(Path(shard.key_file))
         policy = AccessPolicy()
+        signer = HmacSigner(key)
         for i, node in enumerate(shard.nodes):
             gpus = simulated_gpus(shard.gpu_type, shard.gpus_per_node, seed=shard.first_seed + i)
             agent = NodeAgent(
@@ -232,7 +234,9 @@ def serve_agents(shard: Shard, conn: Connection, stop: Event, parent_pid: int) -
                 lease_duration_s=LEASE_S,
             )
             servers.append(
-                AgentHttpServer(("127.0.0.1", 0), agent, HmacVerifier(key), policy, loop=loop)
+                AgentHttpServer(
+                    ("127.0.0.1", 0), agent, HmacVerifier(key), policy, signer=signer, loop=loop
+                )
             )
         settle_heap()  # as cdgpc-noded does before it serves
         thread.start()

@@ -64,7 +64,7 @@ from slurm_cdgpc.coordinator.daemon import Coordinator, CoordinatorSettings
 from slurm_cdgpc.errors import CdgpcError, InputError
 from slurm_cdgpc.service import LOG_FORMAT, settle_heap
 from slurm_cdgpc.store import ACTIVE_STATES, Store, make_engine, upgrade
-from slurm_cdgpc.transport.auth import AccessPolicy, HmacSigner, HmacVerifier
+from slurm_cdgpc.transport.auth import AccessPolicy, HmacKey, HmacSigner, HmacVerifier
 from slurm_cdgpc.transport.http import HeadClient, NodeFailure, NodeTarget
 
 logger = logging.getLogger(__name__)
@@ -99,11 +99,11 @@ class HeadOptions:
     listen_backlog: int | None
 
 
-def _head_server(
-    coordinator: Coordinator, options: HeadOptions, verifier: HmacVerifier
-) -> HeadHttpServer:
+def _head_server(coordinator: Coordinator, options: HeadOptions, key: HmacKey) -> HeadHttpServer:
+    """The API as cdgpcd serves it: HMAC credentials checked, answers signed."""
+    verifier = HmacVerifier(key)
     policy = AccessPolicy(hmac_is_admin=False)
-    kwargs: dict[str, Any] = {}
+    kwargs: dict[str, Any] = {"signer": HmacSigner(key)}
     if options.max_connections is not None:
         kwargs["max_connections"] = options.max_connections
     if options.listen_backlog is None:
@@ -132,7 +132,7 @@ def serve_head(options: HeadOptions, conn: Connection, stop: Event, parent_pid: 
             t0 = time.perf_counter()
             coordinator.register_job(str(i + 1), "bench", "probe", [i % GPUS_PER_NODE])
             probe_s.append(time.perf_counter() - t0)
-        server = _head_server(coordinator, options, HmacVerifier(load_key(Path(options.key_file))))
+        server = _head_server(coordinator, options, load_key(Path(options.key_file)))
         settle_heap()  # as cdgpcd does before it serves
     except Exception as e:  # reported to the parent, which fails with it
         conn.send(("error", f"{type(e).__name__}: {e}"))

@@ -5,6 +5,12 @@ binding its method, full path (query included) and body (`slurm_cdgpc.transport.
 are JSON; errors are ``{"error": "<one line>"}`` with 400 (malformed), 401 (no, forged, expired
 or replayed credential), 403 (authenticated, not allowed), 404, 405, 409, 411, 413 (body over
 `MAX_BODY_BYTES`), 503 (MUNGE or the database unavailable). A refused request changes nothing.
+Every answer to an authenticated request, refusals included, carries the head's reply
+credential (``X-Cdgpc-Reply-Auth``, `slurm_cdgpc.transport.auth`): bound to the request's
+nonce, the head (`HEAD_RESPONDER`), its leader epoch, the status and the body. The Prolog and
+Epilog take an answer without it for no answer, so no other process on a head's host (a
+standby's, which does not listen) can answer them. ``GET /v1/health`` needs no credential, but
+one that is given and checks out gets a signed answer (a signed client can tell its head is up).
 
 =========================  ==========  ======================================================
 ``POST /v1/jobs``          node        register ``{job_id, user, node, gpus, gpu_type?,
@@ -44,15 +50,19 @@ from slurm_cdgpc.agent.protocol import (
 )
 from slurm_cdgpc.coordinator.daemon import Coordinator, IntervalReport, JobView
 from slurm_cdgpc.coordinator.metrics import CONTENT_TYPE
-from slurm_cdgpc.errors import InputError
+from slurm_cdgpc.errors import CdgpcError, InputError
 from slurm_cdgpc.store import ACTIVE_STATES, BudgetChange, DecisionRecord, Job, Node, StoreError
 from slurm_cdgpc.transport.auth import (
+    HEAD_RESPONDER,
+    REPLY_HEADER,
     AccessPolicy,
     AuthError,
     AuthUnavailableError,
     ForbiddenError,
     Operation,
     Principal,
+    Reply,
+    Signer,
     Verifier,
 )
 from slurm_cdgpc.transport.evented import EventedHttpServer
@@ -91,7 +101,9 @@ class HeadHttpServer(EventedHttpServer):
     never waits for the store, though: when another writer holds it (the control loop's
     interval, another process), or on PostgreSQL, a worker commits the turn's registrations.
     Every other request, and every registration under MUNGE (``unmunge`` is a program), goes to
-    the workers."""
+    the workers. Answers are signed with ``signer`` (None: unsigned, which the hooks refuse);
+    under MUNGE (``munge`` is a program) a committed registration is signed and answered on a
+    worker, never on the committing thread."""
 
     def __init__(
         self,
@@ -100,11 +112,14 @@ class HeadHttpServer(EventedHttpServer):
         verifier: Verifier,
         policy: AccessPolicy,
         *,
+        signer: Signer | None = None,
         request_timeout_s: float = 10.0,
         max_body_bytes: int = MAX_BODY_BYTES,
         max_connections: int = 256,
     ) -> None:
         self.coordinator = coordinator
+        self.signer = signer
+        self.signs_in_process = signer is None or bool(getattr(signer, "in_process", False))
         super().__init__(
             address,
             _Handler,
@@ -340,6 +355,7 @@ class _Handler(JsonHandler):
     server: HeadHttpServer
     server_version = "cdgpcd"
     _began_s: float  # when routing began (a registration's time runs from here)
+    _nonce: str | None = None  # the authenticated request's, which its signed answer binds
 
     # -- routing --------------------------------------------------------------------------------
 
@@ -378,6 +394,7 @@ class _Handler(JsonHandler):
         c = self.server.coordinator
         if path == "/v1/health":
             self._allow(method, "GET")
+            self._vouch(method)
             self._send(HTTPStatus.OK, {"ok": True})
             return
         if path == "/metrics":
@@ -479,7 +496,7 @@ class _Handler(JsonHandler):
         iterations_total = _count(d.get("iterations_total"), "iterations_total")
         deliver = self.defer()
 
-        def committed(outcome: Callable[[], Job]) -> None:
+        def answer(outcome: Callable[[], Job]) -> None:
             try:
                 self._send(HTTPStatus.OK, job_dict(outcome(), self.server.job_views()))
                 self._count_registration(HTTPStatus.OK)
@@ -487,6 +504,12 @@ class _Handler(JsonHandler):
                 self._failed("POST", e)
             finally:
                 deliver()
+
+        def committed(outcome: Callable[[], Job]) -> None:
+            if self.server.signs_in_process:
+                answer(outcome)
+            else:  # signing runs a program: not on the committing thread, which must not block
+                self.server.loop.run_in_worker(lambda: answer(outcome))
 
         try:
             self.server.coordinator.register_job_later(
@@ -513,7 +536,8 @@ class _Handler(JsonHandler):
         if len(credentials) != 1:
             raise _HttpError(HTTPStatus.UNAUTHORIZED, "exactly one Authorization header is needed")
         try:
-            principal = self.server.verifier.verify(credentials[0], method, self.path, body)
+            verified = self.server.verifier.verify_request(credentials[0], method, self.path, body)
+            self._nonce, principal = verified.nonce, verified.principal
             self.server.policy.require(principal, operation)
         except ForbiddenError as e:
             logger.warning("%s: %s %s forbidden: %s", self.client_address[0], method, self.path, e)
@@ -522,6 +546,21 @@ class _Handler(JsonHandler):
             logger.warning("%s: %s %s refused: %s", self.client_address[0], method, self.path, e)
             raise _HttpError(HTTPStatus.UNAUTHORIZED, str(e)) from None
         return principal
+
+    def _vouch(self, method: str) -> None:
+        """Where no credential is needed: check one if given, so that the answer is signed;
+        one that does not check out leaves the answer unsigned and refuses nothing."""
+        credentials = self.headers.get_all("Authorization") or []
+        if len(credentials) != 1:
+            return
+        try:
+            self._nonce = self.server.verifier.verify_request(
+                credentials[0], method, self.path, b""
+            ).nonce
+        except (AuthError, AuthUnavailableError) as e:
+            logger.debug(
+                "%s: %s %s: unsigned answer: %s", self.client_address[0], method, self.path, e
+            )
 
     def _body(self) -> bytes:
         if self.headers.get("Transfer-Encoding"):
@@ -556,6 +595,18 @@ class _Handler(JsonHandler):
 
     def _send(self, status: HTTPStatus, data: object, *, allow: str | None = None) -> None:
         self._send_bytes(status, dump_json(data), "application/json", allow=allow)
+
+    def _signed(self, status: HTTPStatus, body: bytes) -> list[str]:
+        if self._nonce is None or self.server.signer is None:
+            return []
+        leader = self.server.coordinator.leader
+        epoch = 0 if leader is None else leader.epoch
+        try:
+            reply = Reply.to(self._nonce, HEAD_RESPONDER, epoch, status, body)
+            return [f"{REPLY_HEADER}: {self.server.signer.sign_reply(reply)}"]
+        except CdgpcError as e:  # the client takes the answer for no answer, and spools
+            logger.error("%s: answer to %s not signed: %s", self.client_address[0], self.path, e)
+            return []
 
 
 class _MethodError(_HttpError):

@@ -1,11 +1,11 @@
 """``cdgpcd [--config PATH]``: the head daemon of slurm-cdgpc.
 
 Start-up, in this order: load the config; open the store and bring its schema up to date; build
-the signer (outgoing exchanges) and the verifier and access policy (the API) from ``[auth]``;
-take the leader lock (`slurm_cdgpc.store.leader`), waiting for it as a standby while another
-head holds it; resume the `Coordinator` from the store (jobs, models, budget, interval count);
-start the HTTP API on ``head.listen_address:listen_port``; then run the control loop on the
-main thread, one interval every ``control.interval``.
+the signer (outgoing exchanges, and the API's signed answers) and the verifier and access policy
+(the API) from ``[auth]``; take the leader lock (`slurm_cdgpc.store.leader`), waiting for it as a
+standby while another head holds it; resume the `Coordinator` from the store (jobs, models,
+budget, interval count); start the HTTP API on ``head.listen_address:listen_port``; then run the
+control loop on the main thread, one interval every ``control.interval``.
 
 Standby heads: every cdgpcd on one store contends for the lock; there is nothing to configure
 but ``head.leader_lease``. A standby tries every tenth of the leader lease and neither listens
@@ -139,9 +139,10 @@ def run(config: Config) -> int:
         store = Store(engine)
         settings = CoordinatorSettings.from_config(config)
         timeout_s = exchange_timeout_s(config.control.interval_s)
+        signer = signer_from_config(config)
         exchanger = RoutingExchanger(
-            NodeExchanger(signer_from_config(config), timeout_s=timeout_s),
-            SshExchanger(timeout_s=timeout_s),
+            NodeExchanger(signer, timeout_s=timeout_s),
+            SshExchanger(signer=signer, timeout_s=timeout_s),
         )
         leader = LeaderLock(
             engine,
@@ -227,7 +228,11 @@ def _serve(
     address = (config.head.listen_address, config.head.listen_port)
     try:
         server = HeadHttpServer(
-            address, coordinator, verifier_from_config(config), make_policy(config)
+            address,
+            coordinator,
+            verifier_from_config(config),
+            make_policy(config),
+            signer=signer_from_config(config),
         )
     except OSError as e:
         raise FatalError(f"cannot listen on {address[0]}:{address[1]}: {e.strerror or e}") from e

@@ -99,8 +99,10 @@ class Replayer:
                 config.head.url, signer_from_config(config, 1.0), timeout_s=1.0
             )
             settings = HookSettings(config_path=node.config_path, timeout_s=1.0)
-            self._releases[node.spec.name] = make_local_release(settings, env)
-            self._holds[node.spec.name] = make_local_hold(settings, env)
+            # as slurmd tells a hook: the node whose agent must sign the hold and the release
+            node_env = {**env, "SLURMD_NODENAME": node.spec.name}
+            self._releases[node.spec.name] = make_local_release(settings, node_env)
+            self._holds[node.spec.name] = make_local_hold(settings, node_env)
 
     def trace_s(self, wall_s: float) -> float:
         """Trace seconds since the start of the replay at wall-clock time ``wall_s``."""

@@ -83,6 +83,13 @@ def _user(environ: Mapping[str, str]) -> str:
     raise InputError("neither SLURM_JOB_USER nor SLURM_JOB_UID is set")
 
 
+def hook_node(
+    environ: Mapping[str, str], *, hostname: Callable[[], str] = socket.gethostname
+) -> str:
+    """This node's name as slurmd gives it (``SLURMD_NODENAME``), else the short host name."""
+    return environ.get("SLURMD_NODENAME") or hostname().split(".", 1)[0]
+
+
 def read_hook_env(
     environ: Mapping[str, str], *, hostname: Callable[[], str] = socket.gethostname
 ) -> HookEnv:
@@ -90,7 +97,7 @@ def read_hook_env(
     job_id = environ.get("SLURM_JOB_ID") or environ.get("SLURM_JOBID") or ""
     if _JOB_ID.fullmatch(job_id) is None:
         raise InputError(f"SLURM_JOB_ID is not a job id: {job_id[:20]!r}")
-    node = environ.get("SLURMD_NODENAME") or hostname().split(".", 1)[0]
+    node = hook_node(environ, hostname=hostname)
     gpus_text = environ.get("SLURM_JOB_GPUS")
     if gpus_text is None:
         # older slurmd or a gres plugin that does not set it: CUDA_VISIBLE_DEVICES holds the same

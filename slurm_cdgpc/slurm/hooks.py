@@ -12,8 +12,12 @@ Epilog: ``DELETE /v1/jobs/{id}``; the head releases the GPUs at its next exchang
 node are left alone.
 
 When the head cannot be reached (down, timeout, MUNGE down, 5xx) the request is spooled to local
-disk (`slurm_cdgpc.slurm.spool`) and the hook returns at once. After every request the head did
-answer, the hook forwards whatever the spool holds, within its time budget.
+disk (`slurm_cdgpc.slurm.spool`) and the hook returns at once. So is it when the answer does not
+carry the head's reply credential for this request (`slurm_cdgpc.transport.http.HeadClient`):
+whatever else answers on the head's port (a local user on a standby head's host, where no head
+listens) is no head, and neither its "registered" nor its refusal is believed. The local agent's
+answers to the hold and the release must be signed by this node's agent likewise. After every
+request the head did answer, the hook forwards whatever the spool holds, within its time budget.
 
 Bounds: each request has a timeout (default 1 s) for the whole of it, connect to last byte,
 however slowly the peer sends, and no request runs past the hook's budget (default 2 s); the
@@ -55,7 +59,7 @@ from slurm_cdgpc.slurm.comment import (
     effective_deadline,
     parse_comment,
 )
-from slurm_cdgpc.slurm.env import HookEnv, read_hook_env
+from slurm_cdgpc.slurm.env import HookEnv, hook_node, read_hook_env
 from slurm_cdgpc.slurm.scontrol import SCONTROL, JobTimes, job_times
 from slurm_cdgpc.slurm.spool import DEFAULT_SPOOL_DIR, JobsClient, Spool, SpoolError
 from slurm_cdgpc.transport.credentials import signer_from_config
@@ -308,6 +312,7 @@ def make_client(settings: HookSettings, environ: Mapping[str, str]) -> HeadClien
 
 
 def _local_agent(settings: HookSettings, environ: Mapping[str, str]) -> HeadClient:
+    """A client for this node's agent, whose answers must be signed as this node's."""
     config = load_config(settings.config_path, env=environ)
     return HeadClient(
         agent_url(config),
@@ -315,6 +320,7 @@ def _local_agent(settings: HookSettings, environ: Mapping[str, str]) -> HeadClie
         timeout_s=settings.timeout_s,
         until_s=settings.until_s,
         peer="the local agent",
+        responder=hook_node(environ),
     )
 
 

@@ -21,6 +21,20 @@ the budget) uses MUNGE. The claimed ids are kept in the `Principal` for the audi
 Both schemes then pass the same freshness and replay checks (`ReplayCache`); a nonce is recorded
 only after every other check passed, so a refused request changes nothing.
 
+Replies are signed too, so that whatever answers on a daemon's port cannot pass for it. The
+answering daemon signs each answer to an authenticated request with its own signer
+(`Signer.sign_reply`, header `REPLY_HEADER`), binding the request's nonce, who answers (a
+node's name, or `HEAD_RESPONDER`), the leader epoch, the status and the SHA-256 of the body;
+the client checks it against the nonce it sent and what it expected (`Signer.verify_reply`)::
+
+    munge MUNGE:<base64>:                                   MUNGE, minted by root (or the head's
+                                                            user, for the head's answers)
+    hmac-sha256 <uid>:<gid>:<epoch>:<mac>                   shared-key HMAC-SHA256
+
+A reply payload starts with its own purpose tag, so a request credential never passes as a
+reply, nor a reply as a request. A reply needs no replay cache: its nonce is the request's,
+fresh for each request, and a client accepts only the one it sent.
+
 Errors: refusals are `AuthError` (an `InputError`; HTTP 401), and `ForbiddenError` when an
 authenticated principal may not do the operation (HTTP 403). `AuthUnavailableError` (a
 `SoftError`; HTTP 503) means ``munge``/``unmunge`` could not run; `KeyFileError` (a `FatalError`)
@@ -72,6 +86,13 @@ MAX_CREDENTIAL_CHARS: Final = 4096
 MAX_PATH_CHARS: Final = 1024
 
 _VERSION: Final = "cdgpc-auth-v1"  # domain separation: no other MUNGE payload or MAC parses as ours
+_REPLY_VERSION: Final = "cdgpc-reply-v1"  # a reply's purpose tag: never a request's
+
+#: the response header that carries a reply credential
+REPLY_HEADER: Final = "X-Cdgpc-Reply-Auth"
+#: who answers in the head's reply credentials: not a node name (those start with a letter or
+#: a digit), so no agent's answer passes for the head's
+HEAD_RESPONDER: Final = "@cdgpcd"
 _NONCE_BYTES: Final = 16
 _MAX_ID: Final = 0xFFFFFFFE  # (uid_t)-1 is "no id"
 _MAX_CHILD_OUTPUT_BYTES: Final = 16 * 1024
@@ -88,6 +109,13 @@ _HMAC_TOKEN_RE: Final = re.compile(
     r"(?P<uid>[0-9]{1,10}):(?P<gid>[0-9]{1,10}):(?P<timestamp>[0-9]{1,12})"
     rf":(?P<nonce>[0-9a-f]{{{2 * _NONCE_BYTES}}}):(?P<mac>[0-9a-f]{{64}})"
 )
+_HMAC_REPLY_RE: Final = re.compile(
+    r"(?P<uid>[0-9]{1,10}):(?P<gid>[0-9]{1,10}):(?P<epoch>[0-9]{1,19}):(?P<mac>[0-9a-f]{64})"
+)
+_EPOCH_RE: Final = re.compile(r"[0-9]{1,19}")  # leader epochs are milliseconds: 13 digits now
+_STATUS_RE: Final = re.compile(r"[1-5][0-9][0-9]")
+_RESPONDER_RE: Final = re.compile(r"@?[A-Za-z0-9][A-Za-z0-9._-]{0,254}")
+_MAX_EPOCH: Final = 2**63 - 1
 
 # unmunge exit status = munge_err_t. These mean "the credential is bad"; any other status means
 # munge itself could not work (munged down, socket, timeout, out of memory).
@@ -142,12 +170,60 @@ class Principal:
         return f"{name} (uid {self.uid}, gid {self.gid}, {self.scheme})"
 
 
-class Signer(Protocol):
-    """Makes credentials for outgoing requests.
+@dataclass(frozen=True)
+class SignedRequest:
+    """A request's credential and its nonce, which the signed reply to it must repeat."""
 
-    A signer may also say ``in_process = True`` when `sign` is cheap and blocks on nothing (no
-    program, no socket): the head's exchange then signs on its event loop's thread rather than
-    on a pool.
+    credential: str
+    nonce: str
+
+
+@dataclass(frozen=True)
+class Verified:
+    """An authenticated request: its sender, and its nonce (for the signed reply)."""
+
+    principal: Principal
+    nonce: str
+
+
+@dataclass(frozen=True)
+class Reply:
+    """What a reply credential binds: the request it answers (by its nonce), who answers (a
+    node's name or `HEAD_RESPONDER`), the leader epoch and the answer itself.
+
+    On the client's side ``epoch`` is None where any epoch will do (the head's API answers
+    carry the head's epoch; a Prolog cannot know it)."""
+
+    nonce: str
+    responder: str
+    epoch: int | None
+    status: int
+    body_sha256: str
+
+    @classmethod
+    def to(cls, nonce: str, responder: str, epoch: int | None, status: int, body: bytes) -> Reply:
+        """The binding of an answer with ``status`` and ``body`` to the request with ``nonce``;
+        `InvalidCredentialError` when a field cannot be signed."""
+        if not isinstance(nonce, str) or _NONCE_RE.fullmatch(nonce) is None:
+            raise InvalidCredentialError("reply: the request's nonce is malformed")
+        if not isinstance(responder, str) or _RESPONDER_RE.fullmatch(responder) is None:
+            raise InvalidCredentialError("reply: the responder must be a node name or the head")
+        if epoch is not None and not (
+            isinstance(epoch, int) and not isinstance(epoch, bool) and 0 <= epoch <= _MAX_EPOCH
+        ):
+            raise InvalidCredentialError("reply: the leader epoch must be an integer >= 0")
+        if not isinstance(status, int) or not 100 <= status <= 599:
+            raise InvalidCredentialError("reply: the status must be an HTTP status")
+        return cls(nonce, responder, epoch, int(status), hashlib.sha256(body).hexdigest())
+
+
+class Signer(Protocol):
+    """A daemon's or a client's credentials: it signs outgoing requests and its own answers,
+    and checks the signed answers to the requests it made.
+
+    A signer may also say ``in_process = True`` when signing and checking are cheap and block
+    on nothing (no program, no socket): the head's exchange then does both on its event loop's
+    thread rather than on a pool.
     """
 
     @property
@@ -155,6 +231,19 @@ class Signer(Protocol):
 
     def sign(self, method: str, path: str, body: bytes) -> str:
         """Return a one-line ASCII credential binding this request."""
+        ...
+
+    def sign_request(self, method: str, path: str, body: bytes) -> SignedRequest:
+        """`sign`, with the nonce the credential carries."""
+        ...
+
+    def sign_reply(self, reply: Reply) -> str:
+        """Return a one-line ASCII reply credential binding ``reply`` (its epoch is set)."""
+        ...
+
+    def verify_reply(self, credential: str | None, expected: Reply) -> Principal:
+        """Return who signed the answer, or raise `AuthError` unless ``credential`` binds
+        exactly ``expected`` and was made by an account a reply may come from."""
         ...
 
 
@@ -170,6 +259,10 @@ class Verifier(Protocol):
 
     def verify(self, credential: str, method: str, path: str, body: bytes) -> Principal:
         """Return the sender, or raise `AuthError` (nothing is recorded then)."""
+        ...
+
+    def verify_request(self, credential: str, method: str, path: str, body: bytes) -> Verified:
+        """`verify`, with the request's nonce."""
         ...
 
 
@@ -405,6 +498,27 @@ def _replay_key(scheme: str, uid: int, nonce: str) -> str:
     return f"{scheme}:{uid}:{nonce}"
 
 
+def _signed_epoch(reply: Reply) -> int:
+    if reply.epoch is None:
+        raise InputError("a reply is signed with a leader epoch (0: none)")
+    return reply.epoch
+
+
+def _reply_token(credential: str | None, scheme: str) -> str:
+    if credential is None:
+        raise MalformedCredentialError(
+            f"no {REPLY_HEADER} header: the answer is not from a cdgpc daemon (or one too old)"
+        )
+    return _split_credential(credential, scheme)
+
+
+def _check_reply_epoch(expected: Reply, epoch: int) -> None:
+    if expected.epoch is not None and epoch != expected.epoch:
+        raise InvalidCredentialError(
+            f"reply was signed for leader epoch {epoch}, not {expected.epoch}"
+        )
+
+
 # --------------------------------------------------------------------------------------------
 # HMAC-SHA256
 
@@ -488,6 +602,21 @@ def _hmac_message(claim: _Claim, uid: int, gid: int) -> bytes:
     return "\n".join(fields).encode("ascii")
 
 
+def _hmac_reply_message(reply: Reply, uid: int, gid: int, epoch: int) -> bytes:
+    fields = (
+        _REPLY_VERSION,
+        HMAC_SCHEME,
+        str(uid),
+        str(gid),
+        reply.nonce,
+        reply.responder,
+        str(epoch),
+        str(reply.status),
+        reply.body_sha256,
+    )
+    return "\n".join(fields).encode("ascii")
+
+
 class HmacSigner:
     """Signs with the shared key; claims this process's uid/gid unless told otherwise."""
 
@@ -511,9 +640,37 @@ class HmacSigner:
         self._clock = clock
 
     def sign(self, method: str, path: str, body: bytes) -> str:
+        return self.sign_request(method, path, body).credential
+
+    def sign_request(self, method: str, path: str, body: bytes) -> SignedRequest:
         claim = _new_claim(method, path, body, self._clock())
         mac = self._key.mac(_hmac_message(claim, self.uid, self.gid))
-        return f"{HMAC_SCHEME} {self.uid}:{self.gid}:{claim.timestamp_s}:{claim.nonce}:{mac}"
+        credential = f"{HMAC_SCHEME} {self.uid}:{self.gid}:{claim.timestamp_s}:{claim.nonce}:{mac}"
+        return SignedRequest(credential, claim.nonce)
+
+    def sign_reply(self, reply: Reply) -> str:
+        epoch = _signed_epoch(reply)
+        mac = self._key.mac(_hmac_reply_message(reply, self.uid, self.gid, epoch))
+        return f"{HMAC_SCHEME} {self.uid}:{self.gid}:{epoch}:{mac}"
+
+    def verify_reply(self, credential: str | None, expected: Reply) -> Principal:
+        """The key proves the answer; the uid it claims is kept for the log only."""
+        match = _HMAC_REPLY_RE.fullmatch(_reply_token(credential, HMAC_SCHEME))
+        if match is None:
+            raise MalformedCredentialError(
+                f"reply credential must look like '{HMAC_SCHEME} <uid>:<gid>:<epoch>:<mac>'"
+            )
+        uid, gid, epoch = int(match["uid"]), int(match["gid"]), int(match["epoch"])
+        if uid > _MAX_ID or gid > _MAX_ID or epoch > _MAX_EPOCH:
+            raise MalformedCredentialError("reply credential uid, gid or epoch out of range")
+        _check_reply_epoch(expected, epoch)
+        mac = self._key.mac(_hmac_reply_message(expected, uid, gid, epoch))
+        if not hmac.compare_digest(mac, match["mac"]):
+            raise InvalidCredentialError(
+                "reply HMAC does not match: wrong key, or signed for another request, responder "
+                "or answer"
+            )
+        return Principal(uid=uid, gid=gid, user=_user_name(uid), scheme=HMAC_SCHEME)
 
 
 class HmacVerifier:
@@ -535,6 +692,9 @@ class HmacVerifier:
         self.replay_cache.refuse_signed_before(clock())
 
     def verify(self, credential: str, method: str, path: str, body: bytes) -> Principal:
+        return self.verify_request(credential, method, path, body).principal
+
+    def verify_request(self, credential: str, method: str, path: str, body: bytes) -> Verified:
         token = _split_credential(credential, HMAC_SCHEME)
         match = _HMAC_TOKEN_RE.fullmatch(token)
         if match is None:
@@ -564,7 +724,7 @@ class HmacVerifier:
         )
         principal = Principal(uid=uid, gid=gid, user=_user_name(uid), scheme=HMAC_SCHEME)
         logger.debug("authenticated %s for %s %s", principal, method, path)
-        return principal
+        return Verified(principal, claim.nonce)
 
 
 # --------------------------------------------------------------------------------------------
@@ -660,8 +820,67 @@ def _socket_args(socket: str | os.PathLike[str] | None) -> list[str]:
     return [] if socket is None else [f"--socket={os.fspath(socket)}"]
 
 
+def _munge_reply_payload(reply: Reply, epoch: int) -> bytes:
+    fields = (
+        _REPLY_VERSION,
+        MUNGE_SCHEME,
+        reply.nonce,
+        reply.responder,
+        str(epoch),
+        str(reply.status),
+        reply.body_sha256,
+    )
+    return "\n".join(fields).encode("ascii")
+
+
+def _check_munge_reply(payload: bytes, expected: Reply) -> None:
+    """The decoded reply payload must bind exactly ``expected`` (constant-time compares)."""
+    fields = payload.decode("ascii", "replace").split("\n")
+    if (
+        len(fields) != 7
+        or fields[0] != _REPLY_VERSION
+        or fields[1] != MUNGE_SCHEME
+        or _NONCE_RE.fullmatch(fields[2]) is None
+        or _RESPONDER_RE.fullmatch(fields[3]) is None
+        or _EPOCH_RE.fullmatch(fields[4]) is None
+        or _STATUS_RE.fullmatch(fields[5]) is None
+        or _DIGEST_RE.fullmatch(fields[6]) is None
+    ):
+        raise InvalidCredentialError("MUNGE payload is not a cdgpc reply credential")
+    if not hmac.compare_digest(fields[2], expected.nonce):
+        raise InvalidCredentialError("reply was signed for another request (nonce)")
+    if fields[3] != expected.responder:
+        raise InvalidCredentialError(
+            f"reply was signed by {fields[3][:60]!r}, not {expected.responder[:60]!r}"
+        )
+    if int(fields[4]) > _MAX_EPOCH:
+        raise InvalidCredentialError("MUNGE payload is not a cdgpc reply credential")
+    _check_reply_epoch(expected, int(fields[4]))
+    if int(fields[5]) != expected.status:
+        raise InvalidCredentialError(
+            f"reply was signed for status {fields[5]}, not {expected.status}"
+        )
+    if not hmac.compare_digest(fields[6], expected.body_sha256):
+        raise InvalidCredentialError("reply was signed for a different body")
+
+
+def _munge_credential(argv: Sequence[str], payload: bytes, timeout_s: float) -> str:
+    result = _run_bounded(argv, payload, timeout_s, _MAX_CHILD_OUTPUT_BYTES)
+    if result.returncode != 0:
+        raise AuthUnavailableError(f"munge failed: {result.reason()}")
+    armored = result.stdout.decode("ascii", "replace").strip()
+    if _MUNGE_ARMOR_RE.fullmatch(armored) is None:
+        raise AuthUnavailableError("munge printed something that is not a MUNGE credential")
+    return f"{MUNGE_SCHEME} {armored}"
+
+
 class MungeSigner:
-    """Signs by running ``munge`` with the payload on stdin (munged vouches for our uid/gid)."""
+    """Signs by running ``munge`` with the payload on stdin (munged vouches for our uid/gid),
+    and checks replies with ``unmunge``.
+
+    A reply is accepted only from root (agents run as root), or, for the head's answers
+    (`HEAD_RESPONDER`), from one of ``head_uids`` too: the accounts besides root that the
+    agents let send setpoints (``auth.slurm_user``), under which alone a head can work."""
 
     scheme: Final = MUNGE_SCHEME
 
@@ -669,28 +888,64 @@ class MungeSigner:
         self,
         munge_path: str | os.PathLike[str] = DEFAULT_MUNGE_PATH,
         *,
+        unmunge_path: str | os.PathLike[str] = DEFAULT_UNMUNGE_PATH,
         socket: str | os.PathLike[str] | None = None,
         ttl_s: int | None = None,
         timeout_s: float = DEFAULT_TIMEOUT_S,
+        head_uids: Iterable[int] = (),
         clock: Callable[[], float] = time.time,
     ) -> None:
         self._argv = [_check_program(munge_path, "munge program"), *_socket_args(socket)]
         if ttl_s is not None:
             self._argv.append(f"--ttl={int(ttl_s)}")
+        self._unmunge_argv = [
+            _check_program(unmunge_path, "unmunge program"),
+            "--numeric",
+            *_socket_args(socket),
+        ]
         self.timeout_s = timeout_s
+        self.head_uids = frozenset({0, *head_uids})
         self._clock = clock
 
     def sign(self, method: str, path: str, body: bytes) -> str:
+        return self.sign_request(method, path, body).credential
+
+    def sign_request(self, method: str, path: str, body: bytes) -> SignedRequest:
         claim = _new_claim(method, path, body, self._clock())
+        credential = _munge_credential(self._argv, _munge_payload(claim), self.timeout_s)
+        return SignedRequest(credential, claim.nonce)
+
+    def sign_reply(self, reply: Reply) -> str:
+        payload = _munge_reply_payload(reply, _signed_epoch(reply))
+        return _munge_credential(self._argv, payload, self.timeout_s)
+
+    def verify_reply(self, credential: str | None, expected: Reply) -> Principal:
+        armored = _reply_token(credential, MUNGE_SCHEME)
+        if _MUNGE_ARMOR_RE.fullmatch(armored) is None:
+            raise MalformedCredentialError(
+                f"reply credential must look like '{MUNGE_SCHEME} MUNGE:...:'"
+            )
         result = _run_bounded(
-            self._argv, _munge_payload(claim), self.timeout_s, _MAX_CHILD_OUTPUT_BYTES
+            self._unmunge_argv,
+            armored.encode("ascii") + b"\n",
+            self.timeout_s,
+            _MAX_CHILD_OUTPUT_BYTES,
         )
         if result.returncode != 0:
-            raise AuthUnavailableError(f"munge failed: {result.reason()}")
-        armored = result.stdout.decode("ascii", "replace").strip()
-        if _MUNGE_ARMOR_RE.fullmatch(armored) is None:
-            raise AuthUnavailableError("munge printed something that is not a MUNGE credential")
-        return f"{MUNGE_SCHEME} {armored}"
+            raise _unmunge_error(result)
+        metadata, payload = _parse_unmunge_output(result.stdout)
+        _check_munge_reply(payload, expected)
+        uid, gid = metadata["UID"], metadata["GID"]
+        allowed = self.head_uids if expected.responder == HEAD_RESPONDER else frozenset({0})
+        if uid not in allowed:
+            raise InvalidCredentialError(
+                f"reply was made by uid {uid}, not by {_uids_text(allowed)}: not the daemon's"
+            )
+        return Principal(uid=uid, gid=gid, user=_user_name(uid), scheme=MUNGE_SCHEME)
+
+
+def _uids_text(uids: frozenset[int]) -> str:
+    return "root" if uids == {0} else "uid " + " or ".join(map(str, sorted(uids)))
 
 
 class MungeVerifier:
@@ -718,6 +973,9 @@ class MungeVerifier:
         self.replay_cache.refuse_signed_before(clock())
 
     def verify(self, credential: str, method: str, path: str, body: bytes) -> Principal:
+        return self.verify_request(credential, method, path, body).principal
+
+    def verify_request(self, credential: str, method: str, path: str, body: bytes) -> Verified:
         armored = _split_credential(credential, MUNGE_SCHEME)
         if _MUNGE_ARMOR_RE.fullmatch(armored) is None:
             raise MalformedCredentialError(f"credential must look like '{MUNGE_SCHEME} MUNGE:...:'")
@@ -739,7 +997,7 @@ class MungeVerifier:
         )
         principal = Principal(uid=uid, gid=gid, user=_user_name(uid), scheme=MUNGE_SCHEME)
         logger.debug("authenticated %s for %s %s", principal, method, path)
-        return principal
+        return Verified(principal, claim.nonce)
 
 
 def _unmunge_error(result: _ChildResult) -> Exception:

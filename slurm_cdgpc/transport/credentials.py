@@ -1,14 +1,18 @@
 """Signers and verifiers built from the ``[auth]`` section: one place for every daemon and hook.
 
 The HMAC key file must be root-only (`HmacKey.load` checks); MUNGE talks to the configured
-munged socket. Verifiers carry a replay cache sized by the allowed clock skew.
+munged socket. Verifiers carry a replay cache sized by the allowed clock skew. A MUNGE signer
+accepts the head's signed answers from root or ``auth.slurm_user`` (the accounts the agents let
+send setpoints), and the agents' from root only.
 """
 
 from __future__ import annotations
 
 from slurm_cdgpc.config import Config
+from slurm_cdgpc.errors import InputError
 from slurm_cdgpc.transport.auth import (
     DEFAULT_TIMEOUT_S,
+    AccessPolicy,
     HmacKey,
     HmacSigner,
     HmacVerifier,
@@ -25,7 +29,16 @@ def signer_from_config(config: Config, timeout_s: float = DEFAULT_TIMEOUT_S) -> 
     auth = config.auth
     if auth.method == "hmac":
         return HmacSigner(HmacKey.load(auth.hmac_key_file, owner_uid=0))
-    return MungeSigner(socket=auth.munge_socket, timeout_s=timeout_s)
+    return MungeSigner(socket=auth.munge_socket, timeout_s=timeout_s, head_uids=head_uids(config))
+
+
+def head_uids(config: Config) -> frozenset[int]:
+    """Who may answer for the head under MUNGE: root and the Slurm user (root alone when that
+    user is unknown here)."""
+    try:
+        return AccessPolicy.from_names(slurm_user=config.auth.slurm_user).node_uids
+    except InputError:
+        return frozenset({0})
 
 
 def verifier_from_config(config: Config) -> Verifier:

@@ -1,8 +1,11 @@
 """The head's HTTP client: exchanges with every node agent at once, and admin requests to cdgpcd.
 
 Every request is signed (`slurm_cdgpc.transport.auth.Signer`) over its method, path and body and
-carries the credential in one ``Authorization`` header. Besides the agent's server and the
-head's API server, this is the only module that speaks HTTP.
+carries the credential in one ``Authorization`` header, and every answer to a signed request
+must carry the answering daemon's reply credential (``X-Cdgpc-Reply-Auth``) bound to that
+request's nonce, the node (or the head) and the leader epoch expected, and the answer's status
+and body; an answer without it is no answer. Besides the agent's server and the head's API
+server, this is the only module that speaks HTTP.
 
 `NodeExchanger` sends one `ExchangeRequest` to each node concurrently, one connection per
 node, each with its own timeout; a node that does not answer in time, refuses, or answers
@@ -12,8 +15,8 @@ operation: a peer that accepts and then trickles its reply a byte at a time is c
 time is up, like a silent one. Plain-HTTP nodes are served by one event loop on the
 calling thread (`_Round`): non-blocking sockets under ``epoll``, so a thousand nodes cost a
 thousand sockets, not a thousand thread switches. ``https://`` nodes, and credentials that
-take a process to make (MUNGE), go through a thread pool. `HeadClient` is what
-``cdgpc-admin`` uses to talk to ``cdgpcd``.
+take a process to make or check (MUNGE), go through a thread pool. `HeadClient` is what
+``cdgpc-admin`` and the hooks use to talk to ``cdgpcd`` (and the hooks to their node's agent).
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ import socket
 import ssl
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, BinaryIO, Final, NamedTuple, TypeVar
@@ -49,7 +52,7 @@ from slurm_cdgpc.agent.protocol import (
     load_json,
 )
 from slurm_cdgpc.errors import CdgpcError, InputError, SoftError
-from slurm_cdgpc.transport.auth import Signer
+from slurm_cdgpc.transport.auth import HEAD_RESPONDER, AuthError, Reply, SignedRequest, Signer
 
 logger = logging.getLogger(__name__)
 _R = TypeVar("_R")
@@ -67,6 +70,7 @@ _RESOLVE_TTL_S: Final = 30.0
 MAX_IN_FLIGHT: Final = 1024
 _CONNECTING: Final = frozenset({errno.EINPROGRESS, errno.EAGAIN, errno.EALREADY, 0})
 _CONTENT_LENGTH_RE: Final = re.compile(rb"\r\ncontent-length:[ \t]*([0-9]{1,12})[ \t]*\r", re.I)
+_REPLY_HEADER: Final = b"x-cdgpc-reply-auth"  # `slurm_cdgpc.transport.auth.REPLY_HEADER`
 
 
 class HeadUnavailableError(SoftError):
@@ -245,6 +249,14 @@ def _tls_context() -> ssl.SSLContext:
     return ssl.create_default_context()
 
 
+class _Reply(NamedTuple):
+    """An answer as read: its status, body and reply credential (None: it had none)."""
+
+    status: int
+    body: bytes
+    credential: str | None
+
+
 def _request(
     url: str,
     method: str,
@@ -254,9 +266,10 @@ def _request(
     timeout_s: float,
     *,
     until_s: float | None = None,
-) -> tuple[int, bytes]:
-    """One signed request on its own connection; (status, body). Raises OSError or
-    `http.client.HTTPException` on the wire, `ProtocolError` on a reply over the cap.
+) -> tuple[str | None, _Reply]:
+    """One signed request on its own connection: the nonce it carried (None: unsigned) and the
+    answer, not yet checked. Raises OSError or `http.client.HTTPException` on the wire,
+    `ProtocolError` on a reply over the cap.
 
     From the connect to the reply's last byte the request has ``timeout_s`` in all, and ends by
     ``until_s`` (`time.monotonic`) if that comes first; past it, `TimeoutError` (one line) however
@@ -265,10 +278,27 @@ def _request(
     HTTP/1.1 written and read here rather than by `http.client`, which parses every reply's
     headers with the `email` package: that and its request assembly were a third of the head's
     CPU per exchange. The request goes out in one write (head and body together)."""
+    full_path = _parse_endpoint(url).prefix + path
+    signed = None if signer is None else signer.sign_request(method, full_path, body)
+    credential = None if signed is None else signed.credential
+    reply = send_signed(url, method, path, body, credential, timeout_s, until_s=until_s)
+    return None if signed is None else signed.nonce, reply
+
+
+def send_signed(
+    url: str,
+    method: str,
+    path: str,
+    body: bytes,
+    credential: str | None,
+    timeout_s: float,
+    *,
+    until_s: float | None = None,
+) -> _Reply:
+    """`_request` with its credential already made (``cdgpc-noded exchange`` relays the
+    head's): the answer as read, its reply credential not checked."""
     endpoint = _parse_endpoint(url)
-    full_path = endpoint.prefix + path
-    credential = None if signer is None else signer.sign(method, full_path, body)
-    message = _message(endpoint, method, full_path, body, credential)
+    message = _message(endpoint, method, endpoint.prefix + path, body, credential)
     deadline = _Deadline(timeout_s, until_s)
     sock = endpoint.connect(deadline)
     try:
@@ -296,7 +326,7 @@ def _message(
     return "\r\n".join(lines).encode("latin-1") + body
 
 
-def _read_reply(reply: BinaryIO) -> tuple[int, bytes]:
+def _read_reply(reply: BinaryIO) -> _Reply:
     while True:
         line = reply.readline(_MAX_LINE_BYTES + 1)
         if not line:
@@ -326,7 +356,8 @@ def _read_reply(reply: BinaryIO) -> tuple[int, bytes]:
             raise http.client.IncompleteRead(data, length - len(data))
     if len(data) > MAX_REPLY_BYTES:
         raise ProtocolError(f"reply larger than {MAX_REPLY_BYTES} bytes")
-    return int(code), data
+    credential = headers.get(_REPLY_HEADER)
+    return _Reply(int(code), data, None if credential is None else credential.decode("latin-1"))
 
 
 def _read_reply_headers(reply: BinaryIO) -> dict[bytes, bytes]:
@@ -349,7 +380,8 @@ def _one_line(text: str, limit: int = 300) -> str:
     return " ".join(text.split())[:limit] or "no reason given"
 
 
-def _error_text(data: bytes) -> str:
+def error_text(data: bytes) -> str:
+    """The one-line message of an error answer (its JSON ``error``, else its text)."""
     try:
         decoded = load_json(data)
     except ProtocolError:
@@ -366,6 +398,11 @@ class NodeExchanger:
     its request is written; the whole round ends after ``2 * timeout_s`` whatever happens. An
     ``https`` node's request, on a pool thread, ends with the round too, so a node that trickles
     its reply cannot keep a thread of the pool past it.
+
+    An answer counts only with the agent's reply credential for this request, node and epoch
+    (`Signer.verify_reply`): anything else is a `NodeFailure` (logged), and nothing from it is
+    used. A signer that runs a program checks each answer on the pool as it arrives, all by the
+    round's end; an HMAC signer checks it on the loop's thread.
     """
 
     def __init__(
@@ -385,8 +422,9 @@ class NodeExchanger:
         soft_fds = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
         fd_share = max(soft_fds // 2, 16) if soft_fds != resource.RLIM_INFINITY else max_in_flight
         self.max_in_flight = min(max_in_flight, fd_share)
-        #: an HMAC signature costs microseconds: made on the loop's thread. A signer that runs a
-        #: program (``munge``) takes milliseconds each, so a round's are made on the pool at once
+        #: an HMAC signature costs microseconds: made and checked on the loop's thread. A signer
+        #: that runs a program (``munge``, ``unmunge``) takes milliseconds each, so a round's
+        #: credentials are made on the pool at once, and its answers checked there as they come
         self._sign_inline = bool(getattr(signer, "in_process", False))
         self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="exchange")
         self._addresses = _AddressCache(_RESOLVE_TTL_S)
@@ -441,18 +479,31 @@ class NodeExchanger:
         messages = self._messages(targets, results, ready_by)
         addresses = self._addresses.finish(lookups, ready_by)
         calls: list[_Call] = []
-        for node, message in messages.items():
+        for node, (message, nonce) in messages.items():
             target, endpoint = targets[node]
             found = addresses[(endpoint.host, endpoint.port)]
             if isinstance(found, str):
                 results[node] = NodeFailure(_one_line(f"{target.url}: {found}"))
             else:
-                calls.append(_Call(node, target.url, message, found))
-        for call, outcome in _Round(calls, self.timeout_s, self.max_in_flight).run(deadline):
+                calls.append(_Call(node, target.url, message, found, nonce, target.request.epoch))
+        checks: dict[str, Future[ExchangeResponse | NodeFailure]] = {}
+
+        def check_on_pool(call: _Call, reply: _Reply) -> None:
+            checks[call.node] = self._pool.submit(self._answer, call, reply)
+
+        answered = None if self._sign_inline else check_on_pool
+        round_ = _Round(calls, self.timeout_s, self.max_in_flight, answered)
+        for call, outcome in round_.run(deadline):
             if isinstance(outcome, NodeFailure):
                 results[call.node] = outcome
-            else:
-                results[call.node] = _answer(call.node, call.url, *outcome)
+            elif call.node not in checks:
+                results[call.node] = self._answer(call, outcome)
+        checked = _collect(checks.values(), deadline, None)
+        for node, answer in zip(checks, checked, strict=True):
+            results[node] = answer or NodeFailure(
+                f"{targets[node][0].url}: {2 * self.timeout_s:g} s passed before a credential "
+                "was checked on its reply"
+            )
         logger.debug(
             "exchanged with %d node(s) in %.1f ms", len(calls), 1e3 * (time.monotonic() - started)
         )
@@ -463,15 +514,15 @@ class NodeExchanger:
         targets: Mapping[str, tuple[NodeTarget, _Endpoint]],
         failures: dict[str, ExchangeResponse | NodeFailure],
         deadline: float,
-    ) -> dict[str, bytes]:
-        """Each node's whole signed request; a node whose credential cannot be made (by
-        ``deadline``, for a signer that runs a program) fails."""
+    ) -> dict[str, tuple[bytes, str]]:
+        """Each node's whole signed request and its nonce; a node whose credential cannot be
+        made (by ``deadline``, for a signer that runs a program) fails."""
         bodies = {node: t.request.to_json() for node, (t, _) in targets.items()}
         paths = {node: e.prefix + EXCHANGE_PATH for node, (_, e) in targets.items()}
 
-        def sign(node: str) -> str | NodeFailure:
+        def sign(node: str) -> SignedRequest | NodeFailure:
             try:
-                return self.signer.sign("POST", paths[node], bodies[node])
+                return self.signer.sign_request("POST", paths[node], bodies[node])
             except CdgpcError as e:
                 return NodeFailure(_one_line(f"{targets[node][0].url}: {e}"))
 
@@ -489,14 +540,18 @@ class NodeExchanger:
                 else credential
                 for node, credential in zip(targets, made, strict=True)
             }
-        messages: dict[str, bytes] = {}
-        for node, credential in credentials.items():
-            if isinstance(credential, NodeFailure):
-                failures[node] = credential
+        messages: dict[str, tuple[bytes, str]] = {}
+        for node, signed in credentials.items():
+            if isinstance(signed, NodeFailure):
+                failures[node] = signed
                 continue
             endpoint = targets[node][1]
-            messages[node] = _message(endpoint, "POST", paths[node], bodies[node], credential)
+            message = _message(endpoint, "POST", paths[node], bodies[node], signed.credential)
+            messages[node] = (message, signed.nonce)
         return messages
+
+    def _answer(self, call: _Call, reply: _Reply) -> ExchangeResponse | NodeFailure:
+        return exchange_answer(self.signer, call.node, call.url, call.nonce, call.epoch, *reply)
 
     # -- https: a thread each ---------------------------------------------------------------------
 
@@ -504,7 +559,7 @@ class NodeExchanger:
         self, node: str, target: NodeTarget, deadline: float
     ) -> ExchangeResponse | NodeFailure:
         try:
-            status, data = _request(
+            nonce, reply = _request(
                 target.url,
                 "POST",
                 EXCHANGE_PATH,
@@ -517,7 +572,8 @@ class NodeExchanger:
             return NodeFailure(_one_line(f"{target.url}: {type(e).__name__}: {e}"))
         except CdgpcError as e:
             return NodeFailure(_one_line(f"{target.url}: {e}"))
-        return _answer(node, target.url, status, data)
+        assert nonce is not None  # signed by self.signer
+        return exchange_answer(self.signer, node, target.url, nonce, target.request.epoch, *reply)
 
 
 def _too_late(timeout_s: float) -> NodeFailure:
@@ -525,14 +581,32 @@ def _too_late(timeout_s: float) -> NodeFailure:
     return NodeFailure(f"no answer within {2 * timeout_s:g} s")
 
 
-def _answer(node: str, url: str, status: int, data: bytes) -> ExchangeResponse | NodeFailure:
-    """What a node's HTTP reply means for the exchange."""
+def exchange_answer(
+    signer: Signer,
+    node: str,
+    where: str,
+    nonce: str,
+    epoch: int,
+    status: int,
+    data: bytes,
+    credential: str | None,
+) -> ExchangeResponse | NodeFailure:
+    """What a node's answer (``status``, body ``data``, reply ``credential``) to the exchange
+    request with ``nonce`` and ``epoch`` means: an error status is a failure, and a success
+    counts only when ``node``'s agent signed it for exactly this request."""
     if status != 200:
-        return NodeFailure(f"{url}: HTTP {status}: {_error_text(data)}")
+        return NodeFailure(f"{where}: HTTP {status}: {error_text(data)}")
+    try:
+        signer.verify_reply(credential, Reply.to(nonce, node, epoch, status, data))
+    except AuthError as e:
+        logger.warning("node %s: answer refused (nothing of it is used): %s", node, e)
+        return NodeFailure(_one_line(f"{where}: reply refused: {e}"))
+    except CdgpcError as e:  # unmunge could not run: as if the node had not answered
+        return NodeFailure(_one_line(f"{where}: reply not checked: {e}"))
     try:
         response = ExchangeResponse.from_json(data)
     except ProtocolError as e:
-        return NodeFailure(_one_line(f"{url}: bad reply: {e}"))
+        return NodeFailure(_one_line(f"{where}: bad reply: {e}"))
     if response.node != node:
         logger.warning("node %s answers as %r (check its --node-name)", node, response.node)
     return response
@@ -612,12 +686,33 @@ def _lookup(key: tuple[str, int]) -> tuple[_Address, ...] | str:
 class _Call:
     """One node's request on its way: connect, write, read until the reply is whole."""
 
-    __slots__ = ("addresses", "deadline", "message", "node", "reply", "sent", "sock", "url")
+    __slots__ = (
+        "addresses",
+        "deadline",
+        "epoch",
+        "message",
+        "node",
+        "nonce",
+        "reply",
+        "sent",
+        "sock",
+        "url",
+    )
 
-    def __init__(self, node: str, url: str, message: bytes, addresses: tuple[_Address, ...]):
+    def __init__(
+        self,
+        node: str,
+        url: str,
+        message: bytes,
+        addresses: tuple[_Address, ...],
+        nonce: str,
+        epoch: int,
+    ):
         self.node = node
         self.url = url
         self.message = message
+        self.nonce = nonce  # the request's, which the agent's signed answer repeats
+        self.epoch = epoch
         self.addresses = list(addresses)  # tried in order, as `socket.create_connection` does
         self.sock: socket.socket | None = None
         self.sent = 0
@@ -625,7 +720,7 @@ class _Call:
         self.deadline = 0.0
 
 
-_Outcome = tuple[int, bytes] | NodeFailure
+_Outcome = _Reply | NodeFailure
 
 
 class _Round:
@@ -634,10 +729,18 @@ class _Round:
     At most ``max_in_flight`` sockets are open at once; the rest wait in order. A call fails
     (`NodeFailure`) if it is not connected within ``timeout_s`` of its start, or not answered
     within ``timeout_s`` of its request being written, or is still waiting when the round ends.
+    ``answered`` is told of each whole answer as it arrives (to start checking it).
     """
 
-    def __init__(self, calls: list[_Call], timeout_s: float, max_in_flight: int) -> None:
+    def __init__(
+        self,
+        calls: list[_Call],
+        timeout_s: float,
+        max_in_flight: int,
+        answered: Callable[[_Call, _Reply], None] | None = None,
+    ) -> None:
         self.waiting = iter(calls)
+        self.answered = answered
         self.timeout_s = timeout_s
         self.max_in_flight = max_in_flight
         self.selector = selectors.DefaultSelector()
@@ -753,6 +856,8 @@ class _Round:
     def _finish(self, call: _Call, outcome: _Outcome) -> None:
         self._close(call)
         self.done.append((call, outcome))
+        if self.answered is not None and isinstance(outcome, _Reply):
+            self.answered(call, outcome)
 
     def _close(self, call: _Call) -> None:
         if call.sock is None:
@@ -790,10 +895,14 @@ def _failure(call: _Call, error: BaseException) -> NodeFailure:
 
 class HeadClient:
     """Signed JSON requests to cdgpcd's API (``cdgpc-admin``, the Prolog and Epilog), or to a
-    node's own agent (``peer="the local agent"``: the Epilog's release).
+    node's own agent (``peer="the local agent"``, ``responder`` its node's name: the hooks'
+    hold and release).
 
     Each request has ``timeout_s`` in all, connect to last byte, and none runs past ``until_s``
-    (`time.monotonic`; a hook's budget); a request out of time is a `HeadUnavailableError`."""
+    (`time.monotonic`; a hook's budget); a request out of time is a `HeadUnavailableError`. So
+    is an answer to a signed request that ``responder`` did not sign for it, whatever its
+    status: whoever else answers on the port is no head (or agent), and a hook spools. With no
+    ``signer`` (a health probe) nothing is signed, and no answer can be checked."""
 
     def __init__(
         self,
@@ -803,6 +912,7 @@ class HeadClient:
         timeout_s: float = 10.0,
         until_s: float | None = None,
         peer: str = "cdgpcd",
+        responder: str = HEAD_RESPONDER,
     ) -> None:
         _Endpoint.parse(url)
         self.url = url.rstrip("/")
@@ -810,6 +920,7 @@ class HeadClient:
         self.timeout_s = timeout_s
         self.until_s = until_s
         self.peer = peer
+        self.responder = responder
 
     def get(self, path: str, query: Mapping[str, object] | None = None) -> Any:
         if query:
@@ -824,15 +935,25 @@ class HeadClient:
 
     def _call(self, method: str, path: str, body: bytes) -> Any:
         try:
-            status, data = _request(
+            nonce, reply = _request(
                 self.url, method, path, body, self.signer, self.timeout_s, until_s=self.until_s
             )
         except (OSError, http.client.HTTPException) as e:
             raise HeadUnavailableError(
                 f"cannot reach {self.peer} at {self.url}: {_one_line(str(e) or type(e).__name__)}"
             ) from e
+        status, data, credential = reply
+        if self.signer is not None and nonce is not None:
+            try:
+                expected = Reply.to(nonce, self.responder, None, status, data)
+                self.signer.verify_reply(credential, expected)
+            except CdgpcError as e:
+                said = f"; it said {status}: {error_text(data)}" if status >= 400 else ""
+                raise HeadUnavailableError(
+                    _one_line(f"{self.peer} at {self.url}: answer refused: {e}{said}")
+                ) from e
         if status >= 400:
-            raise HeadRefusedError(status, f"{self.peer} refused ({status}): {_error_text(data)}")
+            raise HeadRefusedError(status, f"{self.peer} refused ({status}): {error_text(data)}")
         try:
             return load_json(data, MAX_REPLY_BYTES)
         except ProtocolError as e:

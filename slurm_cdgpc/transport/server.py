@@ -173,6 +173,10 @@ class JsonHandler(BaseHTTPRequestHandler):
     def _route(self, method: str) -> None:
         raise NotImplementedError
 
+    def _signed(self, status: HTTPStatus, body: bytes) -> list[str]:
+        """Header lines that sign this answer (a server's reply credential); none here."""
+        return []
+
     def do_GET(self) -> None:
         self._route("GET")
 
@@ -207,6 +211,7 @@ class JsonHandler(BaseHTTPRequestHandler):
         ]
         if allow is not None:
             fields.append(f"Allow: {allow}")
+        fields.extend(self._signed(status, body))
         if self.close_connection:
             fields.append("Connection: close")
         fields.append("\r\n")

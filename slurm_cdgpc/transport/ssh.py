@@ -5,10 +5,14 @@ and concurrently, ::
 
     ssh -o BatchMode=yes -o ConnectTimeout=<s> [-F FILE] [-o OPTION ...] -- HOST <remote command>
 
-with the `ExchangeRequest` JSON on stdin, and reads the `ExchangeResponse` JSON from stdout. On
-the node, ``cdgpc-noded exchange`` (`slurm_cdgpc.agent.forward`) hands the request to the local
-agent signed with the node's own credentials, so the agent authenticates it exactly as an HTTP
-exchange; SSH authenticates the head to the node (and the node to the head: host keys).
+with the `ExchangeRequest` JSON on stdin, signed by the head as over HTTP (an ``Authorization:``
+line before the body), and reads the agent's `ExchangeResponse` JSON from stdout after its
+reply credential (an ``X-Cdgpc-Reply-Auth:`` line). On the node, ``cdgpc-noded exchange``
+(`slurm_cdgpc.agent.forward`) hands the request with the head's credential to the local agent,
+which authenticates it exactly as an HTTP exchange, and relays the agent's signed answer; the
+head checks that answer as it checks one over HTTP, end to end, so nothing that answers on the
+agent's port instead of the agent can pass for it. SSH authenticates the head to the node (and
+the node to the head: host keys).
 
 Safety: no shell on our side (an argv list); the host is checked with
 `slurm_cdgpc.agent.protocol.check_node_name` before it reaches argv, and follows ``--``, so a node
@@ -46,8 +50,9 @@ from slurm_cdgpc.agent.protocol import (
     ProtocolError,
     check_node_name,
 )
-from slurm_cdgpc.errors import InputError
-from slurm_cdgpc.transport.http import NodeFailure, NodeTarget
+from slurm_cdgpc.errors import CdgpcError, InputError
+from slurm_cdgpc.transport.auth import MAX_CREDENTIAL_CHARS, REPLY_HEADER, Signer
+from slurm_cdgpc.transport.http import EXCHANGE_PATH, NodeFailure, NodeTarget, exchange_answer
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +64,9 @@ SSH_SCHEME: Final = "ssh"
 MAX_STDERR_BYTES: Final = 16 * 1024
 #: ssh's own exit status when it could not connect or authenticate
 SSH_FAILED_STATUS: Final = 255
+
+#: the line before the request body on stdin, and the one before the answer on stdout
+REQUEST_HEADER: Final = "Authorization"
 
 _OPTION_RE: Final = re.compile(r"[A-Za-z][A-Za-z0-9]*=[\x20-\x7e]*")
 _KILL_WAIT_S: Final = 2.0
@@ -98,6 +106,24 @@ def _destination(node: str, url: str) -> _Destination:
     return _Destination(check_node_name(parts.hostname or ""), port)
 
 
+def envelope(header: str, credential: str, body: bytes) -> bytes:
+    """``body`` after one ``<header>: <credential>`` line: how a signed message crosses ssh."""
+    return f"{header}: {credential}\n".encode("ascii") + body
+
+
+def open_envelope(data: bytes, header: str) -> tuple[str | None, bytes]:
+    """The credential and the body of an `envelope`; (None, ``data``) when ``data`` has no
+    ``<header>:`` line (a bare message, which then carries no credential)."""
+    prefix = f"{header}: ".encode("ascii")
+    if not data.startswith(prefix):
+        return None, data
+    line, newline, body = data.partition(b"\n")
+    credential = line[len(prefix) :]
+    if not newline or len(credential) > MAX_CREDENTIAL_CHARS or not credential.isascii():
+        raise ProtocolError(f"{header}: the credential line is malformed")
+    return credential.decode("ascii"), body
+
+
 def _check_option(option: str) -> str:
     if not (isinstance(option, str) and _OPTION_RE.fullmatch(option)):
         raise InputError(f"ssh option must look like Key=value (printable ASCII), got {option!r}")
@@ -132,12 +158,14 @@ class SshExchanger:
     ``IdentityFile=/etc/cdgpc/ssh/id_ed25519``, ``UserKnownHostsFile=...``); ``config_file`` is
     passed as ``-F``. ``timeout_s`` bounds each node's whole exchange (connect, authenticate,
     run, answer); past it the ssh process is killed. At most ``max_parallel`` ssh run at once.
+    ``signer`` signs each request and checks the agent's signed answer (on the ssh's thread).
     """
 
     def __init__(
         self,
         ssh_path: str | os.PathLike[str] = DEFAULT_SSH_PATH,
         *,
+        signer: Signer,
         timeout_s: float,
         options: Sequence[str] = (),
         config_file: str | os.PathLike[str] | None = None,
@@ -156,6 +184,7 @@ class SshExchanger:
             isinstance(word, str) and word and word.isprintable() for word in remote_command
         ):
             raise InputError(f"remote command must be printable words, got {remote_command!r}")
+        self.signer = signer
         self.timeout_s = timeout_s
         self.max_reply_bytes = max_reply_bytes
         connect_timeout_s = max(1, math.ceil(timeout_s))
@@ -207,7 +236,12 @@ class SshExchanger:
             logger.warning("node %r: not exchanged over ssh: %s", node, e)
             return NodeFailure(_one_line(f"ssh: refused: {e}"))
         host = argv[-2]
-        finished = self._run(argv, target.request.to_json())
+        body = target.request.to_json()
+        try:
+            signed = self.signer.sign_request("POST", EXCHANGE_PATH, body)
+        except CdgpcError as e:
+            return NodeFailure(_one_line(f"{host}: {e}"))
+        finished = self._run(argv, envelope(REQUEST_HEADER, signed.credential, body))
         if isinstance(finished, NodeFailure):
             return finished
         if finished.returncode != 0:
@@ -218,17 +252,17 @@ class SshExchanger:
                 else "exchange failed on the node"
             )
             return NodeFailure(f"{host}: {what} (exit {finished.returncode}): {reason}")
-        try:
-            response = ExchangeResponse.from_json(finished.stdout)
-        except ProtocolError as e:
-            return NodeFailure(_one_line(f"{host}: bad reply over ssh: {e}"))
-        if response.node != node:
-            logger.warning("node %s answers as %r (check its --node-name)", node, response.node)
         if finished.stderr:
             logger.debug(
                 "%s: ssh stderr: %s", host, _one_line(finished.stderr.decode("utf-8", "replace"))
             )
-        return response
+        try:
+            credential, data = open_envelope(finished.stdout, REPLY_HEADER)
+        except ProtocolError as e:
+            return NodeFailure(_one_line(f"{host} over ssh: bad reply: {e}"))
+        where = f"{host} over ssh"
+        epoch = target.request.epoch
+        return exchange_answer(self.signer, node, where, signed.nonce, epoch, 200, data, credential)
 
     def _run(self, argv: list[str], request: bytes) -> _Finished | NodeFailure:
         """Run one ssh (no shell) with the request on stdin, bounded in time and output."""

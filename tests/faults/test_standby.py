@@ -224,7 +224,7 @@ def test_a_paused_leader_that_wakes_up_after_a_takeover_changes_nothing(site: Si
                 epoch=old_epoch,
                 node=node,
             )
-            agent = HeadClient(f"http://127.0.0.1:{port}", site.signer, peer=node)
+            agent = HeadClient(f"http://127.0.0.1:{port}", site.signer, peer=node, responder=node)
             with pytest.raises(HeadRefusedError) as refused:
                 agent.post(EXCHANGE_PATH, json.loads(stale.to_json()))
             assert refused.value.status == 409

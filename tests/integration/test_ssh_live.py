@@ -1,5 +1,6 @@
 """The SSH transport end to end: the head's `SshExchanger` → a private sshd → ``cdgpc-noded
-exchange`` → a real ``cdgpc-noded`` (simulated GPUs, HMAC) on loopback, and back."""
+exchange`` → a real ``cdgpc-noded`` (simulated GPUs, HMAC) on loopback, and back. The head signs
+each request and checks the agent's signed answer through the forwarder, end to end."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import secrets
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
@@ -16,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from slurm_cdgpc.agent.protocol import ExchangeRequest, ExchangeResponse, GpuReport, Setpoint
+from slurm_cdgpc.transport.auth import HmacKey, HmacSigner
 from slurm_cdgpc.transport.http import NodeFailure, NodeTarget
 from slurm_cdgpc.transport.ssh import SshExchanger, ssh_url
 from tests.integration import sshd_fixture
@@ -69,10 +72,12 @@ listen_port = {port}
 
 @dataclass(frozen=True)
 class Node:
-    """A running agent and the configs the forwarder may read (the agent's, and a wrong key)."""
+    """A running agent, the forwarder's config, and the key the head signs with (the agent's,
+    and a key it does not know)."""
 
     config: Path
-    wrong_key_config: Path
+    signer: HmacSigner
+    wrong_signer: HmacSigner
     log: Path
 
 
@@ -96,8 +101,10 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
         pytest.skip("the HMAC key must be owned by root: run the live tests as root")
     tmp = tmp_path_factory.mktemp("ssh-node")
     port = _free_port()
-    config = _config(tmp / "cdgpc.toml", _write_key(tmp / "hmac.key"), port, tmp)
-    wrong = _config(tmp / "wrong.toml", _write_key(tmp / "other.key"), port, tmp)
+    key_file = _write_key(tmp / "hmac.key")
+    config = _config(tmp / "cdgpc.toml", key_file, port, tmp)
+    signer = HmacSigner(HmacKey.load(key_file, owner_uid=0))
+    wrong = HmacSigner(HmacKey.load(_write_key(tmp / "other.key"), owner_uid=0))
     env = {k: v for k, v in os.environ.items() if not k.startswith("CDGPC_")}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     log = tmp / "agent.log"
@@ -113,7 +120,7 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
         )
     try:
         _wait_listening(proc, port, log)
-        yield Node(config, wrong, log)
+        yield Node(config, signer, wrong, log)
     finally:
         stop(proc, 10)
 
@@ -135,6 +142,7 @@ def _exchanger(
     sshd: SshServer,
     tmp_path: Path,
     config: Path,
+    signer: HmacSigner,
     *,
     ssh_path: str | None = None,
 ) -> SshExchanger:
@@ -152,6 +160,7 @@ def _exchanger(
     )
     return SshExchanger(
         ssh_path or sshd.programs.ssh,
+        signer=signer,
         timeout_s=TIMEOUT_S,
         config_file=client_config,
         remote_command=_forwarder(config),
@@ -172,7 +181,7 @@ def _gpu(response: ExchangeResponse | NodeFailure, index: int) -> GpuReport:
 def test_setpoints_go_out_and_readings_come_back_over_ssh(
     sshd: SshServer, node: Node, tmp_path: Path
 ) -> None:
-    exchanger = _exchanger(sshd, tmp_path, node.config)
+    exchanger = _exchanger(sshd, tmp_path, node.config, node.signer)
     try:
         target = {"node1": NodeTarget(ssh_url("node1"), _request(Setpoint(0, "77", 1200)))}
         exchanger.exchange(target)
@@ -211,7 +220,7 @@ def test_setpoints_go_out_and_readings_come_back_over_ssh(
 def test_hosts_we_cannot_or_may_not_reach_fail_within_the_timeout(
     sshd: SshServer, node: Node, tmp_path: Path
 ) -> None:
-    exchanger = _exchanger(sshd, tmp_path, node.config)
+    exchanger = _exchanger(sshd, tmp_path, node.config, node.signer)
     names = ("node1", "node-stranger", "node-nokey", "node-down")
     started = time.monotonic()
     try:
@@ -235,8 +244,8 @@ def test_hosts_we_cannot_or_may_not_reach_fail_within_the_timeout(
 def test_the_agent_still_checks_the_credential_behind_ssh(
     sshd: SshServer, node: Node, tmp_path: Path
 ) -> None:
-    # the forwarder signs with a key the agent does not know: refused, and nothing applied
-    exchanger = _exchanger(sshd, tmp_path, node.wrong_key_config)
+    # the head signs with a key the agent does not know: refused, and nothing applied
+    exchanger = _exchanger(sshd, tmp_path, node.config, node.wrong_signer)
     try:
         result = exchanger.exchange({"node1": NodeTarget("", _request(Setpoint(0, "9", 1200)))})
     finally:
@@ -244,7 +253,7 @@ def test_the_agent_still_checks_the_credential_behind_ssh(
     assert isinstance(result["node1"], NodeFailure)
     assert "exchange failed on the node (exit 1)" in result["node1"].reason
     assert "HTTP 401" in result["node1"].reason
-    good = _exchanger(sshd, tmp_path, node.config)
+    good = _exchanger(sshd, tmp_path, node.config, node.signer)
     try:
         after = good.exchange({"node1": NodeTarget("", _request())})["node1"]
     finally:
@@ -262,7 +271,7 @@ def test_a_malicious_node_name_never_reaches_ssh(
         f'#!/bin/sh\nprintf "%s\\n" "$@" >> {calls}\nexec {sshd.programs.ssh} "$@"\n'
     )
     wrapper.chmod(0o755)
-    exchanger = _exchanger(sshd, tmp_path, node.config, ssh_path=str(wrapper))
+    exchanger = _exchanger(sshd, tmp_path, node.config, node.signer, ssh_path=str(wrapper))
     evil = f"-oProxyCommand=touch {pwned}"
     try:
         results = exchanger.exchange(
@@ -283,3 +292,58 @@ def test_a_malicious_node_name_never_reaches_ssh(
     assert "ProxyCommand" not in argv_seen and "touch" not in argv_seen
     assert argv_seen.count("\n--\nnode1\n") == 1  # only the good node was run
     assert not pwned.exists()
+
+
+def test_an_impostor_on_the_agents_port_is_refused_end_to_end(
+    sshd: SshServer, node: Node, tmp_path: Path
+) -> None:
+    """A local user who holds the agent's port (while it restarts) answers the forwarder with a
+    plausible exchange response: the forwarder relays it, and the head refuses it."""
+    forged = ExchangeResponse(node="node1", time_s=time.time()).to_json()
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+
+    def answer() -> None:
+        with listener:
+            conn, _ = listener.accept()
+            with conn:
+                data = b""
+                while b"\r\n\r\n" not in data:
+                    data += conn.recv(65536)
+                head = f"HTTP/1.1 200 OK\r\nContent-Length: {len(forged)}\r\n\r\n"
+                conn.sendall(head.encode() + forged)
+
+    thread = threading.Thread(target=answer, daemon=True)
+    thread.start()
+    text = node.config.read_text().replace(
+        f"listen_port = {_port_of(node.config)}", f"listen_port = {port}"
+    )
+    impostor_config = tmp_path / "impostor.toml"
+    impostor_config.write_text(text)
+    exchanger = _exchanger(sshd, tmp_path, impostor_config, node.signer)
+    try:
+        result = exchanger.exchange({"node1": NodeTarget("", _request())})["node1"]
+    finally:
+        exchanger.close()
+    thread.join(TIMEOUT_S)
+    assert isinstance(result, NodeFailure), result
+    assert "node1 over ssh: reply refused: no X-Cdgpc-Reply-Auth header" in result.reason
+
+
+def test_a_head_older_than_the_agent_still_gets_a_checked_answer(node: Node) -> None:
+    """A bare request (a head that signs none) is signed by the forwarder with the node's own
+    key, and the agent's answer checked there before its JSON is printed."""
+    done = subprocess.run(
+        _forwarder(node.config),
+        input=_request().to_json(),
+        capture_output=True,
+        timeout=30,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert ExchangeResponse.from_json(done.stdout).node == "node1"
+
+
+def _port_of(config: Path) -> int:
+    (line,) = [x for x in config.read_text().splitlines() if x.startswith("listen_port")]
+    return int(line.split("=")[1])

@@ -26,6 +26,8 @@ from slurm_cdgpc.transport.ssh import SshExchanger
 from tests.evidence import record
 from tests.security.live import Daemon, make_keys, start_head, stop_all
 
+SIGNER = HmacSigner(HmacKey(b"k" * 32), uid=0, gid=0)
+
 pytestmark = pytest.mark.security
 
 
@@ -116,7 +118,7 @@ def _hostile_urls(canary: Path) -> list[str]:
 def test_hostile_agent_urls_are_refused_or_inert(head: Daemon, canary: Path) -> None:
     """A URL the head accepts is only ever a connection target: over ssh, the transport
     refuses a host that is not a host name before ssh runs; over http, no program runs."""
-    exchanger = SshExchanger("/usr/bin/ssh", timeout_s=5.0)
+    exchanger = SshExchanger("/usr/bin/ssh", signer=SIGNER, timeout_s=5.0)
     refused = inert = 0
     try:
         for url in _hostile_urls(canary):
@@ -186,7 +188,7 @@ def test_the_ssh_transport_never_starts_ssh_for_a_hostile_host(
     fake_ssh: tuple[Path, Path], canary: Path
 ) -> None:
     program, ran = fake_ssh
-    exchanger = SshExchanger(program, timeout_s=5.0, options=["User=root"])
+    exchanger = SshExchanger(program, signer=SIGNER, timeout_s=5.0, options=["User=root"])
     tried = refused = 0
     try:
         for bad in _payloads(canary):
@@ -215,8 +217,8 @@ def test_routing_sends_no_hostile_name_anywhere(fake_ssh: tuple[Path, Path], can
     HTTP; a hostile node name or host ends as a one-line `NodeFailure` either way."""
     program, ran = fake_ssh
     router = RoutingExchanger(
-        NodeExchanger(HmacSigner(HmacKey(b"k" * 32), uid=0, gid=0), timeout_s=2.0),
-        SshExchanger(program, timeout_s=5.0),
+        NodeExchanger(SIGNER, timeout_s=2.0),
+        SshExchanger(program, signer=SIGNER, timeout_s=5.0),
     )
     closed = "http://127.0.0.1:9"  # the discard port: nothing listens there
     try:
@@ -241,7 +243,7 @@ def test_routing_sends_no_hostile_name_anywhere(fake_ssh: tuple[Path, Path], can
 )
 def test_ssh_options_are_key_value_words(option: str) -> None:
     with pytest.raises(InputError):
-        SshExchanger("/usr/bin/ssh", timeout_s=5.0, options=[option])
+        SshExchanger("/usr/bin/ssh", signer=SIGNER, timeout_s=5.0, options=[option])
 
 
 @pytest.mark.parametrize(

@@ -85,7 +85,11 @@ def api(tmp_path: Path) -> Iterator[Api]:
     coordinator.start()
     key = HmacKey(secrets.token_bytes(32))
     server = HeadHttpServer(
-        ("127.0.0.1", 0), coordinator, HmacVerifier(key), AccessPolicy(hmac_is_admin=False)
+        ("127.0.0.1", 0),
+        coordinator,
+        HmacVerifier(key),
+        AccessPolicy(hmac_is_admin=False),
+        signer=HmacSigner(key),
     )
     thread = threading.Thread(target=server.serve_forever, name="http-loop", daemon=True)
     thread.start()
@@ -247,6 +251,7 @@ def test_admin_commands_talk_to_the_head(api: Api, tmp_path: Path) -> None:
         pytest.skip("the HMAC key must be owned by root: run as root")
     key = HmacKey(key_file.read_bytes())
     api.server.verifier = HmacVerifier(key)
+    api.server.signer = HmacSigner(key)
     api.server.policy = AccessPolicy(hmac_is_admin=True)
     config = tmp_path / "cdgpc.toml"
     config.write_text(

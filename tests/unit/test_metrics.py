@@ -349,7 +349,11 @@ def agent(tmp_path: Path) -> Iterator[Agent]:
     )
     key = HmacKey(secrets.token_bytes(32))
     server = AgentHttpServer(
-        ("127.0.0.1", 0), node, HmacVerifier(key), AccessPolicy(node_uids=frozenset({0}))
+        ("127.0.0.1", 0),
+        node,
+        HmacVerifier(key),
+        AccessPolicy(node_uids=frozenset({0})),
+        signer=HmacSigner(key),
     )
     stop = _serve(server)
     yield Agent(node, server, HmacSigner(key, uid=0, gid=0), clock)

@@ -1,8 +1,8 @@
 """`NodeExchanger`: one round with many nodes on real loopback sockets, real agents among them.
 
 Each failure mode a node can have (nothing listening, listening but silent, garbage, a refusal,
-a reply too large, a credential that cannot be made) costs that node a one-line `NodeFailure`
-and nobody else anything; a round never outlasts twice the per-node timeout.
+a reply too large or unsigned, a credential that cannot be made) costs that node a one-line
+`NodeFailure` and nobody else anything; a round never outlasts twice the per-node timeout.
 """
 
 from __future__ import annotations
@@ -27,6 +27,9 @@ from slurm_cdgpc.transport.auth import (
     HmacKey,
     HmacSigner,
     HmacVerifier,
+    Principal,
+    Reply,
+    SignedRequest,
 )
 from slurm_cdgpc.transport.evented import EventLoop
 from slurm_cdgpc.transport.http import MAX_REPLY_BYTES, NodeExchanger, NodeFailure, NodeTarget
@@ -51,6 +54,7 @@ def agents(tmp_path: Path) -> Iterator[dict[str, str]]:
             ),
             HmacVerifier(KEY),
             AccessPolicy(node_uids=frozenset({0, os.getuid()})),
+            signer=HmacSigner(KEY),
             loop=loop,
         )
         for i in range(8)
@@ -175,7 +179,7 @@ def test_each_broken_node_fails_alone_and_the_round_ends_in_time(agents: dict[st
     assert "BadStatusLine" in reasons["garbage"]
     assert reasons["refuses"].endswith("HTTP 401: nope")
     assert f"larger than {MAX_REPLY_BYTES} bytes" in reasons["huge"]
-    assert "bad reply" in reasons["not-json"]
+    assert "reply refused: no X-Cdgpc-Reply-Auth header" in reasons["not-json"]
     assert "not an http(s) URL" in reasons["bad-url"]
     assert all("\n" not in reason for reason in reasons.values())
 
@@ -190,7 +194,8 @@ def test_a_round_larger_than_its_socket_budget_waits_its_turn(agents: dict[str, 
 
 
 class _ProgramSigner:
-    """A signer that, like ``munge``, takes a while per credential, can fail, or can hang."""
+    """A signer that, like ``munge``, takes a while per credential, can fail, or can hang; and,
+    like ``unmunge``, takes a while to check each answer."""
 
     scheme = "hmac"
 
@@ -199,15 +204,27 @@ class _ProgramSigner:
         self.fail_for = fail_for
         self.hang_for = hang_for
         self.threads: set[str] = set()
+        self.checked_on: set[str] = set()
 
     def sign(self, method: str, path: str, body: bytes) -> str:
+        return self.sign_request(method, path, body).credential
+
+    def sign_request(self, method: str, path: str, body: bytes) -> SignedRequest:
         self.threads.add(threading.current_thread().name)
         time.sleep(SIGN_S)
         if f'"node":"{self.fail_for}"'.encode() in body:
             raise AuthUnavailableError("munge failed: cannot connect to munged")
         if f'"node":"{self.hang_for}"'.encode() in body:
             time.sleep(3.0)
-        return self._hmac.sign(method, path, body)
+        return self._hmac.sign_request(method, path, body)
+
+    def sign_reply(self, reply: Reply) -> str:
+        return self._hmac.sign_reply(reply)
+
+    def verify_reply(self, credential: str | None, expected: Reply) -> Principal:
+        self.checked_on.add(threading.current_thread().name)
+        time.sleep(SIGN_S)
+        return self._hmac.verify_reply(credential, expected)
 
 
 def test_credentials_that_take_a_program_are_made_on_the_pool_at_once(
@@ -215,8 +232,9 @@ def test_credentials_that_take_a_program_are_made_on_the_pool_at_once(
 ) -> None:
     signer = _ProgramSigner(fail_for="n3")
     results, took_s = _round(NodeExchanger(signer, timeout_s=2.0), _targets(agents))
-    assert took_s < 4 * SIGN_S  # not one after another (that takes 8 × SIGN_S)
+    assert took_s < 4 * SIGN_S  # made and checked at once: one after another takes 15 × SIGN_S
     assert threading.current_thread().name not in signer.threads
+    assert signer.checked_on and threading.current_thread().name not in signer.checked_on
     failure = results.pop("n3")
     assert isinstance(failure, NodeFailure) and "cannot connect to munged" in failure.reason
     assert all(isinstance(r, ExchangeResponse) for r in results.values())

@@ -17,7 +17,14 @@ from typing import Any
 import pytest
 
 from slurm_cdgpc.agent.protocol import ProtocolError
-from slurm_cdgpc.transport.auth import AccessPolicy, HmacKey, HmacVerifier
+from slurm_cdgpc.transport.auth import (
+    AccessPolicy,
+    HmacKey,
+    HmacVerifier,
+    Principal,
+    Reply,
+    SignedRequest,
+)
 from slurm_cdgpc.transport.evented import EventedHttpServer, EventLoop
 from slurm_cdgpc.transport.http import MAX_REPLY_BYTES, _request
 from slurm_cdgpc.transport.server import MAX_HEADERS, JsonHandler
@@ -210,7 +217,8 @@ def _one_reply_server(reply: bytes) -> tuple[str, threading.Thread]:
 def _ask(reply: bytes) -> tuple[int, bytes]:
     url, thread = _one_reply_server(reply)
     try:
-        return _request(url, "GET", "/v1/status", b"", None, WAIT_S)
+        _, (status, body, _) = _request(url, "GET", "/v1/status", b"", None, WAIT_S)
+        return status, body
     finally:
         thread.join(WAIT_S)
 
@@ -240,7 +248,7 @@ def test_client_connects_to_an_address_without_a_lookup_and_to_a_name_with_one(
     assert looked_up == []
     url, thread = _one_reply_server(ok)
     try:
-        assert _request(url.replace("127.0.0.1", "localhost"), "GET", "/", b"", None, WAIT_S)[0]
+        assert _request(url.replace("127.0.0.1", "localhost"), "GET", "/", b"", None, WAIT_S)[1]
     finally:
         thread.join(WAIT_S)
     assert "localhost" in looked_up
@@ -284,7 +292,9 @@ def test_client_sends_one_well_formed_signed_request() -> None:
                 while not data.endswith(b"body"):
                     data += conn.recv(65536)
                 received.append(data)
-                conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")
+                conn.sendall(
+                    b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\nX-Cdgpc-Reply-Auth: test r\r\n\r\n"
+                )
 
     thread = threading.Thread(target=serve, daemon=True)
     thread.start()
@@ -295,9 +305,19 @@ def test_client_sends_one_well_formed_signed_request() -> None:
         def sign(self, method: str, path: str, body: bytes) -> str:
             return f"test {method} {path} {len(body)}"
 
+        def sign_request(self, method: str, path: str, body: bytes) -> SignedRequest:
+            return SignedRequest(self.sign(method, path, body), "0" * 32)
+
+        def sign_reply(self, reply: Reply) -> str:
+            raise NotImplementedError
+
+        def verify_reply(self, credential: str | None, expected: Reply) -> Principal:
+            raise NotImplementedError
+
+    # the nonce it sent, and the answer with its reply credential (checked by the callers)
     assert _request(f"http://127.0.0.1:{port}/p", "POST", "/v1/x", b"body", _Signer(), WAIT_S) == (
-        200,
-        b"",
+        "0" * 32,
+        (200, b"", "test r"),
     )
     thread.join(WAIT_S)
     head, _, body = received[0].partition(b"\r\n\r\n")
