@@ -10,7 +10,8 @@ need=()        # Debian packages to install
 why=()         # what each missing part is for, for a non-root user
 missing() { need+=("$1"); why+=("$2"); }
 
-python3 -m venv --help >/dev/null 2>&1 || missing python3-venv "the virtualenv (.venv)"
+# Debian's python3 has the venv module but not ensurepip, without which `python3 -m venv` fails
+python3 -c 'import ensurepip' >/dev/null 2>&1 || missing python3-venv "the virtualenv (.venv)"
 command -v munged >/dev/null || missing munge "the MUNGE authentication tests"
 command -v pg_ctlcluster >/dev/null || missing postgresql "the store tests on PostgreSQL"
 if ! command -v slurmctld >/dev/null || ! command -v slurmd >/dev/null || ! command -v sbatch >/dev/null; then

@@ -68,7 +68,10 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     dist = root / "dist"
     sdist = dist / _run([sys.executable, "-c", BUILD, "build_sdist", str(dist)], source).split()[-1]
     with tarfile.open(sdist) as archive:
-        archive.extractall(root / "unpacked", filter="data")
+        if hasattr(tarfile, "data_filter"):
+            archive.extractall(root / "unpacked", filter="data")
+        else:  # Python < 3.11.4 (Debian 12's 3.11.2) has no filters; the sdist is our own
+            archive.extractall(root / "unpacked")
     [unpacked] = (root / "unpacked").iterdir()
     name = _run([sys.executable, "-c", BUILD, "build_wheel", str(dist)], unpacked).split()[-1]
     return dist / name
