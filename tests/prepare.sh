@@ -39,8 +39,17 @@ fi
 if command -v pg_ctlcluster >/dev/null && [ "$(id -u)" -eq 0 ]; then
     if ! pg_isready -q -h 127.0.0.1 -p 5432; then
         version=$(ls /etc/postgresql | sort -V | tail -n 1)
+        # the tests' port: pg_createcluster gives the next free one when 5432 is taken at install
+        if [ "$(pg_conftool -s "$version" main show port)" != 5432 ]; then
+            pg_conftool "$version" main set port 5432
+            pg_ctlcluster --skip-systemctl-redirect "$version" main stop 2>/dev/null || true
+        fi
         pg_ctlcluster --skip-systemctl-redirect "$version" main start
         for _ in $(seq 50); do pg_isready -q -h 127.0.0.1 -p 5432 && break; sleep 0.2; done
+        pg_isready -q -h 127.0.0.1 -p 5432 || {
+            echo "prepare: PostgreSQL $version/main started but does not answer on 127.0.0.1:5432" >&2
+            exit 1
+        }
     fi
     if ! psql -h 127.0.0.1 -U postgres -d test -tAc 'select 1' >/dev/null 2>&1; then
         # a stock install: allow local TCP connections as postgres without a password, add `test`
