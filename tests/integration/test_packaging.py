@@ -88,6 +88,9 @@ def _install(wheel: Path, how: str, into: Path) -> Path:
             "install",
             "--no-deps",
             "--no-index",
+            # without it, --prefix uninstalls the running environment's copy (the editable
+            # install in .venv), and the Slurm hooks, run with -I, no longer find the package
+            "--ignore-installed",
             "--disable-pip-version-check",
             "--no-warn-script-location",
             f"--{how}",
