@@ -7,9 +7,9 @@
 #   REPOSITORY  a path or URL for `git clone`                     default the repository this
 #               script lives in; its committed HEAD, never the working tree
 # Environment:
-#   MIRROR   Debian mirror for debootstrap        default: the host's, from /etc/apt/sources.list.d
-#            (the root then gets a sources.list   /*.sources or /etc/apt/sources.list (the root then
-#            for MIRROR alone)                    gets copies of the host's apt sources)
+#   MIRROR   the Debian mirror for debootstrap; default: the host's (/etc/apt/sources.list.d/
+#            *.sources or /etc/apt/sources.list), and the root gets copies of the host's apt
+#            sources; with MIRROR it keeps debootstrap's sources.list for MIRROR alone
 #   REV      commit to test                       default: the clone's HEAD
 #   SHARED   the shared/ directory laid beside the clone, read-only, as CI lays it
 #            default: ../shared beside REPOSITORY when that is a local path and has one
@@ -45,9 +45,8 @@
 #      peer is in the same namespace (a host's own non-loopback address; what is sent to it
 #      reaches nothing), the nameservers unreachable (a lookup fails at once, as an unknown
 #      name does, rather than waiting for a resolver's timeout): `.ci/run`, which runs
-#      `make test`. prepare.sh then finds everything
-#      installed and only starts services, pip installs nothing (the stamp is newer than
-#      setup.cfg), then ruff, mypy and pytest.
+#      `make test`. prepare.sh then finds everything installed and only starts services, pip
+#      installs nothing (the stamp is newer than setup.cfg), then ruff, mypy and pytest.
 # The output goes to ROOT.log (and here); the script prints the last pytest summary line and
 # exits with .ci/run's status. On exit every mount is undone and ROOT is left for the next run,
 # which skips debootstrap and clones again (it starts with what the last run installed: FRESH=1,
@@ -205,7 +204,8 @@ rm -rf "$ROOT/etc/xdg/pip" "$ROOT/etc/pip.conf" "$ROOT/root/.config/pip" "$ROOT/
 rm -rf "$ROOT/usr/local/share/ca-certificates"
 mkdir -p "$ROOT/usr/local/share/ca-certificates"
 cp -r /usr/local/share/ca-certificates/. "$ROOT/usr/local/share/ca-certificates/"
-chroot "$ROOT" update-ca-certificates --fresh >/dev/null
+chroot "$ROOT" update-ca-certificates --fresh >/dev/null 2>&1 ||
+    die "update-ca-certificates failed in $ROOT"
 
 # --- 2. mounts ------------------------------------------------------------------------------------
 mnt "$ROOT" --bind "$ROOT" # `ip netns exec` remounts / (--make-rslave): it must be a mount
