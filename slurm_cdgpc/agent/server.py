@@ -303,10 +303,9 @@ class _Handler(JsonHandler):
 
     def _body(self) -> bytes | None:
         """The request body, or None after answering 400/411/413."""
+        # framing was checked when the headers were read (`transport.server`): a
+        # Transfer-Encoding never gets here, it is answered 501 there
         length_text = self.headers.get("Content-Length")
-        if self.headers.get("Transfer-Encoding"):
-            self._error(HTTPStatus.LENGTH_REQUIRED, "chunked bodies are not accepted")
-            return None
         if length_text is None:
             self._error(HTTPStatus.LENGTH_REQUIRED, "Content-Length is required")
             return None
