@@ -113,6 +113,9 @@ class ControlConfig:
     triage: bool = True
     #: pressure on the node predicted to empty first while jobs wait and GPUs are free (0: off)
     drain_pressure: float = 1.0
+    #: a job that does not say its total work has at most its Slurm time limit of it, at top
+    #: clocks: its pressure comes from that bound, capped at 1 (off: pressure 1 at any slack)
+    work_from_time_limit: bool = True
     #: κ: budget held back, in standard errors, when the plan moves to less-known clocks
     exploration_sigmas: float = 1.0
     #: decide and record, but apply nothing
@@ -468,6 +471,7 @@ _SCHEMA: dict[str, tuple[type[Any], dict[str, _Key]]] = {
             "floor_fallback": _Key("floor_fallback", _boolean),
             "triage": _Key("triage", _boolean),
             "drain_pressure": _Key("drain_pressure", _non_negative),
+            "work_from_time_limit": _Key("work_from_time_limit", _boolean),
             "exploration_sigmas": _Key("exploration_sigmas", _non_negative),
             "shadow": _Key("shadow", _boolean),
         },

@@ -153,7 +153,14 @@ def status(config_path: Path | None, as_json: bool) -> None:
 @_config_option
 @_json_option
 def jobs(config_path: Path | None, as_json: bool) -> None:
-    """Active jobs with their clocks, power and deadlines."""
+    """Active jobs: clocks, power, progress, predicted finish against the deadline.
+
+    \b
+    progress: reported (the job sends its steps) or none
+    work:     where its total comes from: comment (iters=), framework (a callback's total),
+              time-limit (an upper bound from its Slurm time limit: an estimate) or none
+    finish:   when it ends at the clocks just decided (~: from the time-limit estimate)
+    """
     data = _client(_config(config_path)).get("/v1/jobs")
     if as_json:
         echo_json(data)
@@ -167,11 +174,26 @@ def jobs(config_path: Path | None, as_json: bool) -> None:
             j["graphics_mhz"] or "-",
             _power(j["predicted_power_w"]),
             _power(j["measured_power_w"]),
+            j.get("progress", "-"),
+            f"{j['iterations_done']}/{j['iterations_total'] or '?'} {j.get('work', '-')}",
+            ("~" if j.get("work") == "time-limit" else "") + _when(j.get("finish_s")),
             _when(j["deadline_s"]),
         ]
         for j in data["jobs"]
     ]
-    headers = ["job", "user", "state", "GPUs", "MHz", "predicted", "measured", "deadline"]
+    headers = [
+        "job",
+        "user",
+        "state",
+        "GPUs",
+        "MHz",
+        "predicted",
+        "measured",
+        "progress",
+        "work",
+        "finish",
+        "deadline",
+    ]
     click.echo(format_table(headers, rows) if rows else "no active jobs")
 
 

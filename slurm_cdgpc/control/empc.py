@@ -71,6 +71,10 @@ class ControllerSettings:
     #: while jobs wait although GPUs are free, the jobs of the node predicted to empty first
     #: get at least this pressure (needs a `QueueState`; 0 turns it off)
     drain_pressure: float = _SHIPPED.drain_pressure
+    #: a job with a time limit but no known total work needs at most its time limit at top
+    #: clocks, less the work done (`JobEstimator.work_top_s`); its pressure is that over its
+    #: slack, at most 1 (the bound is loose: the job must not outweigh one that says its work)
+    work_from_time_limit: bool = _SHIPPED.work_from_time_limit
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -123,6 +127,20 @@ class JobState:
     gpu_type: IntArray  # index into the controller's ClockGrid
     remaining_iterations: FloatArray  # R_n; NaN when the job never said
     deadline_s: FloatArray  # D_n (absolute, same clock as ``now_s``); NaN when none
+    #: Slurm's time limit L_n and the job's start (same clock as ``now_s``); NaN when unknown
+    time_limit_s: FloatArray | None = None
+    start_s: FloatArray | None = None
+
+    def remaining_top_s(self, work_top_s: FloatArray, now_s: float) -> FloatArray:
+        """Upper bound on the work left, in seconds at top clocks, of jobs that did not say
+        theirs: min(L − done, start + L − now), ≥ 0 (Slurm ends the job at its limit); NaN
+        for jobs that said, or that have no time limit."""
+        n = self.remaining_iterations.shape[0]
+        if self.time_limit_s is None or self.start_s is None:
+            return np.full(n, np.nan)
+        left = np.minimum(self.time_limit_s - work_top_s, self.start_s + self.time_limit_s - now_s)
+        unknown = ~np.isfinite(self.remaining_iterations) & (self.time_limit_s > 0)
+        return np.where(unknown, np.maximum(left, 0.0), np.nan)
 
 
 @dataclass(frozen=True)
@@ -179,6 +197,7 @@ class EconomicMPC:
         self.floor_grid = grid.floored(self.settings.min_clock_fraction)
         self.offset = 0.0  # δ
         self._last_price: FloatArray | None = None
+        self._last_step_s: float | None = None
 
     def step(
         self,
@@ -214,6 +233,11 @@ class EconomicMPC:
                 measured.iteration_s,
                 power_capped=measured.power_capped,
             )
+            if self._last_step_s is not None:
+                # the interval just measured; a long gap (a head that was away) counts as one
+                dt_s = min(max(now_s - self._last_step_s, 0.0), 2.0 * s.interval_s)
+                estimator.accrue_work(x_a, xm_a, measured.power_w, dt_s)
+        self._last_step_s = now_s
 
         problem, grid = self._problem(estimator, jobs, now_s, budget_w, uncontrolled_w, queue)
         warm = self._last_price
@@ -378,17 +402,29 @@ class EconomicMPC:
         t_top = np.where(np.isfinite(t_top) & (t_top > 0), t_top, 1.0)
         slack = jobs.deadline_s - now_s
         has_deadline = np.isfinite(jobs.deadline_s)
-        # unknown remaining work: assume the job needs its whole slack at top clocks (pressure 1)
+        # unknown remaining work: assume the job needs its whole slack at top clocks (pressure
+        # 1), or, from its time limit, at most what the limit leaves
+        bound_top_s = (
+            jobs.remaining_top_s(estimator.work_top_s, now_s)
+            if s.work_from_time_limit
+            else np.full(n, np.nan)
+        )
+        estimated = np.isfinite(bound_top_s)
         remaining = np.where(
             np.isfinite(jobs.remaining_iterations),
             jobs.remaining_iterations,
-            np.where(has_deadline, np.maximum(slack, s.interval_s), 0.0) / t_top,
+            np.where(
+                estimated,
+                bound_top_s,
+                np.where(has_deadline, np.maximum(slack, s.interval_s), 0.0),
+            )
+            / t_top,
         )
         pressure_per_iter = 1.0 / np.maximum(slack, s.interval_s)  # π = 1 / max(D − t, Δt)
         low = s.default_pressure / t_top
         w = np.where(has_deadline, remaining * pressure_per_iter, low)
-        # cap the pressure of late jobs: w T ≤ π_max at top clocks
-        w = np.minimum(w, s.max_pressure / t_top)
+        # cap the pressure of late jobs: w T ≤ π_max at top clocks; of estimated ones at 1
+        w = np.minimum(w, np.where(estimated, 1.0, s.max_pressure) / t_top)
         if s.triage:
             # hopeless: a miss even at top clocks from now on, R · T_top > D − t
             hopeless = (

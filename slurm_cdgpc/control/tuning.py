@@ -36,6 +36,7 @@ class Tuning:
                 floor_fallback=control.floor_fallback,
                 triage=control.triage,
                 drain_pressure=control.drain_pressure,
+                work_from_time_limit=control.work_from_time_limit,
             ),
             estimator=EstimatorSettings(
                 family=control.model_family,
@@ -56,7 +57,7 @@ def shipped(interval_s: float | None = None) -> Tuning:
 
 def paper(interval_s: float | None = None) -> Tuning:
     """The method as published: linear power model, fixed guard band, clock floor 0.5 of max,
-    no triage, drain, floor fallback or exploration margin."""
+    no triage, drain, floor fallback, time-limit work estimate or exploration margin."""
     config = ControlConfig(
         model_family="linear",
         guard_per_sqrt_job=0.0,
@@ -64,6 +65,7 @@ def paper(interval_s: float | None = None) -> Tuning:
         floor_fallback=False,
         triage=False,
         drain_pressure=0.0,
+        work_from_time_limit=False,
         exploration_sigmas=0.0,
     )
     tuning = Tuning.from_config(config)

@@ -14,14 +14,15 @@ one that is given and checks out gets a signed answer (a signed client can tell 
 
 =========================  ==========  ======================================================
 ``POST /v1/jobs``          node        register ``{job_id, user, node, gpus, gpu_type?,
-                                       deadline_s?, iterations_total?}``; idempotent, a
-                                       multi-node job registers once per node
+                                       deadline_s?, iterations_total?, time_limit_s?,
+                                       start_s?}``; idempotent, a multi-node job registers
+                                       once per node
 ``DELETE /v1/jobs/{id}``   node        deregister; its GPUs are released at the next exchange
 ``POST /v1/nodes``         node        announce ``{node, url, gpu_type?}`` (agent URL)
 ``POST /v1/budget``        admin       ``{budget_w, effective_at_s?, reason?}``
 ``GET /v1/budget``         read        the budget in force, scheduled changes, recent history
 ``GET /v1/status``         read        the last interval
-``GET /v1/jobs``           read        active jobs with their clocks and power
+``GET /v1/jobs``           read        active jobs: clocks, power, progress, predicted finish
 ``GET /v1/nodes``          read        nodes, reachability, worst-case power
 ``GET /v1/decisions``      read        ``?limit=N`` (default 20, at most 1000) latest decisions
 ``GET /metrics``           none        Prometheus text format 0.0.4 (`coordinator.metrics`)
@@ -328,6 +329,11 @@ def job_dict(job: Job, views: Mapping[str, JobView]) -> dict[str, object]:
         "memory_mhz": None if view is None else view.memory_mhz,
         "predicted_power_w": None if view is None else view.predicted_power_w,
         "measured_power_w": None if view is None else view.measured_power_w,
+        "time_limit_s": job.time_limit_s,
+        "progress": "none" if view is None else view.progress,
+        "work": job.work_source,
+        "left_top_s": None if view is None else view.left_top_s,
+        "finish_s": None if view is None else view.finish_s,
     }
 
 
@@ -485,7 +491,7 @@ class _Handler(JsonHandler):
         d = _object(
             body,
             ("job_id", "user", "node", "gpus"),
-            ("gpu_type", "deadline_s", "iterations_total"),
+            ("gpu_type", "deadline_s", "iterations_total", "time_limit_s", "start_s"),
         )
         job = _checked(job_id, d["job_id"], "job_id")
         user = _text(d["user"], "user", _ACCOUNT, 64)
@@ -494,6 +500,10 @@ class _Handler(JsonHandler):
         gpu_type = None if d.get("gpu_type") is None else _text(d["gpu_type"], "gpu_type", limit=64)
         deadline_s = _optional_number(d.get("deadline_s"), "deadline_s")
         iterations_total = _count(d.get("iterations_total"), "iterations_total")
+        time_limit_s = _optional_number(d.get("time_limit_s"), "time_limit_s")
+        if time_limit_s is not None and time_limit_s <= 0:
+            raise _bad(f"time_limit_s: must be > 0, got {time_limit_s:g}")
+        start_s = _optional_number(d.get("start_s"), "start_s")
         deliver = self.defer()
 
         def answer(outcome: Callable[[], Job]) -> None:
@@ -521,6 +531,8 @@ class _Handler(JsonHandler):
                 gpu_type=gpu_type,
                 deadline_s=deadline_s,
                 iterations_total=iterations_total,
+                time_limit_s=time_limit_s,
+                started_at_s=start_s,
                 sender=principal,
                 # on the loop's thread: committed with the turn's others when it ends
                 lead=not self.server.loop.in_loop_thread(),

@@ -198,6 +198,13 @@ class JobView:
     memory_mhz: int | None = None
     predicted_power_w: float | None = None
     measured_power_w: float | None = None  # all its GPUs, last exchange
+    #: ``reported`` (steps arrived since it joined) or ``none``
+    progress: str = "none"
+    #: work left in seconds at top clocks (an upper bound when `Job.work_source` is
+    #: ``time-limit``) and
+    #: when it would end at the decided clocks; None: not known
+    left_top_s: float | None = None
+    finish_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -342,6 +349,9 @@ class _Registration:
     adopted: bool = False
     #: who sent it (the API's authenticated principal), for the log line
     sender: object = None
+    #: Slurm's time limit and start time, when the Prolog (or squeue) said
+    time_limit_s: float | None = None
+    started_at_s: float | None = None
 
 
 def _registration(
@@ -354,12 +364,24 @@ def _registration(
     iterations_total: int | None,
     adopted: bool,
     sender: object = None,
+    time_limit_s: float | None = None,
+    started_at_s: float | None = None,
 ) -> _Registration:
     if not gpus:
         raise InputError(f"job {job_id}: no GPUs on node {node}")
     spec = None if gpu_type is None else catalog_spec(gpu_type)
     return _Registration(
-        job_id, user, node, tuple(gpus), spec, deadline_s, iterations_total, adopted, sender
+        job_id,
+        user,
+        node,
+        tuple(gpus),
+        spec,
+        deadline_s,
+        iterations_total,
+        adopted,
+        sender,
+        time_limit_s,
+        started_at_s,
     )
 
 
@@ -430,6 +452,9 @@ class Coordinator:
         self._typed_nodes: dict[str, str] = {}  # committed nodes with a GPU type (registration)
         self._uids: dict[str, int | None] = {}  # job user -> uid on this host
         self._spoof_logged: set[tuple[str, str, int]] = set()  # refused progress, logged once
+        #: per job, the node whose progress counts: the first to report (each node's agent
+        #: times its own reports, and a job's nodes are a step or two apart)
+        self._reporter: dict[str, str] = {}
         #: whether jobs wait for GPUs in Slurm, and when that was read (monotonic); None: unread
         self._queue_seen: tuple[bool, float] | None = None
         self._queue_known = False  # the drain has its input (logged on each change)
@@ -509,6 +534,8 @@ class Coordinator:
         deadline_s: float | None = None,
         iterations_total: int | None = None,
         adopted: bool = False,
+        time_limit_s: float | None = None,
+        started_at_s: float | None = None,
     ) -> Job:
         """Record a job's GPUs on one node (idempotent; a multi-node job calls once per node).
         ``adopted``: found running in Slurm without a registration (`reconcile`), not from a
@@ -519,7 +546,16 @@ class Coordinator:
         committed; a registration refused on its own (another user's job id) fails alone.
         """
         registration = _registration(
-            job_id, user, node, gpus, gpu_type, deadline_s, iterations_total, adopted
+            job_id,
+            user,
+            node,
+            gpus,
+            gpu_type,
+            deadline_s,
+            iterations_total,
+            adopted,
+            time_limit_s=time_limit_s,
+            started_at_s=started_at_s,
         )
         if self.store.in_transaction():  # the caller's transaction commits it, not a batch
             [outcome] = self._register_batch([registration])
@@ -541,6 +577,8 @@ class Coordinator:
         gpu_type: str | None = None,
         deadline_s: float | None = None,
         iterations_total: int | None = None,
+        time_limit_s: float | None = None,
+        started_at_s: float | None = None,
         sender: object = None,
         lead: bool = True,
     ) -> None:
@@ -551,7 +589,17 @@ class Coordinator:
         it, named in the registration's log line. ``lead=False``: only queue it, even with no
         batch in progress, for `commit_queued_registrations`."""
         registration = _registration(
-            job_id, user, node, gpus, gpu_type, deadline_s, iterations_total, False, sender
+            job_id,
+            user,
+            node,
+            gpus,
+            gpu_type,
+            deadline_s,
+            iterations_total,
+            False,
+            sender,
+            time_limit_s,
+            started_at_s,
         )
         self._registrations.submit_later(registration, then, lead=lead)
 
@@ -593,6 +641,8 @@ class Coordinator:
                             deadline_s=batch[i].deadline_s,
                             iterations_total=batch[i].iterations_total,
                             adopted=batch[i].adopted,
+                            time_limit_s=batch[i].time_limit_s,
+                            started_at_s=batch[i].started_at_s,
                         )
                         for i in accepted
                     ]
@@ -860,6 +910,7 @@ class Coordinator:
         # what is kept per job id goes with the job (a head runs for months of job ids)
         self._waiting_logged &= by_id.keys()
         self._spoof_logged = {s for s in self._spoof_logged if s[0] in by_id}
+        self._reporter = {j: n for j, n in self._reporter.items() if j in by_id}
         self._refusing = {g: p for g, p in self._refusing.items() if p.job_id in by_id}
         held_out = self._held_out()
         self._squeezed &= held_out
@@ -869,7 +920,16 @@ class Coordinator:
             if info is not None:
                 wanted[job.job_id] = info
         current = {j.job_id: j for j in self.running.jobs}
-        leave = [j for j, info in current.items() if wanted.get(j) != info]
+        leave = [
+            j
+            for j, info in current.items()
+            if j not in wanted or wanted[j].placement != info.placement
+        ]
+        self.running.update(
+            info
+            for j, info in wanted.items()
+            if j in current and j not in leave and current[j] != info
+        )
         for info in self.running.remove(leave):
             self._added_at.pop(info.job_id, None)
             if info.job_id not in by_id:
@@ -921,6 +981,9 @@ class Coordinator:
             gpu_type=gpu_type,
             deadline_s=job.deadline_s,
             iterations_total=job.iterations_total,
+            time_limit_s=job.time_limit_s,
+            # the Prolog runs as the job starts: its registration stands in for Slurm's word
+            start_s=job.registered_at_s if job.started_at_s is None else job.started_at_s,
         )
 
     def _restore_models(self, job_ids: list[str]) -> None:
@@ -1207,15 +1270,17 @@ class Coordinator:
 
     def _allowed_progress(self, node: str, result: ExchangeResponse) -> list[ProgressReport]:
         """The progress reports of ``result`` that count: sent by root or the job's owner (the
-        agent relays any local user's, with the uid the kernel gave it), from a node where the
-        job holds GPUs. Slurm clusters share uids, so the job's user name maps to one here."""
+        agent relays any local user's, with the uid the kernel gave it), from the node of the
+        job's that reported first. Slurm clusters share uids, so the job's user name maps to
+        one here."""
         allowed: list[ProgressReport] = []
         for p in result.progress:
             job = self._known.get(p.job_id)
             if job is None:
                 continue
             if node in job.nodes and p.uid in (0, self._uid(job.user)):
-                allowed.append(p)
+                if self._reporter.setdefault(p.job_id, node) == node:
+                    allowed.append(p)
             elif (p.job_id, node, p.uid) not in self._spoof_logged:
                 self._spoof_logged.add((p.job_id, node, p.uid))
                 logger.warning(
@@ -1414,7 +1479,15 @@ class Coordinator:
         self, decision: Decision | None, power_by_gpu: Mapping[GpuRef, float]
     ) -> tuple[JobView, ...]:
         views: list[JobView] = []
-        row = {j.job_id: i for i, j in enumerate(self.running.jobs)}
+        infos = self.running.jobs
+        row = {j.job_id: i for i, j in enumerate(infos)}
+        outlook = (
+            None
+            if decision is None or not infos
+            else self.running.outlook(
+                decision, self._clock(), self.settings.controller.work_from_time_limit
+            )
+        )
         for job_id, job in self._known.items():
             drawn = [
                 power_by_gpu[GpuRef(g.node, g.gpu_index)]
@@ -1423,7 +1496,7 @@ class Coordinator:
             ]
             measured = float(sum(drawn)) if drawn else None
             i = row.get(job_id)
-            if decision is None or i is None:
+            if decision is None or outlook is None or i is None:
                 views.append(JobView(job_id, i is not None, measured_power_w=measured))
                 continue
             views.append(
@@ -1434,6 +1507,9 @@ class Coordinator:
                     int(decision.memory_mhz[i]),
                     float(decision.job_power_w[i]),
                     measured,
+                    progress="reported" if self.running.reported(job_id) else "none",
+                    left_top_s=_finite_or_none(float(outlook.left_top_s[i])),
+                    finish_s=_finite_or_none(float(outlook.finish_s[i])),
                 )
             )
         return tuple(views)

@@ -42,6 +42,14 @@ class JobInfo:
     gpu_type: str  # catalog name of its GPUs
     deadline_s: float | None = None
     iterations_total: int | None = None
+    #: Slurm's time limit and the job's start, on the head's clock (None: not known)
+    time_limit_s: float | None = None
+    start_s: float | None = None
+
+    @property
+    def placement(self) -> tuple[tuple[GpuRef, ...], str]:
+        """What ties the job to its estimator row: a change of GPUs or type is a new row."""
+        return self.gpus, self.gpu_type
 
     def __post_init__(self) -> None:
         if not self.gpus:
@@ -65,6 +73,14 @@ class GpuSample:
 class Progress:
     step: int
     time_s: float
+
+
+@dataclass(frozen=True)
+class Outlook:
+    """`RunningJobs.outlook`: per-job arrays in the controller's row order."""
+
+    left_top_s: FloatArray
+    finish_s: FloatArray
 
 
 @dataclass(frozen=True)
@@ -122,6 +138,14 @@ class RunningJobs:
             self._row[job.job_id] = len(self._jobs)
             self._jobs.append(job)
 
+    def update(self, jobs: Iterable[JobInfo]) -> None:
+        """New deadlines, totals and time limits of tracked jobs (same placement, same row)."""
+        for job in jobs:
+            i = self._row[job.job_id]
+            if self._jobs[i].placement != job.placement:
+                raise InputError(f"job {job.job_id}: its GPUs changed; remove and add it")
+            self._jobs[i] = job
+
     def remove(self, job_ids: Iterable[str]) -> list[JobInfo]:
         """Stop tracking jobs (their estimator rows go); returns the ones that were running."""
         gone = {j for j in job_ids if j in self._row}
@@ -153,10 +177,40 @@ class RunningJobs:
             if job.iterations_total is not None:
                 done = latest[0].step if latest else 0
                 remaining[i] = max(job.iterations_total - done, 0)
-        deadline = np.array(
-            [math.nan if j.deadline_s is None else j.deadline_s for j in self._jobs]
+
+        def column(values: Iterable[float | None]) -> FloatArray:
+            return np.array([math.nan if v is None else v for v in values], dtype=np.float64)
+
+        return JobState(
+            types,
+            remaining,
+            column(j.deadline_s for j in self._jobs),
+            time_limit_s=column(j.time_limit_s for j in self._jobs),
+            start_s=column(j.start_s for j in self._jobs),
         )
-        return JobState(types, remaining, deadline)
+
+    def outlook(self, decision: Decision, now_s: float, bounded: bool) -> Outlook:
+        """Per job: the work left in seconds at top clocks and the predicted finish at the
+        decided clocks (NaN: not known). ``bounded``: a job that did not say its total is
+        bounded by its time limit (`ControllerSettings.work_from_time_limit`)."""
+        est = self.estimator
+        state = self.job_state()
+        one = np.ones(len(self))
+        t_top = est.predict_iteration_s(one, one)
+        x, x_m = est.normalise(
+            decision.graphics_mhz.astype(np.float64), decision.memory_mhz.astype(np.float64)
+        )
+        slowdown = est.predict_iteration_s(x, x_m) / t_top
+        left_top_s = np.where(
+            np.isfinite(state.remaining_iterations),
+            state.remaining_iterations * t_top,
+            state.remaining_top_s(est.work_top_s, now_s) if bounded else np.nan,
+        )
+        return Outlook(left_top_s, now_s + left_top_s * slowdown)
+
+    def reported(self, job_id: str) -> bool:
+        """The job has reported progress since it joined."""
+        return job_id in self._progress
 
     def measurements(
         self, samples: Iterable[GpuSample], planned_power_w: FloatArray | None = None

@@ -7,6 +7,9 @@ Every reconcile period the head reads ``squeue --json`` and
 
 - **finishes** jobs it holds as active that Slurm no longer runs, so their GPUs are released
   and their power stops being reserved (`Coordinator.reconcile`);
+- **updates** the time limit and start of the jobs it holds when Slurm's differ (a limit the
+  Prolog could not read, or one changed with ``scontrol update``): they bound the work of a
+  job that does not say its own (`ControllerSettings.work_from_time_limit`);
 - **adopts** jobs Slurm has been running for longer than the grace period that the head has
   never heard of: they are registered on the nodes and GPUs ``squeue`` names, with the deadline
   their comment asks for (or ``--deadline``, or the time limit), exactly as their Prolog would
@@ -80,6 +83,8 @@ def adopt(coordinator: Coordinator, job: SlurmJob, *, tz: tzinfo | None = None) 
                 deadline_s=None if deadline is None else deadline.deadline_s,
                 iterations_total=request.iterations_total,
                 adopted=True,
+                time_limit_s=job.time_limit_s,
+                started_at_s=job.start_s,
             )
         except CdgpcError as e:
             logger.warning("job %s: cannot adopt on %s: %s", job.job_id, node, e)
@@ -108,7 +113,15 @@ def reconcile_with_slurm(
     finished = coordinator.reconcile(running.keys(), grace_s=grace_s)
     # one read for the jobs registered now; only the rest (rare) are looked up one by one,
     # for a finished job must not be adopted again either
-    active = {job.job_id for job in coordinator.store.jobs(ACTIVE_STATES)}
+    registered = {job.job_id: job for job in coordinator.store.jobs(ACTIVE_STATES)}
+    for job_id, job in registered.items():
+        slurm = running.get(job_id)
+        if slurm is not None and (
+            (slurm.time_limit_s, slurm.start_s) != (job.time_limit_s, job.started_at_s)
+        ):
+            # a limit the Prolog could not read, or one changed since (scontrol update)
+            coordinator.store.record_time_limit(job_id, slurm.time_limit_s, slurm.start_s)
+    active = registered.keys()
     adopted = [
         job.job_id
         for job in running.values()

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Final
 
 import numpy as np
 from numpy.typing import NDArray
@@ -32,6 +32,10 @@ TIME_PRIOR_SPLIT = (0.7, 0.2, 0.1)
 #: Share of (limit − idle) the prior expects a job to draw at its top clocks (all of it: the prior
 #: should not under-estimate).
 POWER_PRIOR_ACTIVITY = 1.0
+
+
+#: Share of (limit − idle) above idle power at which a job's GPUs count as busy (`accrue_work`)
+ACTIVE_POWER_SHARE: Final = 0.1
 
 
 @dataclass(frozen=True)
@@ -143,6 +147,9 @@ class JobEstimator:
         #: the clock (normalised) at which the firmware was last seen holding the job at its
         #: power limit; +inf while it has not been
         self.limit_x = np.zeros(0)
+        #: work done, in seconds at top clocks (`accrue_work`): what a job that does not say its
+        #: total has used of its time limit
+        self.work_top_s = np.zeros(0)
 
     def __len__(self) -> int:
         return self.power.n
@@ -156,12 +163,14 @@ class JobEstimator:
         self.time.append(time_prior(statics, iteration_s))
         self.statics = JobStatics.concat([self.statics, statics])
         self.limit_x = np.concatenate([self.limit_x, np.full(len(statics), np.inf)])
+        self.work_top_s = np.concatenate([self.work_top_s, np.zeros(len(statics))])
 
     def keep(self, mask: BoolArray) -> None:
         self.power.keep(mask)
         self.time.keep(mask)
         self.statics = self.statics.select(mask)
         self.limit_x = self.limit_x[mask]
+        self.work_top_s = self.work_top_s[mask]
 
     def normalise(
         self, graphics_mhz: FloatArray, memory_mhz: FloatArray
@@ -180,6 +189,20 @@ class JobEstimator:
 
     def predict_iteration_s(self, x: FloatArray, x_m: FloatArray) -> FloatArray:
         return self.time.predict(time_regressors(x, x_m, self.statics.mem_mask))
+
+    def accrue_work(self, x: FloatArray, x_m: FloatArray, power_w: FloatArray, dt_s: float) -> None:
+        """Add ``dt_s`` of work at the applied clocks, in seconds at top clocks (the time model's
+        T(1, 1) / T(x, x_m), at most 1), to every job whose GPUs were busy: measured above
+        ``ACTIVE_POWER_SHARE`` of the way from idle to the limit. An idle or unmeasured job
+        adds nothing (its bound on the work left stays high)."""
+        one = np.ones(len(self))
+        speed = self.predict_iteration_s(one, one) / self.predict_iteration_s(
+            np.nan_to_num(x, nan=1.0), np.nan_to_num(x_m, nan=1.0)
+        )
+        st = self.statics
+        busy = power_w > st.idle_power_w + ACTIVE_POWER_SHARE * (st.power_limit_w - st.idle_power_w)
+        speed = np.where(np.isfinite(speed), np.clip(speed, 0.0, 1.0), 0.0)
+        self.work_top_s = self.work_top_s + np.where(busy & np.isfinite(x), speed * dt_s, 0.0)
 
     def observe(
         self,

@@ -1,8 +1,9 @@
 """The slurmd Prolog and Epilog: register a starting job with cdgpcd, deregister a finished one.
 
 Prolog: read the job from the environment (`slurm_cdgpc.slurm.env`), its deadline and iteration
-count from the comment (`slurm_cdgpc.slurm.comment`; ``scontrol show job`` only when the submit
-time, ``--deadline`` or the time limit is needed), and ``POST /v1/jobs`` this node's GPUs. A
+count from the comment (`slurm_cdgpc.slurm.comment`), its submit and start times, ``--deadline``
+and time limit from ``scontrol show job`` (the time limit bounds the work of a job that does
+not say its own), and ``POST /v1/jobs`` this node's GPUs. A
 multi-node job's Prolog runs on every node and each registers its own GPUs; the head merges them.
 The Prolog then asks the node's agent to hold the job's GPUs at the safe cap until the head's
 first setpoint for the job (the head plans each interval ahead, and a job starting between two
@@ -141,9 +142,7 @@ def registration(
     except InputError as e:
         notes.append(f"comment ignored: {e}")
         request = parse_comment(None)
-    known = JobTimes()
-    if request.deadline is None or request.deadline.is_relative:
-        known = times(env.job_id) or JobTimes()
+    known = times(env.job_id) or JobTimes()
     deadline = effective_deadline(
         request,
         submit_s=known.submit_s if known.submit_s is not None else now_s,
@@ -169,6 +168,10 @@ def registration(
         )
     if request.iterations_total is not None:
         payload["iterations_total"] = request.iterations_total
+    if known.time_limit_s is not None and known.time_limit_s > 0:
+        payload["time_limit_s"] = known.time_limit_s
+    if known.start_s is not None:
+        payload["start_s"] = known.start_s
     notes.insert(0, _format_deadline(deadline))
     return payload, notes
 

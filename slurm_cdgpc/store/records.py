@@ -49,10 +49,20 @@ class Job:
     registered_at_s: float
     finished_at_s: float | None
     gpus: tuple[JobGpu, ...]
+    #: Slurm's time limit and start time (None: not known)
+    time_limit_s: float | None = None
+    started_at_s: float | None = None
+    #: who said ``iterations_total``: ``comment`` (iters=, which wins) or ``framework`` (a
+    #: progress report's total); None when nobody did
+    total_source: str | None = None
 
     @property
     def nodes(self) -> tuple[str, ...]:
         return tuple(sorted({g.node for g in self.gpus}))
+
+    @property
+    def work_source(self) -> str:
+        return work_source(self.iterations_total, self.total_source, self.time_limit_s)
 
     @property
     def gpu_count(self) -> int:
@@ -184,3 +194,13 @@ class ModelSnapshot:
         self.time.copy_into(estimator.time)
         estimator.statics = self.statics.select(np.ones(len(self), dtype=bool))
         return estimator
+
+
+def work_source(
+    iterations_total: int | None, total_source: str | None, time_limit_s: float | None
+) -> str:
+    """Where a job's total work comes from: ``comment`` (iters=), ``framework`` (a progress
+    report's total), ``time-limit`` (bounded by its Slurm time limit) or ``none``."""
+    if iterations_total is not None:
+        return total_source or "comment"
+    return "time-limit" if time_limit_s is not None else "none"

@@ -104,6 +104,8 @@ class JobRegistration:
     iterations_total: int | None = None
     adopted: bool = False
     at_s: float | None = None
+    time_limit_s: float | None = None
+    started_at_s: float | None = None
 
 
 class _RegistrationRaceError(Exception):
@@ -239,6 +241,8 @@ class Store:
         iterations_total: int | None = None,
         adopted: bool = False,
         at_s: float | None = None,
+        time_limit_s: float | None = None,
+        started_at_s: float | None = None,
     ) -> Job:
         """Record a job and its GPUs on the given node(s); idempotent.
 
@@ -247,7 +251,8 @@ class Store:
         changes nothing and a multi-node job collects its nodes. A finished job registered
         again was requeued by Slurm (same id): it starts over with only the new GPUs, unless
         ``at_s`` (when the Prolog ran, for spooled registrations) is not after it finished.
-        Deadline and iteration count are updated when given.
+        Deadline, iteration count (from the comment: it wins over a framework's), time limit
+        and start are updated when given.
         """
         registration = JobRegistration(
             job_id,
@@ -257,6 +262,8 @@ class Store:
             iterations_total=iterations_total,
             adopted=adopted,
             at_s=at_s,
+            time_limit_s=time_limit_s,
+            started_at_s=started_at_s,
         )
         [outcome] = self.register_jobs([registration])
         if isinstance(outcome, InputError):
@@ -286,6 +293,12 @@ class Store:
                     _finite(r.deadline_s, "deadline")
                 if r.iterations_total is not None and r.iterations_total < 0:
                     raise InputError(f"iterations must be ≥ 0, got {r.iterations_total}")
+                if r.time_limit_s is not None and not (
+                    math.isfinite(r.time_limit_s) and r.time_limit_s > 0
+                ):
+                    raise InputError(f"time limit must be > 0 s, got {r.time_limit_s}")
+                if r.started_at_s is not None:
+                    _finite(r.started_at_s, "start time")
                 checked.append((i, r, new_gpus, self._now(r.at_s)))
             except InputError as e:
                 outcomes[i] = e
@@ -317,16 +330,33 @@ class Store:
     def record_progress(
         self, job_id: str, iterations_done: int, iterations_total: int | None = None
     ) -> Job | None:
-        """The job's own progress report; None if the job is unknown."""
+        """The job's own progress report; None if the job is unknown. A reported total (a
+        framework's) never replaces the comment's ``iters=``."""
         if iterations_done < 0 or (iterations_total is not None and iterations_total < 0):
             raise InputError("iteration counts must be ≥ 0")
 
         def progress(row: JobRow) -> None:
             row.iterations_done = iterations_done
-            if iterations_total is not None:
+            if iterations_total is not None and row.total_source != "comment":
                 row.iterations_total = iterations_total
+                row.total_source = "framework"
 
         return self._update_job(job_id, progress)
+
+    def record_time_limit(
+        self, job_id: str, time_limit_s: float | None, started_at_s: float | None
+    ) -> Job | None:
+        """What Slurm says of a registered job's time limit and start (the reconcile); None if
+        the job is unknown."""
+        if time_limit_s is not None and not (math.isfinite(time_limit_s) and time_limit_s > 0):
+            raise InputError(f"time limit must be > 0 s, got {time_limit_s}")
+
+        def times(row: JobRow) -> None:
+            row.time_limit_s = time_limit_s
+            if started_at_s is not None:
+                row.started_at_s = started_at_s
+
+        return self._update_job(job_id, times)
 
     def finish_job(self, job_id: str, at_s: float | None = None) -> Job | None:
         """The Epilog ran (on any of the job's nodes) at ``at_s``; idempotent. None if the job is
@@ -817,11 +847,14 @@ def _job(row: JobRow) -> Job:
         registered_at_s=row.registered_at_s,
         finished_at_s=row.finished_at_s,
         gpus=tuple(sorted(JobGpu(g.node, g.gpu_index) for g in row.gpus)),
+        time_limit_s=row.time_limit_s,
+        started_at_s=row.started_at_s,
+        total_source=row.total_source,
     )
 
 
 _JOB_COLUMNS: tuple[str, ...] = tuple(c.name for c in _JOBS.columns)
-#: rows per multi-row INSERT, at most (a power of two, see `_runs`): 8 columns each stays far
+#: rows per multi-row INSERT, at most (a power of two, see `_runs`): 11 columns each stays far
 #: under either database's bind limit
 _INSERT_ROWS = 512
 
@@ -906,6 +939,9 @@ def _register_checked(
                 "iterations_done": 0,
                 "registered_at_s": now,
                 "finished_at_s": None,
+                "time_limit_s": r.time_limit_s,
+                "started_at_s": r.started_at_s,
+                "total_source": None if r.iterations_total is None else "comment",
             }
             held[r.job_id] = {}
             new_ids.append(r.job_id)
@@ -923,6 +959,7 @@ def _register_checked(
                     finished_at_s=None,
                     registered_at_s=now,
                     iterations_done=0,
+                    started_at_s=None,  # the new run's start, when Slurm says it
                 )
                 held[r.job_id] = {}  # a new allocation: drop every old GPU
             elif row["user_name"] != r.user:
@@ -934,6 +971,11 @@ def _register_checked(
                 row["deadline_s"] = r.deadline_s
             if r.iterations_total is not None:
                 row["iterations_total"] = r.iterations_total
+                row["total_source"] = "comment"
+            if r.time_limit_s is not None:
+                row["time_limit_s"] = r.time_limit_s
+            if r.started_at_s is not None:
+                row["started_at_s"] = r.started_at_s
         for g in new_gpus:  # each named node's GPU set is replaced, the others kept
             held[r.job_id][g["node"]] = set()
         for g in new_gpus:
@@ -977,6 +1019,9 @@ def _job_record(values: Mapping[str, Any], held: Mapping[str, Iterable[int]]) ->
         registered_at_s=values["registered_at_s"],
         finished_at_s=values["finished_at_s"],
         gpus=tuple(sorted(JobGpu(node, i) for node, indices in held.items() for i in indices)),
+        time_limit_s=values["time_limit_s"],
+        started_at_s=values["started_at_s"],
+        total_source=values["total_source"],
     )
 
 

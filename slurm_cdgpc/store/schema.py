@@ -65,6 +65,7 @@ class JobRow(Base):
         CheckConstraint(
             "state IN ('registered', 'running', 'finished', 'adopted')", name="jobs_state"
         ),
+        CheckConstraint("total_source IN ('comment', 'framework')", name="jobs_total_source"),
         Index("ix_jobs_state", "state"),
     )
 
@@ -77,6 +78,10 @@ class JobRow(Base):
     iterations_done: Mapped[int] = mapped_column(BigInteger)
     registered_at_s: Mapped[float] = mapped_column(Double)
     finished_at_s: Mapped[float | None] = mapped_column(Double)
+    #: Slurm's time limit and start (NULL: not known); who said iterations_total (NULL: nobody)
+    time_limit_s: Mapped[float | None] = mapped_column(Double)
+    started_at_s: Mapped[float | None] = mapped_column(Double)
+    total_source: Mapped[str | None] = mapped_column(String(16))
 
     gpus: Mapped[list[JobGpuRow]] = relationship(
         back_populates="job",

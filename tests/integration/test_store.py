@@ -4,6 +4,7 @@ on PostgreSQL (see conftest.py)."""
 from __future__ import annotations
 
 import dataclasses
+import math
 import struct
 import threading
 import time
@@ -748,3 +749,23 @@ def test_an_unreachable_database_is_one_line_store_error(tmp_path: Path) -> None
 def test_unsupported_store_urls_are_refused(url: str) -> None:
     with pytest.raises(InputError):
         make_engine(url)
+
+
+def test_time_limits_and_who_said_the_total_are_kept(store: Store) -> None:
+    job = store.register_job("950", "erin", {"gpu01": [0]}, time_limit_s=7200.0, started_at_s=T0_S)
+    assert (job.time_limit_s, job.started_at_s, job.work_source) == (7200.0, T0_S, "time-limit")
+    job = store.record_progress("950", 10, iterations_total=500)
+    assert job is not None and (job.iterations_total, job.work_source) == (500, "framework")
+    job = store.register_job("950", "erin", {"gpu01": [0]}, iterations_total=800)
+    assert (job.iterations_total, job.work_source) == (800, "comment")
+    job = store.record_progress("950", 20, iterations_total=500)  # iters= wins from now on
+    assert job is not None and (job.iterations_done, job.iterations_total) == (20, 800)
+    job = store.record_time_limit("950", 3600.0, None)
+    assert job is not None and (job.time_limit_s, job.started_at_s) == (3600.0, T0_S)
+    assert store.job("950") == job
+    for bad in (0.0, -5.0, math.inf, math.nan):
+        with pytest.raises(InputError, match="time limit must be > 0 s"):
+            store.register_job("951", "erin", {"gpu01": [1]}, time_limit_s=bad)
+        with pytest.raises(InputError, match="time limit must be > 0 s"):
+            store.record_time_limit("950", bad, None)
+    assert store.job("951") is None and store.job("950") == job

@@ -62,6 +62,46 @@ def test_weights_are_deadline_pressure() -> None:
     assert w[2] * t_top[2] == pytest.approx(1.0)
 
 
+def test_unknown_work_is_bounded_by_the_time_limit_and_never_pressed_above_one() -> None:
+    mpc, est, _ = _setup(4)
+    hour = 3600.0
+    jobs = JobState(
+        gpu_type=np.zeros(4, dtype=np.int64),
+        remaining_iterations=np.full(4, np.nan),
+        deadline_s=np.array([100 * hour, 2 * hour, 0.5 * hour, 100 * hour]),
+        time_limit_s=np.array([4 * hour, 4 * hour, 4 * hour, np.nan]),
+        start_s=np.array([-hour, -hour, -hour, -hour]),
+    )
+    est.work_top_s[:] = 0.5 * hour  # an hour in, at half speed on average
+    w = mpc.weights(est, jobs, now_s=0.0)[0] * est.predict_iteration_s(np.ones(4), np.ones(4))
+    # at most min(4 h − 0.5 h, start + 4 h − now = 3 h) = 3 h of work left at top clocks:
+    # 3 h over 100 h; over 2 h it would be 1.5, capped at 1; no time limit: pressure 1
+    np.testing.assert_allclose(w, [0.03, 1.0, 1.0, 1.0])
+    off = EconomicMPC(mpc.grid, ControllerSettings(work_from_time_limit=False))
+    w_off = off.weights(est, jobs, now_s=0.0)[0] * est.predict_iteration_s(np.ones(4), np.ones(4))
+    np.testing.assert_allclose(w_off, [1.0, 1.0, 1.0, 1.0])
+
+
+def test_work_accrues_at_the_modelled_speed_while_the_gpus_are_busy() -> None:
+    mpc, est, jobs = _setup(3)
+    applied = np.array([1410.0, 705.0, 1410.0])
+    measured = Measurements(
+        graphics_mhz=applied,
+        memory_mhz=np.full(3, 1593.0),
+        power_w=np.array([300.0, 200.0, 61.0]),  # the third job's GPUs sit idle
+        iteration_s=np.full(3, np.nan),
+    )
+    mpc.step(est, jobs, now_s=0.0, budget_w=1e6, measured=measured)
+    assert est.work_top_s.tolist() == [0.0, 0.0, 0.0]  # the first step has no interval behind it
+    mpc.step(est, jobs, now_s=30.0, budget_w=1e6, measured=measured)
+    x = applied / 1410.0
+    speed = est.predict_iteration_s(np.ones(3), np.ones(3)) / est.predict_iteration_s(x, np.ones(3))
+    np.testing.assert_allclose(est.work_top_s, [30.0, 30.0 * speed[1], 0.0])
+    assert 0 < speed[1] < 1
+    mpc.step(est, jobs, now_s=1030.0, budget_w=1e6, measured=measured)  # a head away 1000 s
+    assert est.work_top_s[0] == pytest.approx(30.0 + 2 * mpc.settings.interval_s)
+
+
 def test_jobs_without_deadline_get_the_default_pressure_and_late_jobs_are_capped() -> None:
     settings = ControllerSettings(default_pressure=0.25, max_pressure=50.0, triage=False)
     mpc, est, _ = _setup(2, settings)

@@ -116,6 +116,10 @@ def test_register_is_idempotent_and_merges_nodes(api: Api) -> None:
     [job] = api.jobs()
     assert job["job_id"] == "42" and job["state"] == "registered"
     assert job["deadline_s"] == 2e9
+    assert (job["time_limit_s"], job["work"], job["progress"]) == (None, "none", "none")
+    status, _ = api.post("/v1/jobs", {**JOB, "time_limit_s": 7200.0, "start_s": 1.9e9})
+    [job] = api.jobs()
+    assert (status, job["time_limit_s"], job["work"]) == (200, 7200.0, "time-limit")
     assert job["gpus"] == [
         {"node": "n1", "index": 0},
         {"node": "n1", "index": 1},
@@ -196,6 +200,9 @@ def test_malformed_and_oversized_bodies(api: Api) -> None:
         json.dumps({**JOB, "user": "a b"}).encode(): "user",
         json.dumps({**JOB, "gpu_type": "Z9000"}).encode(): "unknown GPU type",
         json.dumps({**JOB, "deadline_s": "soon"}).encode(): "deadline_s",
+        json.dumps({**JOB, "time_limit_s": -5}).encode(): "time_limit_s: must be > 0",
+        json.dumps({**JOB, "time_limit_s": 0}).encode(): "time_limit_s: must be > 0",
+        json.dumps({**JOB, "start_s": "yesterday"}).encode(): "start_s",
     }
     for body, expected in bad_bodies.items():
         status, data, text = api.call("POST", "/v1/jobs", body)

@@ -25,6 +25,7 @@ from slurm_cdgpc.coordinator.daemon import (
     Coordinator,
     CoordinatorSettings,
     IntervalReport,
+    JobView,
     _NodeState,
 )
 from slurm_cdgpc.coordinator.jobs import GpuRef, GpuSample
@@ -835,3 +836,75 @@ def test_a_registration_is_planned_out_of_cycle_not_an_interval_later(
         stop.set()
         loop.join(timeout=5.0)
     assert not loop.is_alive()  # stop wakes the loop at once
+
+
+def _view(report: IntervalReport, job_id: str) -> JobView:
+    return next(v for v in report.jobs if v.job_id == job_id)
+
+
+def test_a_job_that_says_no_total_is_bounded_by_its_time_limit(make_cluster: MakeCluster) -> None:
+    cluster = make_cluster()
+    cluster.store.set_budget(2000.0, "root")
+    cluster.tick()
+    hour = 3600.0
+    # started an hour ago with a 4 h limit and a deadline 100 h away: at most 3 h of work left
+    cluster.head.register_job(
+        "31",
+        "alice",
+        "n1",
+        [0],
+        deadline_s=T0_S + 100 * hour,
+        time_limit_s=4 * hour,
+        started_at_s=cluster.clock() - hour,
+    )
+    cluster.head.register_job("32", "alice", "n2", [0], deadline_s=T0_S + 100 * hour)
+    report = cluster.tick()
+    limited, unlimited = _view(report, "31"), _view(report, "32")
+    assert cluster.store.job("31").work_source == "time-limit"
+    assert cluster.store.job("32").work_source == "none"
+    assert limited.progress == unlimited.progress == "none"
+    assert limited.left_top_s == pytest.approx(3 * hour, rel=1e-3)
+    assert limited.finish_s is not None and limited.finish_s >= cluster.clock() + 3 * hour - 5
+    assert unlimited.left_top_s is None and unlimited.finish_s is None
+    state = cluster.head.running.job_state()
+    w = cluster.head.controller.weights(cluster.head.running.estimator, state, cluster.clock())
+    one = np.ones(2)
+    pressure = w[0] * cluster.head.running.estimator.predict_iteration_s(one, one)
+    rows = [j.job_id for j in cluster.head.running.jobs]
+    assert pressure[rows.index("31")] == pytest.approx(0.03, rel=0.01)  # 3 h over 100 h
+    assert pressure[rows.index("32")] == pytest.approx(1.0)  # nothing known: just in time
+    # Slurm raises the limit (scontrol update): the same controller row takes the new bound
+    for _ in range(4):
+        cluster.tick()
+    learned = int(cluster.head.running.estimator.power.count[rows.index("31")])
+    assert learned > 0
+    cluster.store.record_time_limit("31", 8 * hour, cluster.clock() - hour)
+    report = cluster.tick()
+    assert _view(report, "31").left_top_s == pytest.approx(7 * hour, rel=1e-3)
+    # ... and keeps what its models learned
+    assert cluster.head.running.estimator.power.count[rows.index("31")] == learned + 1
+
+
+def test_the_comment_total_wins_and_one_node_reports_a_jobs_progress(
+    make_cluster: MakeCluster,
+) -> None:
+    cluster = make_cluster()
+    cluster.tick()
+    cluster.head.register_job("41", "root", "n1", [0], iterations_total=1000)
+    cluster.head.register_job("41", "root", "n2", [1], iterations_total=1000)
+    cluster.head.register_job("42", "root", "n1", [1])
+    cluster.tick()
+    n1, n2 = cluster.agents["n1"], cluster.agents["n2"]
+    n2.record_progress("41", 30, 5000, uid=0)  # a framework's total: the comment's wins
+    n2.record_progress("42", 10, 900, uid=0)  # a node where 42 has no GPU: refused
+    n1.record_progress("42", 10, 900, uid=0)
+    report = cluster.tick()
+    assert cluster.store.job("41").iterations_total == 1000
+    assert cluster.store.job("41").work_source == "comment"
+    assert cluster.store.job("42").iterations_total == 900
+    assert cluster.store.job("42").work_source == "framework"
+    assert _view(report, "41").progress == "reported"
+    n1.record_progress("41", 99, 1000, uid=0)  # n2 reported first: only its steps count
+    n2.record_progress("41", 40, 1000, uid=0)
+    cluster.tick()
+    assert _iterations_done(cluster, "41") == 40

@@ -133,6 +133,7 @@ def test_a_running_job_that_never_registered_is_adopted_with_its_deadline(
     assert job.state == "adopted"
     assert job.deadline_s == T0_S - 600 + 7200  # +2h from the submit time, as the Prolog does
     assert {(g.node, g.gpu_index) for g in job.gpus} == {("n1", 0), ("n1", 1), ("n2", 3)}
+    assert (job.time_limit_s, job.started_at_s) == (600 * 60.0, T0_S - 500)
     cluster.tick()
     requests = cluster.last_requests()
     assert {p.gpu for p in requests["n1"].setpoints} == {0, 1}
@@ -182,3 +183,18 @@ def test_a_pending_job_waits_for_gpus_only_for_want_of_resources(
     jobs = parse_squeue_json(json.dumps({"jobs": [SQUEUE_22_05["jobs"][0], pending]}))
     assert [j.waits_for_gpus for j in jobs] == [False, waits]
     assert [j.active for j in jobs] == [True, False]
+
+
+def test_reconcile_takes_slurms_time_limit_for_registered_jobs(make_cluster: MakeCluster) -> None:
+    cluster = make_cluster()
+    cluster.tick()
+    _register(cluster, "17", "n1", 0)  # a Prolog that could not read the limit
+    assert cluster.store.job("17").time_limit_s is None
+    running = {j.job_id: j for j in parse_squeue_json(json.dumps(SQUEUE_22_05))}
+    reconcile_with_slurm(cluster.head, running, now_s=cluster.clock(), grace_s=30.0)
+    job = cluster.store.job("17")
+    assert (job.time_limit_s, job.started_at_s, job.work_source) == (
+        36000.0,
+        T0_S - 500,
+        "time-limit",
+    )

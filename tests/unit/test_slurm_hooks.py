@@ -72,6 +72,17 @@ def test_prolog_registers_gpus_deadline_and_iterations(tmp_path: Path) -> None:
         "deadline_s": NOW_S - 60 + 3600,
         "iterations_total": 100,
     }
+    # the time limit and start bound the work of a job that says none: they go along
+    limited = JobTimes(submit_s=NOW_S - 60, start_s=NOW_S - 1, time_limit_s=7200.0)
+    run_prolog(
+        read_hook_env({**ENV, "SLURM_JOB_COMMENT": "deadline=2030-01-01T00:00Z"}),
+        head,
+        Spool(tmp_path),
+        now_s=NOW_S,
+        until_s=1e18,
+        times=lambda _job: limited,
+    )
+    assert (head.jobs["42"]["time_limit_s"], head.jobs["42"]["start_s"]) == (7200.0, NOW_S - 1)
 
 
 def test_head_down_spools_then_forwarding_delivers_in_order(tmp_path: Path) -> None:
