@@ -176,6 +176,8 @@ class NodeConfig:
     simulated_gpu_count: int = 8
     state_file: Path = Path("/var/lib/cdgpc/node-state.json")
     progress_socket: Path = Path("/run/cdgpc/progress.sock")
+    #: the TaskProlog puts the automatic progress hook (slurm_cdgpc/hook) on jobs' PYTHONPATH
+    progress_hook: bool = True
     transport: str = "http"
     listen_address: str = "0.0.0.0"
     listen_port: int = 8464
@@ -506,6 +508,7 @@ _SCHEMA: dict[str, tuple[type[Any], dict[str, _Key]]] = {
             "simulated_gpu_count": _Key("simulated_gpu_count", _integer(1, 64)),
             "state_file": _Key("state_file", _absolute_path),
             "progress_socket": _Key("progress_socket", _absolute_path),
+            "progress_hook": _Key("progress_hook", _boolean),
             "transport": _Key("transport", _choice("http", "ssh")),
             "listen_address": _Key("listen_address", _listen_address),
             "listen_port": _Key("listen_port", _integer(1, 65535)),

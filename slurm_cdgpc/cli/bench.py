@@ -60,6 +60,42 @@ def controller_cmd(
     )
 
 
+@bench.command("progress-hook")
+@click.option("--rounds", type=click.IntRange(min=1), default=5, show_default=True)
+@click.option("--steps", type=click.IntRange(min=1), default=2000, show_default=True)
+@click.option("--warmup", type=click.IntRange(min=0), default=200, show_default=True)
+@click.option("--width", type=click.IntRange(min=1), default=256, show_default=True)
+@click.option("--batch", type=click.IntRange(min=1), default=64, show_default=True)
+@click.option(
+    "--interval-s",
+    type=click.FloatRange(min=0.0),
+    default=1.0,
+    show_default=True,
+    help="CDGPC_PROGRESS_INTERVAL of the hooked runs.",
+)
+@click.option("--json", "as_json", is_flag=True, help="Accepted for symmetry: output is JSON.")
+def progress_hook_cmd(
+    rounds: int, steps: int, warmup: int, width: int, batch: int, interval_s: float, as_json: bool
+) -> None:
+    """Time a small PyTorch training loop (CPU) with and without the automatic progress hook.
+
+    Paired runs in fresh interpreters, alternating, against a real progress socket; also the
+    hook's per-step and per-send cost in-process and its interpreter start-up cost.
+    """
+    from slurm_cdgpc.bench.progress_hook import bench_progress_hook  # noqa: PLC0415
+
+    echo_json(
+        bench_progress_hook(
+            rounds=rounds,
+            steps=steps,
+            warmup=warmup,
+            width=width,
+            batch=batch,
+            interval_s=interval_s,
+        )
+    )
+
+
 for _command in bench_live.COMMANDS:
     bench.add_command(_command)
 bench.add_command(bench_faults.faults_cmd)

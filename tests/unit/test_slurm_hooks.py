@@ -203,8 +203,11 @@ def test_hook_module_imports_only_the_standard_library() -> None:
 
 
 def test_committed_entry_points_match_the_installer() -> None:
-    for kind in ("prolog", "epilog"):
-        path = REPO / kind / f"cdgpc-{kind}"
+    for kind, path in (
+        ("prolog", REPO / "prolog" / "cdgpc-prolog"),
+        ("epilog", REPO / "epilog" / "cdgpc-epilog"),
+        ("task-prolog", REPO / "prolog" / "cdgpc-task-prolog"),
+    ):
         assert path.read_text() == render_hook(kind)
         assert path.stat().st_mode & 0o111
         assert path.read_text().startswith("#!/usr/bin/python3 -I\n")

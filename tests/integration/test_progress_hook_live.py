@@ -1,0 +1,302 @@
+"""Automatic progress end to end: a real ``cdgpcd`` and ``cdgpc-noded`` (simulated GPUs, HMAC)
+on loopback, the TaskProlog's export lines applied to a job, and real PyTorch and Lightning
+training runs whose optimizer steps reach the head's ``/v1/jobs`` with no change to their code.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from slurm_cdgpc.errors import CdgpcError
+from slurm_cdgpc.transport.auth import HmacKey, HmacSigner
+from slurm_cdgpc.transport.http import HeadClient
+from tests.integration.processes import daemon_env, spawn, stop, write_hmac_key
+
+pytestmark = pytest.mark.live
+
+REPO = Path(__file__).resolve().parents[2]
+NODE = "node1"
+#: a 2-layer MLP, SGD, one CPU thread: a few hundred steps of sized batches (seconds, no sleep)
+TRAIN = """
+import torch
+torch.manual_seed(0)
+torch.set_num_threads(1)
+model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 1))
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+x, y = torch.randn(1024, 256), torch.randn(1024, 1)
+for step in range(400):
+    opt.zero_grad()
+    loss = torch.nn.functional.mse_loss(model(x), y)
+    loss.backward()
+    opt.step()
+print(f"trained 400 steps, loss {loss.item():.4f}")
+"""
+LIGHTNING = """
+import importlib
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+from slurm_cdgpc.integrations.lightning import CdgpcProgress
+try:
+    pl = importlib.import_module("lightning.pytorch")
+except ImportError:
+    pl = importlib.import_module("pytorch_lightning")
+
+class Tiny(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Linear(8, 1)
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.net(x), y)
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+torch.manual_seed(0)
+data = DataLoader(TensorDataset(torch.randn(256, 8), torch.randn(256, 1)), batch_size=4)
+trainer = pl.Trainer(
+    max_steps=40, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+    enable_progress_bar=False, enable_model_summary=False, callbacks=[CdgpcProgress()],
+)
+trainer.fit(Tiny(), data)
+print("fitted", trainer.global_step)
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _wait(what: str, check: Callable[[], Any], timeout_s: float, logs: Callable[[], str]) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            result = check()
+        except (OSError, ValueError, KeyError, CdgpcError):
+            result = None
+        if result:
+            return result
+        if time.monotonic() > deadline:
+            pytest.fail(f"{what}: not within {timeout_s:g} s\n{logs()}")
+        time.sleep(0.1)
+
+
+@dataclass
+class Site:
+    """A head and one node agent, running; the node's config; a signed client of the head."""
+
+    node_config: Path
+    progress_socket: Path
+    client: HeadClient
+    logs: Callable[[], str]
+    scratch: Path
+
+    def job(self, job_id: str) -> dict[str, Any]:
+        [job] = [j for j in self.client.get("/v1/jobs")["jobs"] if j["job_id"] == job_id]
+        return job  # type: ignore[no-any-return]
+
+    def register(self, job_id: str, gpu: int) -> None:
+        self.client.post(
+            "/v1/jobs", {"job_id": job_id, "user": "root", "node": NODE, "gpus": [gpu]}
+        )
+
+    def task_env(self, job_id: str, pythonpath: str = "") -> dict[str, str]:
+        """A task's environment after the TaskProlog (run with -I, as its entry point runs) has
+        printed its export lines and slurmd applied them."""
+        env = {k: v for k, v in daemon_env().items() if k not in ("PYTHONPATH", "LOCAL_RANK")}
+        env.update(SLURM_JOB_ID=job_id, SLURM_LOCALID="0")
+        if pythonpath:
+            env["PYTHONPATH"] = pythonpath
+        # the code under test on sys.path; the task's PYTHONPATH is what the prolog reads
+        code = (
+            f"import sys; sys.path.insert(0, {str(REPO)!r}); "
+            "from slurm_cdgpc.slurm.task_prolog import main; "
+            f"sys.exit(main(['--config', {str(self.node_config)!r}]))"
+        )
+        done = subprocess.run(
+            [sys.executable, "-I", "-c", code],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
+        )
+        assert done.stderr == ""
+        for line in done.stdout.splitlines():
+            name, _, value = line.removeprefix("export ").partition("=")
+            env[name] = value
+        return env
+
+
+def _run(code: str, env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        env=env,
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Site]:
+    pytest.importorskip("torch")
+    tmp = tmp_path_factory.mktemp("hook")
+    short = Path(tempfile.mkdtemp(prefix="cdgpc-"))  # Unix socket paths: at most 107 bytes
+    secret = write_hmac_key(tmp / "hmac.key")
+    head_port, node_port = _free_port(), _free_port()
+    common = f"""
+[control]
+interval = "0.5s"
+[lease]
+duration = "2s"
+safe_cap = 0.6
+[auth]
+method = "hmac"
+hmac_key_file = "{tmp / "hmac.key"}"
+hmac_is_admin = true
+"""
+    head_config = tmp / "head.toml"
+    head_config.write_text(
+        common + f'[head]\nlisten_address = "127.0.0.1"\nlisten_port = {head_port}\n'
+        f'[store]\nurl = "sqlite:///{tmp / "cdgpc.db"}"\n'
+    )
+    progress_socket = short / "progress.sock"
+    node_config = tmp / "node.toml"
+    node_config.write_text(
+        common
+        + f"""
+[node]
+backend = "simulated"
+simulated_gpu_type = "A100-SXM4-80GB"
+simulated_gpu_count = 4
+state_file = "{tmp / "state.json"}"
+progress_socket = "{progress_socket}"
+listen_address = "127.0.0.1"
+listen_port = {node_port}
+"""
+    )
+    env = daemon_env()
+    head = spawn(
+        [sys.executable, "-m", "slurm_cdgpc.coordinator.main", "--config", str(head_config)],
+        tmp / "head.log",
+        env=env,
+        cwd=tmp,
+    )
+    agent = spawn(
+        [
+            sys.executable,
+            "-m",
+            "slurm_cdgpc.agent.main",
+            "--config",
+            str(node_config),
+            "--node-name",
+            NODE,
+        ],
+        tmp / "agent.log",
+        env=env,
+        cwd=tmp,
+    )
+
+    def logs() -> str:
+        return "\n".join(
+            f"== {p.name}\n{p.read_text(errors='replace')[-3000:]}"
+            for p in (tmp / "head.log", tmp / "agent.log")
+        )
+
+    try:
+        client = HeadClient(
+            f"http://127.0.0.1:{head_port}", HmacSigner(HmacKey(secret), uid=0, gid=0)
+        )
+        _wait("cdgpcd answers", lambda: client.get("/v1/health"), 20, logs)
+        _wait("the agent's socket", progress_socket.exists, 20, logs)
+        client.post("/v1/nodes", {"node": NODE, "url": f"http://127.0.0.1:{node_port}"})
+        client.post("/v1/budget", {"budget_w": 5000.0, "reason": "live test"})
+        _wait(
+            "the node reports",
+            lambda: any(n["reachable"] for n in client.get("/v1/nodes")["nodes"]),
+            10,
+            logs,
+        )
+        yield Site(node_config, progress_socket, client, logs, tmp)
+    finally:
+        stop(agent)
+        stop(head)
+        shutil.rmtree(short, ignore_errors=True)
+
+
+def test_a_torch_job_reports_progress_with_no_change_to_its_code(site: Site) -> None:
+    site.register("7", 0)
+    env = site.task_env("7")
+    assert env["PYTHONPATH"] == str(REPO / "slurm_cdgpc" / "hook")
+    assert env["CDGPC_NODE_PROGRESS_SOCKET"] == str(site.progress_socket)
+    started = time.monotonic()
+    done = _run(TRAIN, env, site.scratch)
+    assert (done.returncode, done.stderr) == (0, "")
+    assert time.monotonic() - started > 2.0  # long enough for more than one report
+    job = _wait(
+        "job 7's progress", lambda: (j := site.job("7"))["iterations_done"] and j, 10, site.logs
+    )
+    assert job["iterations_done"] > 0
+
+    # the same job with the agent away (its socket gone), and with no hook at all: unchanged
+    away = _run(
+        TRAIN, env | {"CDGPC_NODE_PROGRESS_SOCKET": str(site.scratch / "none.sock")}, site.scratch
+    )
+    bare = _run(TRAIN, {k: v for k, v in env.items() if k != "PYTHONPATH"}, site.scratch)
+    assert (away.returncode, away.stdout, away.stderr) == (0, done.stdout, "")
+    assert (bare.returncode, bare.stdout, bare.stderr) == (0, done.stdout, "")
+
+
+def test_a_jobs_own_sitecustomize_still_runs(site: Site, tmp_path: Path) -> None:
+    for name in ("user", "later"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "sitecustomize.py").write_text(
+            f"with open({str(tmp_path / name / 'ran')!r}, 'a') as f:\n    f.write('ran\\n')\n"
+        )
+    # on the job's own PYTHONPATH: before the hook (the TaskProlog appends), so theirs wins
+    env = site.task_env("70", pythonpath=str(tmp_path / "user"))
+    assert env["PYTHONPATH"].startswith(str(tmp_path / "user") + os.pathsep)
+    done = _run(TRAIN, env, site.scratch)
+    assert (done.returncode, done.stderr) == (0, "")
+    assert (tmp_path / "user" / "ran").read_text() == "ran\n"
+
+    # in a directory after the hook's (as site-packages is): both run, and progress arrives
+    site.register("8", 1)
+    env = site.task_env("8")
+    env["PYTHONPATH"] += os.pathsep + str(tmp_path / "later")
+    done = _run(TRAIN, env, site.scratch)
+    assert (done.returncode, done.stderr) == (0, "")
+    assert (tmp_path / "later" / "ran").read_text() == "ran\n"
+    _wait("job 8's progress", lambda: site.job("8")["iterations_done"] > 0, 10, site.logs)
+
+
+def test_a_lightning_job_reports_its_total(site: Site) -> None:
+    if not any(importlib.util.find_spec(m) for m in ("lightning", "pytorch_lightning")):
+        pytest.skip("neither lightning nor pytorch_lightning is installed")
+    site.register("9", 2)
+    env = site.task_env("9", pythonpath=str(REPO))  # the callback is ours: importable there
+    done = _run(LIGHTNING, env, site.scratch)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().endswith("fitted 40")
+    job = _wait(
+        "job 9's total", lambda: (j := site.job("9"))["iterations_done"] == 40 and j, 10, site.logs
+    )
+    assert job["iterations_total"] == 40
