@@ -209,7 +209,10 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
                 f'listen_address = "127.0.0.1"\nlisten_port = {port}\n'
             )
             # this node's hooks reach this node's agent (the hook config is shared)
-            (lab / "hooks" / "env" / node).write_text(f"CDGPC_NODE_LISTEN_PORT={port}\n")
+            (lab / "hooks" / "env" / node).write_text(
+                f"CDGPC_NODE_LISTEN_PORT={port}\n"
+                f"CDGPC_NODE_PROGRESS_SOCKET={tmp / node / 'progress.sock'}\n"
+            )
             c.start(
                 node, "-m", "slurm_cdgpc.agent.main", "--config", str(config), "--node-name", node
             )
@@ -289,6 +292,71 @@ def test_job_registers_gets_clocks_and_is_deregistered(slurm: Cluster) -> None:
         5,
         slurm.logs,
     )
+
+
+#: a PyTorch training loop that knows nothing of slurm-cdgpc; it notes when its first step is done
+TRAIN = """
+import pathlib, sys, time
+import torch
+model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 1))
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+x, y = torch.randn(512, 64), torch.randn(512, 1)
+end = time.monotonic() + float(sys.argv[2])
+step = 0
+while time.monotonic() < end:
+    opt.zero_grad()
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    opt.step()
+    step += 1
+    if step == 1:
+        pathlib.Path(sys.argv[1]).write_text(str(time.time()))
+print("steps", step)
+"""
+
+
+def test_a_pytorch_job_reports_its_steps_with_no_change_to_its_code(slurm: Cluster) -> None:
+    """Only ``--comment=deadline=+2h``: the TaskProlog puts the hook on the task's path, the hook
+    reports optimizer steps to the node's agent, and the head shows them within two intervals
+    of the first step."""
+    script = slurm.tmp / "train.py"
+    script.write_text(TRAIN)
+    first = slurm.tmp / "first-step"
+    first.unlink(missing_ok=True)
+    job = slurm.sbatch(
+        "--comment=deadline=+2h",
+        "--gres=gpu:1",
+        "--time=30",
+        "--wrap",
+        f"{sys.executable} {script} {first} 12",
+    )
+    stepped = wait("the job's first step", first.exists, 60, slurm.logs)
+    assert stepped
+    first_s = float(first.read_text())
+    seen = wait(
+        "the head shows reported steps",
+        lambda: (j := slurm.jobs().get(job)) and j["progress"] == "reported" and j,
+        10,
+        slurm.logs,
+    )
+    shown_s = time.time()
+    assert seen["iterations_done"] > 0 and seen["iterations_total"] is None
+    assert seen["work"] == "time-limit" and seen["time_limit_s"] == 30 * 60.0
+    assert seen["left_top_s"] is not None and seen["left_top_s"] <= 30 * 60.0
+    # the hook reports at its first step; the next exchange carries it; the interval persists it
+    assert shown_s - first_s < 2 * INTERVAL_S + 0.5, (shown_s - first_s, seen)
+    config = slurm.tmp / "hooks.toml"
+    out = subprocess.run(
+        [str(Path(sys.executable).parent / "cdgpc-admin"), "jobs", "--config", str(config)],
+        capture_output=True,
+        text=True,
+        check=True,
+        env=slurm.env,
+        timeout=30,
+    ).stdout
+    [row] = [line for line in out.splitlines() if line.split()[:1] == [job]]
+    assert "reported" in row and "time-limit" in row, out
+    wait("job ended", lambda: slurm.state(job) in ("COMPLETED", "GONE"), 60, slurm.logs)
+    assert "steps" in (slurm.lab / "out" / f"{job}.out").read_text()
 
 
 def test_malformed_deadline_is_refused_at_submit(slurm: Cluster) -> None:

@@ -98,6 +98,13 @@ exit \$rc
 EOF
         chmod 755 "$LAB/hooks/$kind"
     done
+    # the TaskProlog's stdout is Slurm's: its export lines go into the task's environment
+    cat >"$LAB/hooks/task-prolog" <<EOF
+#!/bin/bash
+if [ -r "$LAB/hooks/env/\$SLURMD_NODENAME" ]; then set -a; . "$LAB/hooks/env/\$SLURMD_NODENAME"; set +a; fi
+exec $LAB/hooks/real/cdgpc-task-prolog
+EOF
+    chmod 755 "$LAB/hooks/task-prolog"
 }
 
 ours() { grep -q "^$MARK" "$1" 2>/dev/null || grep -q -- "^-- $MARK" "$1" 2>/dev/null; }
@@ -171,6 +178,7 @@ KillWait=2
 Waittime=0
 Prolog=$LAB/hooks/prolog
 Epilog=$LAB/hooks/epilog
+TaskProlog=$LAB/hooks/task-prolog
 PrologFlags=Alloc
 PrologEpilogTimeout=20
 EOF
