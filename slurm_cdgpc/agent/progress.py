@@ -1,7 +1,8 @@
 """Training progress: jobs tell the node agent how far they are, over a local Unix socket.
 
-Client side (inside a training job; standard library only, so it starts in milliseconds and never
-drags numpy or the GPU backends into the job)::
+PyTorch jobs need nothing: the TaskProlog's hook (`slurm_cdgpc/hook`) sends their optimizer
+steps. For anything else, the client side (inside a training job; standard library only, so it
+starts in milliseconds and never drags numpy or the GPU backends into the job)::
 
     $ cdgpc-progress 500 10000          # step 500 of 10000, job from $SLURM_JOB_ID
 
