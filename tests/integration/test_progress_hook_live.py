@@ -75,6 +75,29 @@ trainer.fit(Tiny(), data)
 print("fitted", trainer.global_step)
 """
 
+TRANSFORMERS = """
+import torch
+from transformers import Trainer, TrainingArguments
+from slurm_cdgpc.integrations.transformers import CdgpcProgress
+
+class Tiny(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Linear(8, 1)
+    def forward(self, x, labels):
+        return {"loss": torch.nn.functional.mse_loss(self.net(x), labels)}
+
+torch.manual_seed(0)
+data = [{"x": torch.randn(8), "labels": torch.randn(1)} for _ in range(256)]
+args = TrainingArguments(
+    output_dir="hf-out", max_steps=30, per_device_train_batch_size=4, report_to="none",
+    use_cpu=True, save_strategy="no", logging_strategy="no", disable_tqdm=True,
+)
+trainer = Trainer(model=Tiny(), args=args, train_dataset=data, callbacks=[CdgpcProgress()])
+trainer.train()
+print("trained", trainer.state.global_step)
+"""
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -300,3 +323,18 @@ def test_a_lightning_job_reports_its_total(site: Site) -> None:
         "job 9's total", lambda: (j := site.job("9"))["iterations_done"] == 40 and j, 10, site.logs
     )
     assert job["iterations_total"] == 40
+
+
+def test_a_transformers_trainer_job_reports_its_total(site: Site) -> None:
+    site.register("10", 3)
+    env = site.task_env("10", pythonpath=str(REPO))
+    done = _run(TRANSFORMERS, env, site.scratch)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().endswith("trained 30")
+    job = _wait(
+        "job 10's total",
+        lambda: (j := site.job("10"))["iterations_done"] == 30 and j,
+        10,
+        site.logs,
+    )
+    assert job["iterations_total"] == 30
