@@ -18,6 +18,8 @@ from slurm_cdgpc.sim.cluster import SimulationResult, Simulator
 from slurm_cdgpc.sim.fleet import default_fleet, parse_budget_w, parse_fleet
 from slurm_cdgpc.sim.metrics import PolicyRun, compute_metrics, run_policies
 from slurm_cdgpc.sim.policies import POLICIES, make_policy
+from slurm_cdgpc.sim.reporting import DEFAULT_TIME_LIMITS, SOURCES, ProgressMix, TimeLimitModel
+from slurm_cdgpc.sim.sweep import parse_mixes
 from slurm_cdgpc.sim.traces import load_trace
 from slurm_cdgpc.sim.twin import HeadTwin
 from slurm_cdgpc.units import parse_duration_s
@@ -66,10 +68,26 @@ _TABLE = (
 @click.option("--seed", default="0", show_default=True, help="With --sweep a list: 0,3,5-9.")
 @click.option(
     "--progress-share",
-    default="1.0",
+    default=None,
+    help="Share P of jobs that report steps and total; the others report nothing, only their "
+    "time limit is known: --progress-mix reported=P,time-limit=1-P. With --sweep a list, each "
+    "in (0, 1].",
+)
+@click.option(
+    "--progress-mix",
+    "progress_mixes",
+    multiple=True,
+    help=f"Shares of jobs per progress source ({', '.join(SOURCES)}), e.g. "
+    "reported=0.2,steps=0.6,time-limit=0.2,none=0 (absent: 0; they sum to 1), or realistic "
+    "(those shares, an assumption: slurm_cdgpc.sim.reporting) [default: all reported]. "
+    "With --sweep, repeat for several.",
+)
+@click.option(
+    "--time-limit-model",
+    default=str(DEFAULT_TIME_LIMITS),
     show_default=True,
-    help="Share of jobs that report their iterations; the others are seen as a head sees a "
-    "job that never reports. With --sweep a list, each in (0, 1].",
+    help="Slurm time limits: uniform:LOW:HIGH × the run time at top clocks, rounded up to "
+    "minutes (a trace's own limits win); a job still running at its limit is killed.",
 )
 @click.option("--limit-jobs", type=click.IntRange(min=1), default=None, help="First N jobs only.")
 @click.option(
@@ -141,7 +159,9 @@ def simulate(
     policy: str,
     interval: str,
     seed: str,
-    progress_share: str,
+    progress_share: str | None,
+    progress_mixes: tuple[str, ...],
+    time_limit_model: str,
     limit_jobs: int | None,
     engine: str,
     config_path: str | None,
@@ -161,8 +181,9 @@ def simulate(
     default fleet covers the trace's 90th-percentile concurrent demand with 8-GPU A100 nodes.
 
     With --sweep OUTDIR, every combination of the traces, budgets, policies, seeds and progress
-    shares is one replay (a cell) whose metrics land in OUTDIR/cells; cells already there are
-    not run again, and the table aggregates each trace, budget, share and policy over seeds.
+    mixes (or shares) is one replay (a cell) whose metrics land in OUTDIR/cells; cells already
+    there are not run again, and the table aggregates each trace, budget, mix and policy over
+    seeds. The time-limit model is one per sweep.
 
     With --engine head, cdgpc runs through the head's own interval (cdgpcd's code, a SQLite
     store, node agents answered from the simulator): a digital twin of the product.
@@ -185,6 +206,8 @@ def simulate(
                 interval=interval,
                 seed=seed,
                 progress_share=progress_share,
+                progress_mixes=progress_mixes,
+                time_limit_model=time_limit_model,
                 limit_jobs=limit_jobs,
                 as_json=as_json,
                 backend=backend,
@@ -204,10 +227,17 @@ def simulate(
             ("--budget", budget),
             ("--policy", policy),
             ("--seed", seed),
-            ("--progress-share", progress_share),
+            ("--progress-share", progress_share or ""),
         ):
             if "," in text:
                 raise InputError(f"{name} {text!r}: a list needs --sweep OUTDIR")
+        if len(progress_mixes) > 1:
+            raise InputError("more than one --progress-mix needs --sweep OUTDIR")
+        [mix] = (
+            parse_mixes(progress_share, progress_mixes)
+            if progress_share is None or progress_mixes
+            else [ProgressMix.of_share(_one_share(progress_share))]
+        )
         _simulate(
             trace_paths[0],
             trace_format,
@@ -216,7 +246,8 @@ def simulate(
             policy,
             interval,
             _one_seed(seed),
-            _one_share(progress_share),
+            mix,
+            TimeLimitModel.parse(time_limit_model),
             limit_jobs,
             engine,
             None if config_path is None else load_config(Path(config_path), env={}).control,
@@ -252,7 +283,8 @@ def _simulate(
     policy: str,
     interval: str,
     seed: int,
-    progress_share: float,
+    mix: ProgressMix,
+    time_limits: TimeLimitModel,
     limit_jobs: int | None,
     engine: str,
     control: ControlConfig | None,
@@ -274,7 +306,13 @@ def _simulate(
     fleet = fleet or default_fleet(trace)
     budget_w = parse_budget_w(budget, fleet)
     simulator = Simulator(
-        trace, fleet, budget_w, interval_s=interval_s, seed=seed, progress_share=progress_share
+        trace,
+        fleet,
+        budget_w,
+        interval_s=interval_s,
+        seed=seed,
+        progress_mix=mix,
+        time_limits=time_limits,
     )
     show = not as_json or sys.stderr.isatty()
     replays = 2 if engine == "head" else len(names) + (0 if "max-clock" in names else 1)
@@ -299,7 +337,9 @@ def _simulate(
         "budget_w": budget_w,
         "interval_s": interval_s,
         "seed": seed,
-        "progress_share": progress_share,
+        "progress_share": mix.share,
+        "progress_mix": str(mix),
+        "time_limit_model": str(time_limits),
     }
     if report_dir is not None:
         from slurm_cdgpc.sim.report import write_report  # noqa: PLC0415 (matplotlib is optional)

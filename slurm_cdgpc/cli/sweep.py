@@ -19,16 +19,18 @@ import click
 
 from slurm_cdgpc.cli.output import echo_json, format_table, format_value
 from slurm_cdgpc.errors import FatalError, InputError
+from slurm_cdgpc.sim.reporting import ProgressMix, TimeLimitModel
 from slurm_cdgpc.sim.sweep import (
     Cell,
     Sweep,
     aggregate,
     define_sweep,
     format_seeds,
+    mix_label,
     parse_budgets,
+    parse_mixes,
     parse_policies,
     parse_seeds,
-    parse_shares,
     run_cells,
     run_local,
     write_atomically,
@@ -43,13 +45,14 @@ ARRAY_FILE: Final = "array.json"
 _TABLE: Final = (
     ("trace", "trace"),
     ("budget", "budget"),
-    ("progress_share", "share"),
+    ("progress_mix", "progress"),
     ("policy", "policy"),
     ("seeds", "seeds"),
     ("violations", "violations"),
     ("violations_induced", "induced"),
     ("power_mae_pct", "max MAE %"),
     ("over_budget_intervals_pct", "max over %"),
+    ("killed_at_time_limit", "killed"),
     ("energy_kwh", "mean kWh"),
 )
 
@@ -78,7 +81,9 @@ def run_sweep(
     policy: str,
     interval: str,
     seed: str,
-    progress_share: str,
+    progress_share: str | None,
+    progress_mixes: Sequence[str],
+    time_limit_model: str,
     limit_jobs: int | None,
     as_json: bool,
     backend: str,
@@ -92,12 +97,13 @@ def run_sweep(
         trace_paths,
         trace_format=trace_format,
         budgets=parse_budgets(budget),
-        progress_shares=parse_shares(progress_share),
+        progress_mixes=parse_mixes(progress_share, progress_mixes),
         policies=parse_policies(policy),
         seeds=parse_seeds(seed),
         limit_jobs=limit_jobs,
         fleet=fleet_text,
         interval_s=parse_duration_s(interval),
+        time_limits=TimeLimitModel.parse(time_limit_model),
     )
     sweep = Sweep.create(Path(directory).resolve(), definition)
     pending = sweep.pending()
@@ -184,8 +190,9 @@ def _run_on_slurm(
 def _text(key: str, value: Any) -> str:
     if key == "seeds":
         return format_seeds(value)
-    if key == "progress_share":
-        return f"{value:g}"
+    if key == "progress_mix":  # a share as it was given, a mix by its shares
+        mix = ProgressMix.parse(value)
+        return f"{mix.share:g}" if mix.share is not None else mix_label(mix)
     return format_value(value)
 
 

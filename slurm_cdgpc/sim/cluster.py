@@ -16,14 +16,19 @@ Every ``interval_s`` (one control interval, default 60 s), at the interval's sta
 3. the policy sees a `ClusterView` (what a real system knows: measurements of the last
    interval, GPU counts and types, deadlines, reported progress, the budget; never the plant)
    and returns `Setpoints` (graphics/memory clock locks and/or per-GPU power limits per job);
-   a job outside ``progress_share`` (drawn per job from the seed) shows no iteration time and
-   no total or remaining work, as a live head sees a job that never reports its progress;
+   what a job reports follows its progress source (`slurm_cdgpc.sim.reporting`, drawn per job
+   from the seed): ``reported`` shows steps, iteration time and total; ``steps`` steps and
+   iteration time, no total or remaining work; ``time-limit`` and ``none`` nothing, as a live
+   head sees a job that never reports. Every job but a ``none`` one has a Slurm time limit
+   (the trace's, else drawn from a `TimeLimitModel`), and the view shows it with the start;
 4. the plant runs every job for the interval at its applied clock. A job's workload is drawn
    per GPU type from its model name (`draw_workloads`); its iteration time is scaled so that
    iterations × time per iteration at max clocks (default limit) is the trace's duration. A job
    spanning GPU types runs as its slowest type (the slowest GPU paces a synchronous job);
 5. progress: ΔR = Δt / T; a job with R ≤ Δt / T finishes at t + R·T (interpolated), its GPUs
-   draw idle power for the rest of the interval and are free at the next boundary;
+   draw idle power for the rest of the interval and are free at the next boundary. A job
+   still running at start + time limit is killed there, as Slurm does (it never finishes, so
+   a deadline job misses; `SimulationResult.killed`);
 6. cluster power over the interval: busy GPUs at plant power, idle GPUs at their idle power.
 
 Intervals with nothing running or queued are skipped (their idle energy is still counted).
@@ -47,6 +52,14 @@ from slurm_cdgpc.errors import InputError
 from slurm_cdgpc.gpu.catalog import GpuSpec, catalog_spec
 from slurm_cdgpc.gpu.plant import Plant, WorkloadArrays, draw_workloads, hardware_calibration
 from slurm_cdgpc.sim.fleet import FleetSpec
+from slurm_cdgpc.sim.reporting import (
+    DEFAULT_TIME_LIMITS,
+    NONE,
+    REPORTED,
+    STEPS,
+    ProgressMix,
+    TimeLimitModel,
+)
 from slurm_cdgpc.sim.traces import Trace
 
 logger = logging.getLogger(__name__)
@@ -78,9 +91,12 @@ class ClusterView:
     job_type: IntArray
     job_nodes: IntArray  # (jobs, nodes): GPUs of each job on each node
     submit_s: FloatArray
+    start_s: FloatArray
     deadline_s: FloatArray  # NaN: none
+    time_limit_s: FloatArray  # Slurm's, from the start; NaN: none (UNLIMITED)
     iterations: FloatArray  # total, as the job reports it
     remaining_iterations: FloatArray  # as the job reports its progress
+    iterations_done: FloatArray  # steps done, as the job reports them
     graphics_mhz: FloatArray  # applied clock
     memory_mhz: FloatArray
     power_w: FloatArray  # mean per GPU
@@ -168,6 +184,8 @@ class SimulationResult:
     wall_s: float
     #: per job: the trace's class (strict, soft, best-effort; "" when the trace has none)
     job_type: npt.NDArray[np.str_] = field(default_factory=lambda: np.zeros(0, dtype=str))
+    #: per job: killed by Slurm at its time limit (empty in replays made before limits)
+    killed: BoolArray = field(default_factory=lambda: np.zeros(0, dtype=bool))
 
 
 @dataclass(frozen=True)
@@ -253,12 +271,16 @@ class Simulator:
         interval_s: float = 60.0,
         seed: int = 0,
         workloads: Workloads | None = None,
-        progress_share: float = 1.0,
+        progress_share: float | None = None,
+        progress_mix: ProgressMix | None = None,
+        time_limits: TimeLimitModel = DEFAULT_TIME_LIMITS,
     ) -> None:
         if not budget_w > 0 or not math.isfinite(budget_w):
             raise InputError(f"the power budget must be a positive number of watts, got {budget_w}")
-        if not 0.0 <= progress_share <= 1.0:
-            raise InputError(f"the progress share must be in [0, 1], got {progress_share}")
+        if progress_share is not None:
+            if progress_mix is not None:
+                raise InputError("give a progress share or a progress mix, not both")
+            progress_mix = ProgressMix.of_share(progress_share)
         if not interval_s > 0:
             raise InputError(f"the control interval must be positive, got {interval_s}")
         self.trace = trace
@@ -268,10 +290,15 @@ class Simulator:
         self.seed = seed
         self.specs = fleet.specs
         self.workloads = workloads or draw_trace_workloads(trace, self.specs, seed)
-        #: per trace job: it reports its iterations (drawn once, so every policy sees the same)
-        self.progress_share = float(progress_share)
-        draw = np.random.default_rng([seed, 2]).random(len(trace))
-        self.reports_progress = draw < progress_share
+        #: per trace job: its progress source and time limit (drawn once, so every policy
+        #: sees the same); the trace's own limit where it has one
+        self.progress_mix = progress_mix or ProgressMix()
+        self.time_limits = time_limits
+        self.source = self.progress_mix.draw(len(trace), seed)
+        self.reports_progress = self.source == REPORTED
+        drawn = time_limits.draw(np.asarray(trace.duration_s, dtype=np.float64), seed)
+        limit_s = np.where(np.isfinite(trace.time_limit_s), trace.time_limit_s, drawn)
+        self.time_limit_s = np.where(self.source == NONE, np.nan, limit_s)
         self.node_type = fleet.node_type
         self.node_gpus = fleet.node_gpus
         self.node_group = np.concatenate(
@@ -281,15 +308,18 @@ class Simulator:
         self.max_mhz_by_type = np.array([float(s.max_graphics_mhz) for s in self.specs])
 
     def _as_seen(self, view: ClusterView) -> ClusterView:
-        """The view as a live head has it: a job that does not report its iterations has no
-        iteration time, total or remaining work (`progress_share`)."""
-        silent = ~self.reports_progress[view.job_id]
-        if not silent.any():
+        """The view as a live head has it, by each job's progress source: ``steps`` shows no
+        total or remaining work, ``time-limit`` and ``none`` no iteration time either."""
+        source = self.source[view.job_id]
+        if np.all(source == REPORTED):
             return view
+        no_total = source != REPORTED
+        silent = no_total & (source != STEPS)
         return replace(
             view,
-            iterations=np.where(silent, np.nan, view.iterations),
-            remaining_iterations=np.where(silent, np.nan, view.remaining_iterations),
+            iterations=np.where(no_total, np.nan, view.iterations),
+            remaining_iterations=np.where(no_total, np.nan, view.remaining_iterations),
+            iterations_done=np.where(silent, np.nan, view.iterations_done),
             iteration_s=np.where(silent, np.nan, view.iteration_s),
         )
 
@@ -361,6 +391,7 @@ class Simulator:
         policy.start(self.fleet, self.budget_w, dt)
         start_s = np.full(n, np.nan)
         finish_s = np.full(n, np.nan)
+        killed = np.zeros(n, dtype=bool)
         masks, mask_of = self.allowed_nodes()
         allowed_gpus = (masks * self.node_gpus[None, :]).sum(axis=1)[mask_of]
         rejected = trace.num_gpu > allowed_gpus
@@ -467,9 +498,12 @@ class Simulator:
                 job_type=run.types,
                 job_nodes=run.alloc,
                 submit_s=trace.submit_s[run.rows],
+                start_s=start_s[run.rows],
                 deadline_s=trace.deadline_s[run.rows],
+                time_limit_s=self.time_limit_s[run.rows],
                 iterations=wl.iterations[run.rows],
                 remaining_iterations=run.remaining.copy(),
+                iterations_done=wl.iterations[run.rows] - run.remaining,
                 graphics_mhz=run.graphics_mhz,
                 memory_mhz=run.memory_mhz,
                 power_w=run.power_w,
@@ -507,6 +541,14 @@ class Simulator:
             share = np.where(
                 finishing, np.minimum(run.remaining * truth.iteration_time_s / dt, 1.0), 1.0
             )
+            # Slurm ends a job at start + L: it runs the share (start + L − t) / Δt, unfinished
+            end_share = (start_s[run.rows] + self.time_limit_s[run.rows] - t) / dt
+            killing = np.isfinite(end_share) & np.where(
+                finishing, share > end_share + 1e-9, end_share <= 1.0 + 1e-9
+            )
+            share = np.where(killing, np.clip(end_share, 0.0, 1.0), share)
+            killed[run.rows[killing]] = True
+            finishing &= ~killing
             idle_job_w = self.idle_w_by_type[run.types]
             job_w = run.gpus * (truth.power_w * share + idle_job_w * (1.0 - share))
             power_w = float(job_w.sum()) + idle_gpu_w
@@ -522,6 +564,7 @@ class Simulator:
             ]
             finish_s[run.rows[finishing]] = t + share[finishing] * dt
             run.remaining = np.maximum(run.remaining - per_interval, 0.0)
+            finishing |= killing  # leaves like a finished job, without a finish time
             run.graphics_mhz = truth.applied_mhz
             run.memory_mhz = (
                 np.array([float(s.max_memory_mhz) for s in self.specs])[run.types]
@@ -561,4 +604,5 @@ class Simulator:
             energy_j=energy_j,
             wall_s=time.perf_counter() - wall0,
             job_type=np.asarray(trace.job_type, dtype=str),
+            killed=killed,
         )

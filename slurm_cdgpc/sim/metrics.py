@@ -27,6 +27,8 @@ never ran, being larger than the fleet, misses it):
     Mean of finish − submission over finished jobs; last finish − first submission.
 ``controller_ms_p50``
     Median time of the policy's decision per interval, milliseconds.
+``killed_at_time_limit``
+    Jobs Slurm ended at their time limit (never finished; a deadline job among them misses).
 ``by_job_type``
     For traces that class their jobs (Chronus: strict, soft, best-effort), the deadline counts
     above per class: ``deadline_jobs``, ``violations``, ``violations_induced``. Soft jobs are
@@ -78,6 +80,7 @@ class Metrics:
     mean_jct_s: float
     makespan_s: float
     controller_ms_p50: float
+    killed_at_time_limit: int = 0
     by_job_type: dict[str, dict[str, int | None]] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
@@ -150,6 +153,7 @@ def compute_metrics(result: SimulationResult, reference: SimulationResult | None
         controller_ms_p50=(
             float(1e3 * np.median(result.controller_s)) if result.controller_s.size else 0.0
         ),
+        killed_at_time_limit=int(np.sum(result.killed)),
         by_job_type=_by_job_type(result, miss, None if reference is None else missed(reference)),
     )
 

@@ -241,7 +241,13 @@ class Cdgpc(Policy):
             planned,
             view.power_capped,
         )
-        jobs = JobState(view.job_type, view.remaining_iterations, view.deadline_s)
+        jobs = JobState(
+            view.job_type,
+            view.remaining_iterations,
+            view.deadline_s,
+            time_limit_s=view.time_limit_s,
+            start_s=view.start_s,
+        )
         queue = QueueState.from_matrix(
             view.queued_jobs > 0, view.job_nodes, view.node_gpus - view.job_nodes.sum(axis=0)
         )

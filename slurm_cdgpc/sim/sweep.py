@@ -1,11 +1,13 @@
-"""Simulator sweeps: traces × seeds × budgets × progress shares × policies, one replay per cell.
+"""Simulator sweeps: traces × seeds × budgets × progress mixes × policies, one replay per cell.
 
 A sweep is one directory, all that the machines running it share: ``sweep.json`` (the
 definition; a different one is refused), ``cells/KEY.json`` (one cell's coordinates and
 `Metrics`), ``references/TRACE_seedN.npz`` (the max-clock replay, per trace and seed, that
 `compute_metrics` counts induced misses against). Every file appears whole (temp file +
 ``os.replace``) or not at all; a cell on disk is never run again. `run_cells` runs cells in this
-process, `run_local` on a process pool; nothing here runs a Slurm command.
+process, `run_local` on a process pool; nothing here runs a Slurm command. The time-limit
+model is one per sweep; a definition written before mixes and limits existed (``progress_shares``,
+no ``time_limit_model``) reads as those shares' mixes under the default model, keys unchanged.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from slurm_cdgpc.sim.cluster import SimulationResult, Simulator
 from slurm_cdgpc.sim.fleet import FleetSpec, default_fleet, parse_budget_w, parse_fleet
 from slurm_cdgpc.sim.metrics import compute_metrics
 from slurm_cdgpc.sim.policies import POLICIES, make_policy
+from slurm_cdgpc.sim.reporting import DEFAULT_TIME_LIMITS, ProgressMix, TimeLimitModel
 from slurm_cdgpc.sim.traces import Trace, load_trace
 from slurm_cdgpc.units import parse_power_w
 
@@ -137,9 +140,43 @@ def parse_budgets(text: str) -> tuple[str, ...]:
     return _distinct([canonical_budget(item) for item in _items(text, "budgets")], "budget")
 
 
-def simulator_options(progress_share: float) -> dict[str, Any]:
-    """Keywords for `Simulator`: ``progress_share`` only where it is not the default 1."""
-    return {} if progress_share == 1.0 else {"progress_share": progress_share}
+def parse_mixes(shares_text: str | None, mix_texts: Sequence[str]) -> tuple[ProgressMix, ...]:
+    """``--progress-share P,Q`` (each reported P, time-limit 1 − P) or ``--progress-mix`` given
+    once per mix (`ProgressMix.parse`); neither: all jobs report."""
+    if shares_text is not None and mix_texts:
+        raise InputError("give --progress-share or --progress-mix, not both")
+    if shares_text is not None:
+        mixes = [ProgressMix.of_share(p) for p in parse_shares(shares_text)]
+    else:
+        mixes = [ProgressMix.parse(text) for text in mix_texts] or [ProgressMix()]
+    return _distinct_mixes(mixes)
+
+
+def _distinct_mixes(mixes: Sequence[ProgressMix]) -> tuple[ProgressMix, ...]:
+    seen: set[ProgressMix] = set()
+    for mix in mixes:
+        if mix in seen:
+            raise InputError(f"progress mix {mix} is listed twice")
+        seen.add(mix)
+    return tuple(mixes)
+
+
+def simulator_options(mix: ProgressMix, time_limits: TimeLimitModel) -> dict[str, Any]:
+    """Keywords for `Simulator`: only those that are not the defaults."""
+    options: dict[str, Any] = {}
+    if mix != ProgressMix():
+        options["progress_mix"] = mix
+    if time_limits != DEFAULT_TIME_LIMITS:
+        options["time_limits"] = time_limits
+    return options
+
+
+def mix_label(mix: ProgressMix) -> str:
+    """A mix in keys and tables: ``share0.5`` for ``--progress-share 0.5``, else its shares
+    in `SOURCES` order (``progress0.2-0.6-0.2-0``)."""
+    if mix.share is not None:
+        return f"share{mix.share!r}"
+    return "progress" + "-".join(f"{v!r}" for v in mix.shares)
 
 
 # --- the definition ---------------------------------------------------------------------------
@@ -160,13 +197,13 @@ class Cell:
     trace: TraceFile
     seed: int
     budget: str
-    progress_share: float
+    progress_mix: ProgressMix
     policy: str
 
     @property
     def key(self) -> str:
         return (
-            f"{self.trace.name}_b{self.budget}_share{self.progress_share!r}"
+            f"{self.trace.name}_b{self.budget}_{mix_label(self.progress_mix)}"
             f"_{self.policy}_seed{self.seed}"
         )
 
@@ -180,12 +217,13 @@ class SweepDefinition:
     traces: tuple[TraceFile, ...]
     trace_format: str | None
     budgets: tuple[str, ...]
-    progress_shares: tuple[float, ...]
+    progress_mixes: tuple[ProgressMix, ...]
     policies: tuple[str, ...]
     seeds: tuple[int, ...]
     limit_jobs: int | None
     fleet: str | None  # None: each trace's default fleet
     interval_s: float
+    time_limits: TimeLimitModel = DEFAULT_TIME_LIMITS
 
     def cells(self) -> tuple[Cell, ...]:
         """Trace by trace, seed by seed: the cells of one reference replay are neighbours."""
@@ -194,7 +232,7 @@ class SweepDefinition:
             for t in self.traces
             for s in self.seeds
             for b in self.budgets
-            for p in self.progress_shares
+            for p in self.progress_mixes
             for name in self.policies
         )
         return tuple(Cell(i, *coordinates) for i, coordinates in enumerate(order))
@@ -205,7 +243,8 @@ class SweepDefinition:
             "traces": [vars(t) for t in self.traces],
             "trace_format": self.trace_format,
             "budgets": list(self.budgets),
-            "progress_shares": list(self.progress_shares),
+            "progress_mixes": [str(m) for m in self.progress_mixes],
+            "time_limit_model": str(self.time_limits),
             "policies": list(self.policies),
             "seeds": list(self.seeds),
             "limit_jobs": self.limit_jobs,
@@ -222,7 +261,14 @@ class SweepDefinition:
                 traces=tuple(TraceFile(**t) for t in data["traces"]),
                 trace_format=data["trace_format"],
                 budgets=tuple(data["budgets"]),
-                progress_shares=tuple(float(p) for p in data["progress_shares"]),
+                progress_mixes=(
+                    tuple(ProgressMix.parse(m) for m in data["progress_mixes"])
+                    if "progress_mixes" in data
+                    else tuple(ProgressMix.of_share(float(p)) for p in data["progress_shares"])
+                ),
+                time_limits=TimeLimitModel.parse(
+                    data.get("time_limit_model", str(DEFAULT_TIME_LIMITS))
+                ),
                 policies=tuple(data["policies"]),
                 seeds=tuple(int(s) for s in data["seeds"]),
                 limit_jobs=data["limit_jobs"],
@@ -257,12 +303,13 @@ def define_sweep(
     *,
     trace_format: str | None,
     budgets: Sequence[str],
-    progress_shares: Sequence[float],
+    progress_mixes: Sequence[ProgressMix],
     policies: Sequence[str],
     seeds: Sequence[int],
     limit_jobs: int | None,
     fleet: str | None,
     interval_s: float,
+    time_limits: TimeLimitModel = DEFAULT_TIME_LIMITS,
 ) -> SweepDefinition:
     """Check what every cell will need (each trace readable and not empty, each budget on each
     trace's fleet) and return the definition; nothing is written."""
@@ -282,12 +329,13 @@ def define_sweep(
         traces=tuple(traces),
         trace_format=trace_format,
         budgets=tuple(budgets),
-        progress_shares=tuple(progress_shares),
+        progress_mixes=tuple(progress_mixes),
         policies=tuple(policies),
         seeds=tuple(seeds),
         limit_jobs=limit_jobs,
         fleet=fleet,
         interval_s=float(interval_s),
+        time_limits=time_limits,
     )
 
 
@@ -429,7 +477,8 @@ def _reference(sweep: Sweep, cell: Cell, traces: _Traces) -> SimulationResult:
     """The max-clock replay of the cell's trace and seed: from disk, else computed and saved.
 
     It depends on neither budget (max clocks ignore it; `compute_metrics` reads only its
-    finish times and deadlines) nor progress share (run at the default).
+    finish times and deadlines) nor progress mix (run at the default); it has the sweep's time
+    limits.
     """
     path = sweep.reference_path(cell)
     if path.exists():
@@ -439,7 +488,12 @@ def _reference(sweep: Sweep, cell: Cell, traces: _Traces) -> SimulationResult:
             return load_result(path)
         trace, fleet = traces.get(cell.trace)
         simulator = Simulator(
-            trace, fleet, fleet.max_power_w, interval_s=sweep.definition.interval_s, seed=cell.seed
+            trace,
+            fleet,
+            fleet.max_power_w,
+            interval_s=sweep.definition.interval_s,
+            seed=cell.seed,
+            **simulator_options(ProgressMix(), sweep.definition.time_limits),
         )
         result = simulator.run(make_policy("max-clock"))
         save_result(path, result)
@@ -457,14 +511,15 @@ def _run_cell(sweep: Sweep, cell: Cell, traces: _Traces) -> None:
         budget_w,
         interval_s=sweep.definition.interval_s,
         seed=cell.seed,
-        **simulator_options(cell.progress_share),
+        **simulator_options(cell.progress_mix, sweep.definition.time_limits),
     )
     result = simulator.run(make_policy(cell.policy))
     record = {
         "key": cell.key,
         "trace": cell.trace.name,
         "budget": cell.budget,
-        "progress_share": cell.progress_share,
+        "progress_share": cell.progress_mix.share,
+        "progress_mix": str(cell.progress_mix),
         "seed": cell.seed,
         "fleet": str(fleet),
         "interval_s": sweep.definition.interval_s,
@@ -555,15 +610,21 @@ def run_local(
 # --- the table --------------------------------------------------------------------------------
 
 
+def record_mix(record: Mapping[str, Any]) -> str:
+    """A cell record's progress mix (records made before mixes hold only a share)."""
+    mix = record.get("progress_mix")
+    return str(mix) if mix is not None else str(ProgressMix.of_share(record["progress_share"]))
+
+
 def aggregate(records: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """One row per trace × budget × progress share × policy, over its seeds: Σ violations and
+    """One row per trace × budget × progress mix × policy, over its seeds: Σ violations and
     induced violations, max power MAE and over-budget share, mean energy."""
-    groups: dict[tuple[str, str, float, str], list[Mapping[str, Any]]] = {}
+    groups: dict[tuple[str, str, str, str], list[Mapping[str, Any]]] = {}
     for r in records:
-        key = (r["trace"], r["budget"], r["progress_share"], r["policy"])
+        key = (r["trace"], r["budget"], record_mix(r), r["policy"])
         groups.setdefault(key, []).append(r)
     rows = []
-    for (trace, budget, share, policy), group in groups.items():
+    for (trace, budget, mix, policy), group in groups.items():
         mae = [r["power_mae_pct"] for r in group if r["power_mae_pct"] is not None]
         induced = [r["violations_induced"] for r in group]
         rows.append(
@@ -571,13 +632,15 @@ def aggregate(records: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
                 "trace": trace,
                 "budget": budget,
                 "budget_w": group[0]["budget_w"],
-                "progress_share": share,
+                "progress_share": ProgressMix.parse(mix).share,
+                "progress_mix": mix,
                 "policy": policy,
                 "seeds": sorted(r["seed"] for r in group),
                 "violations": sum(r["violations"] for r in group),
                 "violations_induced": None if None in induced else sum(induced),
                 "power_mae_pct": max(mae) if mae else None,
                 "over_budget_intervals_pct": max(r["over_budget_intervals_pct"] for r in group),
+                "killed_at_time_limit": sum(r.get("killed_at_time_limit", 0) for r in group),
                 "energy_kwh": sum(r["energy_kwh"] for r in group) / len(group),
             }
         )

@@ -139,6 +139,7 @@ _COLUMNS: tuple[tuple[str, type[np.generic]], ...] = (
     ("model_name", np.str_),
     ("gpu_type", np.str_),
     ("job_type", np.str_),
+    ("time_limit_s", np.float64),
 )
 
 
@@ -163,9 +164,14 @@ class Trace:
     time_unit_note: str
     skipped: int = 0  # rows of the file that are not jobs here (no GPUs, never ran, job steps)
     cluster_gpus: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
+    #: Slurm's time limit per job, from its start (NaN: not in the trace; empty: none has one).
+    #: No format read here carries one: the simulator draws them (`slurm_cdgpc.sim.reporting`)
+    time_limit_s: FloatArray = field(default_factory=lambda: np.zeros(0))
 
     def __post_init__(self) -> None:
         n = len(np.atleast_1d(self.job_id))
+        if np.size(self.time_limit_s) == 0:
+            object.__setattr__(self, "time_limit_s", np.full(n, np.nan))
         for name, dtype in _COLUMNS:
             column = np.array(getattr(self, name), dtype=dtype)
             if column.shape != (n,):
@@ -179,6 +185,9 @@ class Trace:
             raise InputError("Trace.duration_s must be finite and >= 0")
         if np.any(self.num_gpu < 1):
             raise InputError("Trace.num_gpu must be >= 1")
+        limit_s = self.time_limit_s
+        if np.any(~(np.isfinite(limit_s) & (limit_s > 0)) & ~np.isnan(limit_s)):
+            raise InputError("Trace.time_limit_s must be finite and > 0, or NaN")
         if np.any(np.isinf(self.deadline_s)) or np.any(self.iterations < 0):
             raise InputError("Trace.deadline_s must be finite or NaN, iterations >= 0 or NaN")
         unknown = set(np.unique(self.job_type).tolist()) - set(JOB_TYPES)

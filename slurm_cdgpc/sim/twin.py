@@ -2,9 +2,11 @@
 
 `HeadTwin` replays a trace through the real `Coordinator` (reconcile, measure, learn, solve,
 exchange, persist) over a SQLite store in a temporary directory, on a `ManualClock` that the
-simulator's interval moves. Its transport, `ViewTransport`, answers every node's exchange from
-the `ClusterView` as node agents do: readings taken before the exchange applies, energy
-counters, the lock in force, progress as root reports it. It must not reach the plant, and it
+simulator's interval moves. Each job registers as its Prolog would: deadline, total when it
+reports one, Slurm's time limit and its start. Its transport, `ViewTransport`, answers every
+node's exchange from the `ClusterView` as node agents do: readings taken before the exchange
+applies, energy counters, the lock in force, progress as root reports it (steps, and the total
+for a job that says it). It must not reach the plant, and it
 decides nothing: every clock the simulator applies is a setpoint the head sent. What a report
 must hold to be trusted is written in `slurm_cdgpc.coordinator.daemon` (its module docstring).
 """
@@ -291,6 +293,7 @@ class HeadTwin(Policy):
         for row in range(len(view) - view.started, len(view)):
             held: dict[int, tuple[int, ...]] = {}
             deadline_s = float(view.deadline_s[row])
+            limit_s = float(view.time_limit_s[row])
             total = float(view.iterations[row])
             iterations = math.ceil(total) if math.isfinite(total) and total > 0 else None
             for n in np.flatnonzero(view.job_nodes[row]).tolist():
@@ -305,6 +308,8 @@ class HeadTwin(Policy):
                     gpu_type=self.specs[int(view.node_type[n])].name,
                     deadline_s=deadline_s + self.offset_s if math.isfinite(deadline_s) else None,
                     iterations_total=iterations,
+                    time_limit_s=limit_s if math.isfinite(limit_s) else None,
+                    started_at_s=float(view.start_s[row]) + self.offset_s,
                 )
             self._held.append(held)
             self._totals.append(iterations)
@@ -331,9 +336,15 @@ class HeadTwin(Policy):
                     for index in indices:
                         readings[(node_name(node), index)] = reading
             total, remaining = self._totals[row], float(view.remaining_iterations[row])
-            if total is not None and math.isfinite(remaining) and held:
+            done = float(view.iterations_done[row])
+            if total is not None and math.isfinite(remaining):
                 # iterations done so far, whole ones: total − ⌈R⌉
                 step = min(max(total - math.ceil(remaining - 1e-9), 0), total)
+            elif math.isfinite(done):  # steps without a total (the automatic hook)
+                step = max(math.floor(done + 1e-9), 0)
+            else:
+                continue
+            if held:
                 first = node_name(min(held))
                 progress.setdefault(first, []).append(
                     ProgressReport(job_name(int(view.job_id[row])), step, total, now_s, ROOT_UID)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import replace
 from pathlib import Path
 
@@ -12,8 +13,18 @@ import pytest
 from slurm_cdgpc.errors import InputError
 from slurm_cdgpc.sim.cluster import ClusterView, Policy, Setpoints, Simulator
 from slurm_cdgpc.sim.fleet import parse_fleet
-from slurm_cdgpc.sim.metrics import run_policies
+from slurm_cdgpc.sim.metrics import compute_metrics, run_policies
 from slurm_cdgpc.sim.policies import POLICIES, MaxClock
+from slurm_cdgpc.sim.reporting import (
+    NONE,
+    REALISTIC,
+    REPORTED,
+    SOURCES,
+    STEPS,
+    TIME_LIMIT,
+    ProgressMix,
+    TimeLimitModel,
+)
 from slurm_cdgpc.sim.traces import Trace, load_trace
 
 DATA = Path(__file__).resolve().parent.parent / "data" / "sim"
@@ -288,3 +299,122 @@ def test_a_progress_share_outside_zero_to_one_is_refused() -> None:
     fleet = parse_fleet("1x8:A100-SXM4-80GB")
     with pytest.raises(InputError, match="progress share"):
         Simulator(_trace([0.0], [60.0], [1]), fleet, fleet.max_power_w, progress_share=1.5)
+
+
+def _reporting_trace(n: int = 400) -> Trace:
+    trace = _trace([0.0] * n, [600.0 + 37.0 * i for i in range(n)], [1] * n)
+    return replace(trace, iterations=np.full(n, 1000.0))
+
+
+def test_progress_sources_are_drawn_per_seed_in_the_stated_shares() -> None:
+    fleet = parse_fleet("1x8:A100-SXM4-80GB")
+    trace = _reporting_trace(4000)
+    mix = ProgressMix.parse("reported=0.2,steps=0.5,time-limit=0.2,none=0.1")
+    sim = Simulator(trace, fleet, fleet.max_power_w, seed=5, progress_mix=mix)
+    counts = np.bincount(sim.source, minlength=len(SOURCES)) / len(trace)
+    np.testing.assert_allclose(counts, mix.shares, atol=0.03)
+    # the same for every policy (a new simulator of the same seed), another for another seed
+    again = Simulator(trace, fleet, fleet.max_power_w, seed=5, progress_mix=mix)
+    assert np.array_equal(again.source, sim.source)
+    other = Simulator(trace, fleet, fleet.max_power_w, seed=6, progress_mix=mix)
+    assert not np.array_equal(other.source, sim.source)
+    # --progress-share P is reported P, time-limit 1 − P, on the draw it always had
+    share = Simulator(trace, fleet, fleet.max_power_w, seed=5, progress_share=0.3)
+    assert share.progress_mix == ProgressMix.parse("reported=0.3,time-limit=0.7")
+    assert set(np.unique(share.source).tolist()) == {REPORTED, TIME_LIMIT}
+    u = np.random.default_rng([5, 2]).random(len(trace))
+    assert np.array_equal(share.reports_progress, u < 0.3)
+    assert REALISTIC.shares == (0.2, 0.6, 0.2, 0.0)
+
+
+def test_each_source_shows_what_the_head_would_know() -> None:
+    fleet = parse_fleet("2x8:A100-SXM4-80GB")
+    n = 16
+    trace = _reporting_trace(n)
+    mix = ProgressMix.parse("reported=0.25,steps=0.25,time-limit=0.25,none=0.25")
+    rec = Recorder()
+    sim = Simulator(trace, fleet, fleet.max_power_w, seed=1, progress_mix=mix)
+    sim.run(rec)
+    assert set(np.unique(sim.source).tolist()) == set(range(len(SOURCES)))
+    view = next(v for v in rec.views if v.now_s == 120.0)
+    assert len(view) == n
+    for row, job in enumerate(view.job_id.tolist()):
+        source = int(sim.source[job])
+        total = (view.iterations[row], view.remaining_iterations[row])
+        assert np.isfinite(total).all() == (source == REPORTED)
+        assert np.isfinite(view.iteration_s[row]) == (source in (REPORTED, STEPS))
+        assert np.isfinite(view.iterations_done[row]) == (source in (REPORTED, STEPS))
+        assert np.isfinite(view.time_limit_s[row]) == (source != NONE)
+        assert view.start_s[row] == 0.0
+        assert np.isfinite(view.power_w[row])  # power is measured whatever the job reports
+
+
+def test_time_limits_are_drawn_within_the_model_and_rounded_up_to_minutes() -> None:
+    fleet = parse_fleet("1x8:A100-SXM4-80GB")
+    trace = _reporting_trace(2000)
+    sim = Simulator(trace, fleet, fleet.max_power_w, seed=2)
+    limit_s, run_s = sim.time_limit_s, trace.duration_s
+    assert np.all(limit_s % 60.0 == 0.0)
+    assert np.all(limit_s >= 1.5 * run_s) and np.all(limit_s < 3.0 * run_s + 60.0)
+    ratio = limit_s / run_s
+    assert ratio.min() < 1.6 and ratio.max() > 2.9  # the whole range is drawn
+    again = Simulator(trace, fleet, fleet.max_power_w, seed=2, progress_share=0.5)
+    assert np.array_equal(again.time_limit_s, limit_s)  # the mix leaves the limits alone
+    narrow = Simulator(trace, fleet, fleet.max_power_w, seed=2, time_limits=TimeLimitModel(2, 2))
+    np.testing.assert_array_equal(narrow.time_limit_s, 60.0 * np.ceil(2 * run_s / 60.0))
+    # a trace's own limit wins over the model's
+    own = replace(trace, time_limit_s=np.full(len(trace), 7200.0))
+    assert np.all(Simulator(own, fleet, fleet.max_power_w, seed=2).time_limit_s == 7200.0)
+
+
+def test_slurm_kills_a_job_at_its_time_limit_and_its_deadline_is_missed() -> None:
+    # one node: a (600 s at top clocks, limit 900 s) runs at half clock, so it would take
+    # more than 900 s: killed at 900 s; b (1 GPU, limit 3600 s) finishes
+    fleet = parse_fleet("1x8:A100-SXM4-80GB")
+    trace = replace(
+        _trace([0.0, 0.0], [600.0, 600.0], [4, 1]),
+        deadline_s=np.array([5000.0, 5000.0]),
+        time_limit_s=np.array([900.0, 3600.0]),
+    )
+
+    class HalfClock(Policy):
+        def decide(self, view: ClusterView) -> Setpoints:
+            top = np.array([float(s.max_graphics_mhz) for s in view.specs])[view.job_type]
+            return Setpoints(graphics_mhz=0.4 * top)
+
+    result = Simulator(trace, fleet, fleet.max_power_w).run(HalfClock())
+    assert result.killed.tolist() == [True, False]
+    assert np.isnan(result.finish_s[0]) and np.isfinite(result.finish_s[1])
+    m = compute_metrics(result)
+    assert m.killed_at_time_limit == 1 and m.violations == 1 and m.finished == 1
+    # at top clocks neither reaches its limit
+    assert not Simulator(trace, fleet, fleet.max_power_w).run(MaxClock()).killed.any()
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("reported=0.5,steps=0.4", "the shares sum to 0.9, not 1"),
+        ("report=1", "use SOURCE=SHARE"),
+        ("reported=x", "not a number"),
+        ("reported=1.5,none=-0.5", "not in [0, 1]"),
+        ("reported=0.5,reported=0.5", "given twice"),
+        ("", "use SOURCE=SHARE"),
+    ],
+)
+def test_a_bad_progress_mix_is_refused_in_one_line(text: str, message: str) -> None:
+    with pytest.raises(InputError, match=re.escape(message)) as e:
+        ProgressMix.parse(text)
+    assert "\n" not in str(e.value)
+
+
+def test_a_mix_reads_back_from_its_text() -> None:
+    for mix in (ProgressMix(), REALISTIC, ProgressMix.of_share(0.3)):
+        assert ProgressMix.parse(str(mix)) == mix
+    assert ProgressMix.parse("realistic") == REALISTIC
+    assert ProgressMix.parse("reported=1,steps=0") == ProgressMix()  # a zero share is allowed
+    with pytest.raises(InputError, match="uniform:LOW:HIGH"):
+        TimeLimitModel.parse("normal:1:2")
+    with pytest.raises(InputError, match="0 < LOW <= HIGH"):
+        TimeLimitModel.parse("uniform:3:1.5")
+    assert TimeLimitModel.parse(str(TimeLimitModel(1.25, 4))) == TimeLimitModel(1.25, 4)

@@ -9,6 +9,7 @@ from types import FunctionType, ModuleType
 import numpy as np
 import pytest
 
+from slurm_cdgpc.control.empc import JobState
 from slurm_cdgpc.gpu.plant import Plant, WorkloadArrays
 from slurm_cdgpc.sim.cluster import ClusterView, PlantPolicy, Policy, Setpoints, Simulator
 from slurm_cdgpc.sim.fleet import parse_fleet
@@ -16,6 +17,7 @@ from slurm_cdgpc.sim.metrics import PolicyRun, run_policies
 from slurm_cdgpc.sim.policies import (
     POLICIES,
     READS_PLANT,
+    Cdgpc,
     StaticGpuFreq,
     make_policy,
     uniform_limit_w,
@@ -41,7 +43,11 @@ def test_capping_policies_hold_the_budget(runs: dict[str, PolicyRun], name: str)
     m = runs[name].metrics
     assert m.binding_intervals > 50  # the cap binds for a good part of the run
     assert m.over_budget_intervals_pct < 1.0
-    assert m.finished == m.jobs
+    # every job leaves, done or ended by Slurm at its time limit (at least 1.5 × its run time
+    # at top clocks): static-gpu-freq's one-off clock, under the power-limit backstop, can
+    # stretch a job that far (1 of 40 here); the others never do
+    assert m.finished + m.killed_at_time_limit == m.jobs
+    assert m.killed_at_time_limit <= (1 if name == "static-gpu-freq" else 0)
 
 
 def test_max_clock_breaks_the_budget_that_the_others_hold(runs: dict[str, PolicyRun]) -> None:
@@ -132,9 +138,12 @@ def _view(**changes: object) -> ClusterView:
         job_type=np.zeros(n, dtype=np.int64),
         job_nodes=np.array([[4, 0], [0, 2]]),
         submit_s=np.zeros(n),
+        start_s=np.zeros(n),
         deadline_s=np.array([1000.0, np.nan]),
+        time_limit_s=np.full(n, 3600.0),
         iterations=np.array([100.0, 100.0]),
         remaining_iterations=np.array([100.0, 100.0]),
+        iterations_done=np.zeros(n),
         graphics_mhz=np.full(n, np.nan),
         memory_mhz=np.full(n, np.nan),
         power_w=np.full(n, np.nan),
@@ -189,3 +198,37 @@ def test_static_gpu_freq_picks_the_lowest_clock_that_meets_the_deadline() -> Non
         )
     )
     assert sp.graphics_mhz is not None and sp.graphics_mhz[0] == 1140.0
+
+
+def test_cdgpc_passes_the_time_limit_and_start_into_the_controllers_job_state() -> None:
+    fleet = parse_fleet("2x8:A100-SXM4-80GB")
+    policy = Cdgpc()
+    policy.start(fleet, 2000.0, 60.0)
+    seen: list[JobState] = []
+    step = policy.controller.step
+
+    def spy(estimator: object, jobs: JobState, *args: object, **kwargs: object) -> object:
+        seen.append(jobs)
+        return step(estimator, jobs, *args, **kwargs)  # type: ignore[arg-type]
+
+    policy.controller.step = spy  # type: ignore[method-assign,assignment]
+    hour = 3600.0
+    # neither job says its total; both have a far deadline; only the first has a time limit
+    policy.decide(
+        _view(
+            now_s=hour,
+            start_s=np.zeros(2),
+            deadline_s=np.full(2, 100 * hour),
+            time_limit_s=np.array([4 * hour, np.nan]),
+            iterations=np.full(2, np.nan),
+            remaining_iterations=np.full(2, np.nan),
+        )
+    )
+    [jobs] = seen
+    np.testing.assert_array_equal(jobs.start_s, [0.0, 0.0])
+    np.testing.assert_array_equal(jobs.time_limit_s, [4 * hour, np.nan])
+    est = policy.estimator
+    t_top = est.predict_iteration_s(np.ones(2), np.ones(2))
+    pressure = policy.controller.weights(est, jobs, now_s=hour)[0] * t_top
+    # at most start + 4 h − now = 3 h of work left over 99 h of slack; no limit: pressure 1
+    np.testing.assert_allclose(pressure, [3 / 99, 1.0])

@@ -18,7 +18,8 @@ import pytest
 from click.testing import CliRunner, Result
 
 from slurm_cdgpc.cli.main import cli
-from slurm_cdgpc.sim.sweep import format_seeds, parse_seeds
+from slurm_cdgpc.sim.reporting import REALISTIC, ProgressMix, TimeLimitModel
+from slurm_cdgpc.sim.sweep import SweepDefinition, format_seeds, parse_seeds
 from slurm_cdgpc.slurm.array import (
     SbatchError,
     array_active,
@@ -116,7 +117,7 @@ def test_the_table_is_what_separate_plain_runs_print(swept: tuple[Path, dict[str
     text = _run(*_sweep(outdir))
     assert text.exit_code == 0, text.output
     lines = text.stdout.splitlines()
-    assert lines[0].split()[:5] == ["trace", "budget", "share", "policy", "seeds"]
+    assert lines[0].split()[:5] == ["trace", "budget", "progress", "policy", "seeds"]
     assert len(lines) == 2 + 16
     first = report["rows"][0]
     assert lines[2].split()[:6] == [
@@ -300,3 +301,86 @@ def test_an_array_is_active_while_any_task_may_still_run(tmp_path: Path) -> None
     slept: list[float] = []
     wait_for_array("7", poll_s=2.0, active=lambda _: next(polls), sleep=slept.append)
     assert slept == [2.0, 2.0]
+
+
+def test_a_mix_sweep_gives_the_plain_runs_numbers_and_keeps_its_time_limit_model(
+    tmp_path: Path,
+) -> None:
+    outdir = tmp_path / "out"
+    args = [
+        "simulate", "--sweep", str(outdir), "--trace", str(MIX2), *SMALL, "--budget", "0.45",
+        "--policy", "cdgpc", "--seed", "0", "--progress-mix", "realistic",
+        "--progress-mix", "time-limit=1", "--time-limit-model", "uniform:1.5:2", "--workers", "1",
+    ]  # fmt: skip
+    result = _run(*args, "--json")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    cells = {c["progress_mix"]: c for c in report["cells"]}
+    assert set(cells) == {str(REALISTIC), "time-limit=1.0"}
+    assert cells[str(REALISTIC)]["key"] == "chronus-mix2_b0.45_progress0.2-0.6-0.2-0.0_cdgpc_seed0"
+    assert cells[str(REALISTIC)]["progress_share"] is None
+    assert cells["time-limit=1.0"]["progress_share"] == 0.0  # --progress-share 0 by another name
+    plain = _run(
+        "simulate", "--trace", str(MIX2), *SMALL, "--budget", "0.45", "--policy", "cdgpc",
+        "--seed", "0", "--progress-mix", "realistic", "--time-limit-model", "uniform:1.5:2",
+        "--json",
+    )  # fmt: skip
+    assert plain.exit_code == 0, plain.output
+    record = cells[str(REALISTIC)]
+    assert {k: record[k] for k in json.loads(plain.stdout)} | {"controller_ms_p50": 0} == (
+        json.loads(plain.stdout) | {"controller_ms_p50": 0}
+    )
+    # another time-limit model is another sweep
+    args[args.index("--time-limit-model") + 1] = "uniform:2:4"
+    refused = _run(*args)
+    assert refused.exit_code == 1
+    assert "(its time_limit_model differ)" in refused.output.strip().splitlines()[0]
+
+
+def test_a_definition_from_before_mixes_reads_the_same_with_the_same_keys() -> None:
+    old = {
+        "version": 1,
+        "traces": [{"name": "t", "path": "/t.csv", "sha256": "0" * 64}],
+        "trace_format": None,
+        "budgets": ["0.7"],
+        "progress_shares": [0.5, 1.0],
+        "policies": ["cdgpc"],
+        "seeds": [0],
+        "limit_jobs": None,
+        "fleet": None,
+        "interval_s": 60.0,
+    }
+    definition = SweepDefinition.from_dict(old)
+    assert definition.progress_mixes == (ProgressMix.of_share(0.5), ProgressMix())
+    assert definition.time_limits == TimeLimitModel()
+    assert [c.key for c in definition.cells()] == [
+        "t_b0.7_share0.5_cdgpc_seed0",
+        "t_b0.7_share1.0_cdgpc_seed0",
+    ]
+    assert SweepDefinition.from_dict(definition.as_dict()) == definition
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (
+            ("--progress-mix", "reported=0.5,steps=0.4"),
+            "Error: progress mix 'reported=0.5,steps=0.4': the shares sum to 0.9, not 1",
+        ),
+        (("--progress-mix", "all"), "Error: progress mix item 'all': use SOURCE=SHARE"),
+        (
+            ("--progress-share", "0.5", "--progress-mix", "realistic"),
+            "Error: give --progress-share or --progress-mix, not both",
+        ),
+        (("--time-limit-model", "uniform:2"), "Error: time-limit model 'uniform:2': use"),
+    ],
+)
+def test_a_bad_mix_or_time_limit_model_is_one_line(
+    tmp_path: Path, extra: tuple[str, ...], message: str
+) -> None:
+    for sweep in (("--sweep", str(tmp_path / "out")), ()):
+        result = _run("simulate", *sweep, "--trace", str(SYNTHETIC), *LIMIT, *extra)
+        assert result.exit_code == 1
+        lines = result.output.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith(message), result.output
+    assert not (tmp_path / "out").exists()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -251,6 +252,20 @@ def test_head_and_select_keep_submission_order() -> None:
     multi = trace.select(trace.num_gpu > 1)
     assert multi.job_id.tolist() == ["4", "2"] and multi.source == "chronus"
     assert multi.deadline_s.tolist() == [(5597 + 103) * 60, (12378 + 102) * 60]
+
+
+def test_no_format_carries_a_time_limit_and_a_given_one_follows_its_jobs() -> None:
+    trace = chronus(CHRONUS)
+    assert np.isnan(trace.time_limit_s).all() and len(trace.time_limit_s) == len(trace)
+    limited = replace(trace, time_limit_s=np.arange(1.0, len(trace) + 1) * 60.0)
+    multi = limited.select(limited.num_gpu > 1)
+    assert multi.time_limit_s.tolist() == [
+        limited.time_limit_s[i] for i in np.flatnonzero(limited.num_gpu > 1)
+    ]
+    assert limited.head(2).time_limit_s.tolist() == [60.0, 120.0]
+    for bad in (0.0, -60.0, np.inf):
+        with pytest.raises(InputError, match="time_limit_s must be finite and > 0, or NaN"):
+            replace(trace, time_limit_s=np.full(len(trace), bad))
 
 
 def test_trace_arrays_are_read_only() -> None:

@@ -29,6 +29,7 @@ from slurm_cdgpc.sim.cluster import ClusterView, Policy, Setpoints, SimulationRe
 from slurm_cdgpc.sim.fleet import FleetSpec, default_fleet, parse_fleet
 from slurm_cdgpc.sim.metrics import Metrics, compute_metrics
 from slurm_cdgpc.sim.policies import Cdgpc, make_policy
+from slurm_cdgpc.sim.reporting import ProgressMix
 from slurm_cdgpc.sim.traces import load_trace
 from slurm_cdgpc.sim.twin import HeadTwin, job_name
 
@@ -390,6 +391,52 @@ def test_the_head_learns_nothing_from_gpus_that_do_not_hold_its_setpoint() -> No
     with _Watched(tamper=lambda r: replace(r, locked=None)) as twin:
         _small().run(twin)
     assert twin.learned == 0
+
+
+class _Registered(HeadTwin):
+    """Records the job state the head's controller gets, and the view's rows, each interval."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.states: list[tuple[ClusterView, Any, Measurements]] = []
+        self._view: ClusterView | None = None
+
+    def start(self, fleet: FleetSpec, budget_w: float, interval_s: float) -> None:
+        super().start(fleet, budget_w, interval_s)
+        head = self.coordinator
+        assert head is not None
+        step = head.controller.step
+
+        def recorded(*args: Any, **kwargs: Any) -> Decision:
+            assert self._view is not None
+            self.states.append((self._view, args[1], kwargs["measured"]))
+            return step(*args, **kwargs)
+
+        head.controller.step = recorded  # type: ignore[method-assign]
+
+    def decide(self, view: ClusterView) -> Setpoints:
+        self._view = view
+        return super().decide(view)
+
+
+def test_the_head_gets_each_jobs_time_limit_and_start_and_step_reports_without_a_total() -> None:
+    fleet = parse_fleet("4x4:A100-SXM4-80GB")
+    simulator = Simulator(
+        load_trace(SYNTHETIC).head(2),
+        fleet,
+        0.4 * fleet.max_power_w,
+        seed=SEED,
+        progress_mix=ProgressMix.parse("steps=1"),
+    )
+    with _Registered() as twin:
+        simulator.run(twin)
+    view, jobs, measured = twin.states[-1]
+    assert twin.coordinator is None and len(view) == len(jobs.start_s) > 0
+    np.testing.assert_array_equal(jobs.time_limit_s, view.time_limit_s)
+    np.testing.assert_allclose(jobs.start_s, view.start_s + twin.offset_s)
+    assert np.isnan(jobs.remaining_iterations).all()  # steps, never a total
+    # the head times the steps it is told of, as the simulator measured them
+    assert np.isfinite(view.iteration_s).all() and np.isfinite(measured.iteration_s).all()
 
 
 def _cli(*args: str) -> tuple[int, str]:
