@@ -37,6 +37,10 @@ class GpuLostError(GpuError):
     """The device fell off the bus or needs a reset."""
 
 
+class PowerLimitPermissionError(GpuError):
+    """Setting a power limit was refused (NO_PERMISSION): soft, clock control may still work."""
+
+
 class GpuPermissionError(FatalError):
     """Clock control needs root or CAP_SYS_ADMIN and /dev/nvidiactl."""
 
@@ -47,6 +51,10 @@ class GpuUnavailableError(FatalError):
 
 class UnsupportedClockError(InputError):
     """A requested clock is not in the device's supported list."""
+
+
+class UnsupportedPowerLimitError(InputError, GpuError):
+    """A requested power limit is outside the device's range (or not a finite number)."""
 
 
 class SolverError(SoftError):

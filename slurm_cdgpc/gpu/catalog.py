@@ -9,7 +9,10 @@ backend asks the device itself. Each value is marked where it comes from:
 * [inferred] not measured for this exact part: taken from a sibling part or a vendor figure.
 
 Clock lists are generated from max, min and step; where a real list is known (V100-PCIE, A100-PCIE,
-H100 NVL in ``data/gpu-clock-tables``) the generator reproduces it exactly.
+H100 NVL in ``data/gpu-clock-tables``; A10G, T4 and the A100-SXM4 in the telegraf ``nvidia-smi -q
+-x`` dumps of ``data/nvidia-smi-dumps``) the generator reproduces it exactly, and the catalog's unit
+tests check it against the copies in ``tests/data/nvml``. A board the catalog lacks is described by
+its agent instead (`slurm_cdgpc.gpu.board`).
 """
 
 from __future__ import annotations
@@ -40,6 +43,8 @@ class GpuSpec:
     # GetPowerUsage is a moving average over this window on Hopper (1 s); 0 = instantaneous.
     power_average_window_s: float = 0.0
     aliases: tuple[str, ...] = field(default=(), compare=False)
+    # True for a type built from a board description with generic priors (`spec_from_board`)
+    estimated: bool = False
 
     @property
     def max_graphics_mhz(self) -> int:
@@ -186,6 +191,141 @@ _SPECS: Final[tuple[GpuSpec, ...]] = (
         idle_graphics_mhz=345,
         power_average_window_s=1.0,
         aliases=("H200-SXM", "H200-SXM5", "H200-SXM5-141GB", "H200 141GB HBM3e"),
+    ),
+    # --- more boards for the simulator. Sources as above, plus: (t) the telegraf nvidia-smi dumps
+    # in data/nvidia-smi-dumps (a10g, tesla-t4, a100-sxm4-v12, rtx-4000-sff-ada-v13 .xml);
+    # (i) mertside/ai-inference-energy H100_SUPPORT_SUMMARY.md; (o) pytorch/ao PR #4002 (B200
+    # nvidia-smi clocks.max.mem); [vendor] = datasheet figures, not re-verified. GetPowerUsage is
+    # a 1 s average on "Ampere (except GA100) or newer" [NVML docs], so every GA10x, Ada, Hopper
+    # and Blackwell entry below averages (the older A40 entry above does not: kept as it was).
+    #
+    # A10G (GA102): both clock lists, limit 100–300 W, idle 25.6 W at 210/405 MHz in P8
+    # [measured t]. Knee: the A40 fit's knee/max ratio, 0.655 × 1710 [inferred: same GA102 die].
+    GpuSpec(
+        name="A10G",
+        clocks=_table({6251: _levels(1710, 210, 15), 405: _levels(420, 210, 15)}),
+        power_limit=PowerLimitRange(min_w=100.0, max_w=300.0, default_w=300.0),
+        idle_power_w=25.6,
+        tdp_w=300.0,
+        knee_mhz=1120.0,
+        idle_graphics_mhz=210,
+        power_average_window_s=1.0,
+        aliases=("NVIDIA A10G",),
+    ),
+    # A10 (GA102, the 150 W PCIe card): max 1695 MHz, 150 W [vendor]; memory clocks and the
+    # lists' structure, min limit 100 W [inferred from the measured A10G]; idle ~20 W [inferred:
+    # below the A10G's 25.6 W]. Knee 0.655 × max as the A10G.
+    GpuSpec(
+        name="A10",
+        clocks=_table({6251: _levels(1695, 210, 15), 405: _levels(420, 210, 15)}),
+        power_limit=PowerLimitRange(min_w=100.0, max_w=150.0, default_w=150.0),
+        idle_power_w=20.0,
+        tdp_w=150.0,
+        knee_mhz=1110.0,
+        idle_graphics_mhz=210,
+        power_average_window_s=1.0,
+        aliases=("NVIDIA A10",),
+    ),
+    # T4 (Turing TU104): both clock lists (5001: 1590→300, 405: 645→300), limit 60–70 W
+    # [measured t]. Idle ~10 W in P8 [inferred: the dump shows 26.8 W in P0 at 585 MHz, not
+    # idle]; idle clock = the lowest listed [inferred]; knee 0.7 × max [inferred]. Turing
+    # predates Ampere: GetPowerUsage is instantaneous.
+    GpuSpec(
+        name="T4",
+        clocks=_table({5001: _levels(1590, 300, 15), 405: _levels(645, 300, 15)}),
+        power_limit=PowerLimitRange(min_w=60.0, max_w=70.0, default_w=70.0),
+        idle_power_w=10.0,
+        tdp_w=70.0,
+        knee_mhz=1110.0,
+        idle_graphics_mhz=300,
+        aliases=("Tesla T4", "NVIDIA T4"),
+    ),
+    # L4 (Ada AD104): max 2040 MHz, 72 W [vendor]; memory 6251 [inferred: 12.5 Gbps GDDR6].
+    # Clock lists ESTIMATED: the memory-clock structure of the measured RTX 4000 SFF Ada (t: the
+    # top memory clock, top − 200, 5001 and 810 each list every graphics clock down to 210; 405
+    # lists 405→210). Min limit 40 W, idle ~16 W, knee 0.7 × max [inferred].
+    GpuSpec(
+        name="L4",
+        clocks=_table(
+            {
+                6251: _levels(2040, 210, 15),
+                6051: _levels(2040, 210, 15),
+                5001: _levels(2040, 210, 15),
+                810: _levels(2040, 210, 15),
+                405: _levels(405, 210, 15),
+            }
+        ),
+        power_limit=PowerLimitRange(min_w=40.0, max_w=72.0, default_w=72.0),
+        idle_power_w=16.0,
+        tdp_w=72.0,
+        knee_mhz=1430.0,
+        idle_graphics_mhz=210,
+        power_average_window_s=1.0,
+        aliases=("NVIDIA L4",),
+    ),
+    # L40S (Ada AD102): max 2520 MHz, 350 W [vendor]; memory 9001 [inferred: 18 Gbps GDDR6].
+    # Clock lists ESTIMATED from the RTX 4000 SFF Ada structure as for the L4. Min limit 100 W,
+    # idle ~35 W, knee 0.7 × max [inferred].
+    GpuSpec(
+        name="L40S",
+        clocks=_table(
+            {
+                9001: _levels(2520, 210, 15),
+                8801: _levels(2520, 210, 15),
+                5001: _levels(2520, 210, 15),
+                810: _levels(2520, 210, 15),
+                405: _levels(405, 210, 15),
+            }
+        ),
+        power_limit=PowerLimitRange(min_w=100.0, max_w=350.0, default_w=350.0),
+        idle_power_w=35.0,
+        tdp_w=350.0,
+        knee_mhz=1765.0,
+        idle_graphics_mhz=210,
+        power_average_window_s=1.0,
+        aliases=("NVIDIA L40S",),
+    ),
+    # A100-SXM4-40GB: the 81-level list 1410→210 [measured t on the SXM4-80GB, the same list as
+    # the measured A100-PCIE-40GB]; memory 1215 [measured b: A100 40GB]; limit 100–400 W
+    # [inferred from the SXM4-80GB]; idle 53 W [measured l: 52–54 W]; knee as A100-SXM4-80GB.
+    GpuSpec(
+        name="A100-SXM4-40GB",
+        clocks=_table({1215: _levels(1410, 210, 15)}),
+        power_limit=PowerLimitRange(min_w=100.0, max_w=400.0, default_w=400.0),
+        idle_power_w=53.0,
+        tdp_w=400.0,
+        knee_mhz=1100.0,
+        idle_graphics_mhz=210,
+        aliases=("A100-SXM-40GB",),
+    ),
+    # H100 PCIe: memory 1593, 104 graphics levels 1755→210 in 15 MHz steps [measured i: a
+    # summary of nvidia-smi output, the list itself not published]; 350 W [vendor]; min limit
+    # 200 W, idle clock 345, idle ~50 W, knee 0.7 × max [inferred from H100 SXM/NVL].
+    GpuSpec(
+        name="H100-PCIE",
+        clocks=_table({1593: _levels(1755, 210, 15)}),
+        power_limit=PowerLimitRange(min_w=200.0, max_w=350.0, default_w=350.0),
+        idle_power_w=50.0,
+        tdp_w=350.0,
+        knee_mhz=1230.0,
+        idle_graphics_mhz=345,
+        power_average_window_s=1.0,
+        aliases=("H100 PCIe", "H100-PCIE-80GB"),
+    ),
+    # B200 (HGX/DGX, Blackwell): memory 3996 [measured o]; max 1965 MHz, 1000 W [vendor]; steps,
+    # lowest clock 345, min limit 200 W [inferred from H100/H200]; idle ~110 W [inferred: 11 % of
+    # the limit, as H100 SXM]; knee 0.7 × max [inferred]. Boards also ship at lower limits (a
+    # benchmark script pins B200s at 750 W: facebookexperimental/triton PR #2023).
+    GpuSpec(
+        name="B200",
+        clocks=_table({3996: _levels(1965, 345, 15)}),
+        power_limit=PowerLimitRange(min_w=200.0, max_w=1000.0, default_w=1000.0),
+        idle_power_w=110.0,
+        tdp_w=1000.0,
+        knee_mhz=1375.0,
+        idle_graphics_mhz=345,
+        power_average_window_s=1.0,
+        aliases=("NVIDIA B200", "B200-SXM", "B200 180GB"),
     ),
 )
 

@@ -6,17 +6,27 @@ millijoules exist only inside the NVML backend.
 Clock control uses *locked* clocks (application clocks are deprecated since CUDA 13). We lock a
 range ``[lowest supported, cap]`` rather than pinning a single clock, so idle GPUs still drop to
 their idle clock; see research notes on "prefer cap over pin". NVML cannot read a lock back, so
-every backend records what it set (`GpuDevice.locked`).
+every backend records what it set (`GpuDevice.locked`), and `lock_overridden` tells from readings
+when another process changed it. Power limits are the guard rail under the locks: what this process
+set is recorded too (`GpuDevice.power_limit_set_w`); the limit the firmware enforces, after every
+other limiter (a BMC, another ``nvidia-smi -pl``), is in each `GpuReading`.
 """
 
 from __future__ import annotations
 
 import enum
+import logging
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from slurm_cdgpc.errors import CdgpcError, GpuError, UnsupportedClockError
+
+if TYPE_CHECKING:
+    from slurm_cdgpc.gpu.board import BoardDescription
+
+logger = logging.getLogger(__name__)
 
 
 class ThrottleReason(enum.IntFlag):
@@ -144,6 +154,75 @@ class GpuDevice(ABC):
     @abstractmethod
     def locked(self) -> LockedClocks | None:
         """The lock this process set, or None (NVML cannot read a lock back)."""
+
+    @abstractmethod
+    def set_power_limit_w(self, limit_w: float) -> None:
+        """Set the board's software power limit; the firmware holds it as a ~1 s average.
+
+        Refuses (`UnsupportedPowerLimitError`) a limit outside `power_limit_range` before any
+        driver call. Idempotent like `set_locked_clocks`. Other limiters still apply: the
+        enforced limit (`GpuReading.enforced_limit_w`) is the lowest of them all.
+        """
+
+    @abstractmethod
+    def reset_power_limit(self) -> None:
+        """Set the software power limit back to the board's default; `power_limit_set_w` is None."""
+
+    @property
+    @abstractmethod
+    def power_limit_set_w(self) -> float | None:
+        """The power limit this process set, or None (none set, or reset since)."""
+
+    def mig_mode(self) -> bool | None:
+        """True when MIG is enabled now; None when the board is not MIG-capable or cannot say."""
+        return None
+
+    def describe(self) -> BoardDescription:
+        """This board as NVML reports it: what the head builds its clock grid and limits from."""
+        from slurm_cdgpc.gpu.board import BoardDescription  # noqa: PLC0415 - board imports us
+
+        try:
+            enforced_limit_w: float | None = self.read().enforced_limit_w
+        except GpuError as e:
+            logger.debug("%s: no enforced limit for the description: %s", self.uuid, e)
+            enforced_limit_w = None
+        try:
+            mig_mode = self.mig_mode()
+        except GpuError as e:
+            logger.debug("%s: MIG mode unknown: %s", self.uuid, e)
+            mig_mode = None
+        return BoardDescription(
+            name=self.name,
+            uuid=self.uuid,
+            clocks=self.supported_clocks(),
+            power_limit=self.power_limit_range(),
+            enforced_limit_w=enforced_limit_w,
+            mig_mode=mig_mode,
+        )
+
+
+def lock_overridden(
+    readings: Sequence[GpuReading], locked: LockedClocks | None, *, consecutive: int = 3
+) -> bool:
+    """True when the last ``consecutive`` readings of one GPU show a lock other than ``locked``.
+
+    NVML cannot read a lock back, so the sign is the one no limiter can cause: a busy GPU (no
+    GPU_IDLE reason) running its SM clock above our cap, or (when we locked memory) a memory
+    clock other than ours, read after read. Power caps, thermal and brake slowdowns only lower
+    clocks, so a clock below the cap is never taken for an override. One odd sample (a read
+    racing our own lock change) is not enough: it takes ``consecutive`` in a row.
+    """
+    if locked is None or consecutive < 1 or len(readings) < consecutive:
+        return False
+
+    def differs(reading: GpuReading) -> bool:
+        if ThrottleReason.GPU_IDLE in reading.throttle:
+            return False
+        if reading.sm_clock_mhz > locked.graphics_max_mhz:
+            return True
+        return locked.memory_mhz is not None and reading.memory_clock_mhz != locked.memory_mhz
+
+    return all(differs(r) for r in readings[-consecutive:])
 
 
 @dataclass

@@ -5,8 +5,10 @@ Every NVML call runs inside `_nvml_errors`, which translates `pynvml.NVMLError` 
 `_ERROR_CLASSES`, into the project's exception root.
 
 Clocks are capped with locked clocks over the range ``[lowest supported, cap]``, never with
-application clocks. Memory is locked only on parts that list several memory clocks. This module
-never sets power limits or persistence mode and never resets a GPU; `probe` calls getters only.
+application clocks. Memory is locked only on parts that list several memory clocks. Power limits
+(the guard rail) are set with the v1 call, in integer mW, never ``_v2`` (nvidia-ml-py 13.615.71
+ignores its return code); there is no reset call, so a reset sets the default limit. This module
+never sets persistence mode and never resets a GPU; `probe` calls getters only.
 
 Energy: `GpuReading.energy_j` is NVML's total-energy counter (Volta and newer). Where the counter is
 NOT_SUPPORTED (pre-Volta), `read` integrates its own power samples instead (trapezoid rule, starting
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import statistics
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -35,6 +38,8 @@ from slurm_cdgpc.errors import (
     GpuPermissionError,
     GpuUnavailableError,
     InputError,
+    PowerLimitPermissionError,
+    UnsupportedPowerLimitError,
 )
 from slurm_cdgpc.gpu.device import (
     ClockTable,
@@ -63,6 +68,11 @@ _ERROR_CLASSES: Final[Mapping[int, type[CdgpcError]]] = MappingProxyType(
     }
 )
 
+# A refused power limit loses the guard rail, not clock control: soft, unlike a refused lock.
+_POWER_LIMIT_ERROR_CLASSES: Final[Mapping[int, type[CdgpcError]]] = MappingProxyType(
+    {**_ERROR_CLASSES, pynvml.NVML_ERROR_NO_PERMISSION: PowerLimitPermissionError}
+)
+
 _ERROR_HINTS: Final[Mapping[int, str]] = MappingProxyType(
     {pynvml.NVML_ERROR_NO_PERMISSION: " (needs root or CAP_SYS_ADMIN)"}
 )
@@ -89,13 +99,15 @@ _FIELD_VALUE_MEMBERS: Final[Mapping[int, str]] = MappingProxyType(
 
 
 @contextmanager
-def _nvml_errors(target: str, operation: str) -> Iterator[None]:
+def _nvml_errors(
+    target: str, operation: str, classes: Mapping[int, type[CdgpcError]] = _ERROR_CLASSES
+) -> Iterator[None]:
     """Translate an `NVMLError` raised inside into our exception root, naming GPU and operation."""
     try:
         yield
     except pynvml.NVMLError as e:
         code = int(e.value)
-        error_class = _ERROR_CLASSES.get(code, GpuError)
+        error_class = classes.get(code, GpuError)
         hint = _ERROR_HINTS.get(code, "")
         raise error_class(f"{target}: {operation} failed: {e} (NVML error {code}){hint}") from e
 
@@ -127,6 +139,7 @@ class NvmlGpu(GpuDevice):
         self._target = f"GPU {index} ({uuid})"
         self._clock_table: ClockTable | None = None
         self._locked: LockedClocks | None = None
+        self._power_limit_set_mw: int | None = None
         self._energy_counter_supported = True
         self._integrated_energy_j = 0.0
         self._last_power: tuple[float, float] | None = None  # (timestamp_s, power_w)
@@ -244,7 +257,51 @@ class NvmlGpu(GpuDevice):
             raise GpuError(f"{self._target}: POWER_INSTANT has unknown type {value.valueType}")
         return float(getattr(value.value, member))
 
+    def mig_mode(self) -> bool | None:
+        """Current MIG mode; None where NVML says NOT_SUPPORTED (pre-Ampere, GDDR parts)."""
+        try:
+            with _nvml_errors(self._target, "read MIG mode"):
+                current, _pending = pynvml.nvmlDeviceGetMigMode(self._handle)
+        except GpuNotSupportedError:
+            return None
+        return bool(int(current) == pynvml.NVML_DEVICE_MIG_ENABLE)
+
     # -- setters ------------------------------------------------------------------------------
+
+    @property
+    def power_limit_set_w(self) -> float | None:
+        return None if self._power_limit_set_mw is None else self._power_limit_set_mw / 1000.0
+
+    def set_power_limit_w(self, limit_w: float) -> None:
+        """Set the software power limit (nvmlDeviceSetPowerManagementLimit, integer mW).
+
+        NO_PERMISSION is a `PowerLimitPermissionError` (soft: the locks may still work).
+        """
+        limits = self.power_limit_range()
+        if not (math.isfinite(limit_w) and limits.min_w <= limit_w <= limits.max_w):
+            raise UnsupportedPowerLimitError(
+                f"{self._target}: power limit {limit_w:g} W is outside "
+                f"{limits.min_w:g}..{limits.max_w:g} W"
+            )
+        limit_mw = round(limit_w * 1000.0)
+        if limit_mw == self._power_limit_set_mw:
+            return
+        self._write_power_limit(limit_mw, f"set power limit {limit_w:g} W")
+        self._power_limit_set_mw = limit_mw
+        logger.info("%s: power limit set to %s W", self._target, limit_mw / 1000.0)
+
+    def reset_power_limit(self) -> None:
+        """Set the default limit back. Always calls NVML, as `reset_locked_clocks` does: a
+        limit a crashed agent set outlives it and NVML cannot tell whose a limit is."""
+        with _nvml_errors(self._target, "read default power limit"):
+            default_mw = int(pynvml.nvmlDeviceGetPowerManagementDefaultLimit(self._handle))
+        self._write_power_limit(default_mw, f"reset power limit to {default_mw / 1000.0:g} W")
+        self._power_limit_set_mw = None
+        logger.info("%s: power limit reset to the default %s W", self._target, default_mw / 1000)
+
+    def _write_power_limit(self, limit_mw: int, operation: str) -> None:
+        with _nvml_errors(self._target, operation, _POWER_LIMIT_ERROR_CLASSES):
+            pynvml.nvmlDeviceSetPowerManagementLimit(self._handle, limit_mw)
 
     @property
     def locked(self) -> LockedClocks | None:

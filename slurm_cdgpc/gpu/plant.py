@@ -97,8 +97,23 @@ _FITTED_HARDWARE: Final[Mapping[str, HardwareCalibration]] = MappingProxyType(
 
 # Iteration-time multipliers of the other types [inferred: dense BF16/FP16 tensor throughput
 # against the A100, discounted for the parts of an iteration that do not scale].
+# The later boards: ≈ 0.25 + 0.75 × (A100's 312 TFLOPS / theirs), rounded, memory-bound ones up.
 _RELATIVE_TIME: Final[Mapping[str, float]] = MappingProxyType(
-    {"V100-SXM2": 2.2, "A100-PCIE-40GB": 1.15, "H100-SXM": 0.5, "H100-NVL": 0.6, "H200": 0.45}
+    {
+        "V100-SXM2": 2.2,
+        "A100-PCIE-40GB": 1.15,
+        "H100-SXM": 0.5,
+        "H100-NVL": 0.6,
+        "H200": 0.45,
+        "A100-SXM4-40GB": 1.05,
+        "H100-PCIE": 0.6,
+        "B200": 0.35,
+        "L40S": 1.0,
+        "L4": 2.5,
+        "A10": 2.2,
+        "A10G": 2.5,
+        "T4": 4.0,
+    }
 )
 
 

@@ -8,14 +8,23 @@ attached, the applied clock is min(cap, the highest clock within the enforced po
 iterations advance at the plant's iteration time; without one it idles at its idle clock and idle
 power. The energy counter integrates the TRUE power and never decreases; `read` reports power
 with seeded noise, averaged over the last second on Hopper (`GpuSpec.power_average_window_s`).
+A power limit is held as the firmware holds it, over a 1 s average (`SimulatedGpu._refresh`):
+right after a change that makes it bind, the instantaneous power may exceed it for a few tens of
+milliseconds. A GPU may also be built from a recorded `BoardDescription` (a board the catalog
+lacks: its type is `spec_from_board`), and describes itself as NVML would (`describe`).
 
 Time comes from ``time_source`` (default `time.monotonic`); tests and accelerated demos pass a
 `ManualClock`. State advances lazily, on every call, so nothing runs in the background.
 
 Fault hooks for fault tests, plain attributes that may be flipped at any time:
 ``fail_clock_writes`` (lock and reset raise `GpuError`, nothing changes), ``fail_reads`` (`read`
-raises `GpuLostError`) and ``report_garbage_power`` (`read` reports NaN, 0 W, −1 W and
-4 294 967.295 W = 0xFFFFFFFF mW in turn, while the energy counter stays true).
+raises `GpuLostError`), ``report_garbage_power`` (`read` reports NaN, 0 W, −1 W and
+4 294 967.295 W = 0xFFFFFFFF mW in turn, while the energy counter stays true),
+``fail_power_limit_writes`` (setting or resetting a limit raises `PowerLimitPermissionError`, as
+NO_PERMISSION does) and ``power_brake`` (HW power brake: the clock halves, HW_POWER_BRAKE). Other
+limiters, for coexistence tests: `SimulatedGpu.set_external_power_cap_w` (a BMC or someone's
+``nvidia-smi -pl``: the enforced limit drops below ours) and `SimulatedGpu.override_lock` (another
+process changed the lock: the clock differs from ours; `slurm_cdgpc.gpu.device.lock_overridden`).
 
 A process that cannot reach those attributes (a running ``cdgpc-noded``) takes them from a
 `FaultFile` (`install_faults`): the fault tests start the agent with ``CDGPC_SIMULATED_FAULTS``
@@ -25,19 +34,28 @@ unless that variable is set, and only by the simulated backend: no NVML GPU can 
 
 from __future__ import annotations
 
+import json
 import logging
+import math
 import os
 import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Final
 
 import numpy as np
 
-from slurm_cdgpc.errors import GpuError, GpuLostError, InputError
+from slurm_cdgpc.errors import (
+    GpuError,
+    GpuLostError,
+    InputError,
+    PowerLimitPermissionError,
+    UnsupportedPowerLimitError,
+)
+from slurm_cdgpc.gpu.board import BoardDescription, spec_from_board
 from slurm_cdgpc.gpu.catalog import GpuSpec, catalog_spec
 from slurm_cdgpc.gpu.device import (
     ClockTable,
@@ -64,9 +82,15 @@ _GARBAGE_POWER_W: Final = (float("nan"), 0.0, -1.0, 4_294_967.295)
 #: what a `FaultFile` line may inject, and the `SimulatedGpu` attribute each one sets
 FAULT_MODES: Final[Mapping[str, str]] = {
     "fail_clock_writes": "fail_clock_writes",
+    "fail_power_limit_writes": "fail_power_limit_writes",
     "fail_reads": "fail_reads",
     "garbage_power": "report_garbage_power",
+    "power_brake": "power_brake",
 }
+#: the window over which the firmware holds a power limit [inferred: NVML and nvidia-smi speak
+#: of 1 s averages; the enforcement loop's exact window is not documented]
+LIMIT_WINDOW_S: Final = 1.0
+_NO_LIMIT_W: Final = 1e9  # a limit no board reaches: the clock the lock alone allows
 
 
 class ManualClock:
@@ -171,40 +195,56 @@ def install_faults(gpus: GpuSet, path: Path) -> FaultFile:
 
 
 class SimulatedGpu(GpuDevice):
-    """One simulated GPU of type `spec`; deterministic for a given seed, index and time source."""
+    """One simulated GPU of type `spec` (a catalog type, or a recorded `BoardDescription` whose
+    type is `spec_from_board`); deterministic for a given seed, index and time source."""
 
     def __init__(
         self,
-        spec: GpuSpec,
+        spec: GpuSpec | BoardDescription,
         *,
         index: int = 0,
         seed: int = 0,
         time_source: Callable[[], float] = time.monotonic,
         noise: NoiseModel | None = None,
     ) -> None:
-        self.spec = spec
+        if isinstance(spec, BoardDescription):
+            self.spec = spec_from_board(spec)
+            self.name = spec.name  # what NVML would report, so `describe` round-trips
+            self._mig_mode = spec.mig_mode
+        else:
+            self.spec = spec
+            self.name = spec.name
+            self._mig_mode = None
+        spec = self.spec
         self.index = index
-        self.name = spec.name
         self._rng = np.random.default_rng([seed, index])
         self.uuid = f"GPU-{uuid.UUID(bytes=self._rng.bytes(16), version=4)}"
         self._time = time_source
         self._noise = NoiseModel() if noise is None else noise
         self.fail_clock_writes = False
+        self.fail_power_limit_writes = False
         self.fail_reads = False
         self.report_garbage_power = False
         #: when set, the hooks above follow this file instead (`install_faults`)
         self.faults: FaultFile | None = None
         self.clock_writes = 0  # driver calls that changed a lock (idempotent calls make none)
+        self.power_limit_writes = 0
         self._garbage = 0
         self._locked: LockedClocks | None = None
-        self._limit_w = spec.power_limit.default_w
+        self._foreign_lock: LockedClocks | None = None
+        self._limit_w = spec.power_limit.default_w  # the software limit in force
+        self._limit_set_w: float | None = None  # what this process set
+        self._external_cap_w: float | None = None
+        self._brake = False
         self._workload: WorkloadCalibration | None = None
         self._plant: Plant | None = None
         self._truth: PlantState | None = None
+        self._pending: tuple[float, PlantState] | None = None  # (when, truth after the burst)
         self._energy_j = 0.0
         self._iterations = 0.0
         self._last_s = self._time()
-        # (start time, true power) of each constant-power stretch within the averaging window
+        self._history_s = max(spec.power_average_window_s, LIMIT_WINDOW_S)
+        # (start time, true power) of each constant-power stretch within the history kept
         self._segments: deque[tuple[float, float]] = deque([(self._last_s, spec.idle_power_w)])
 
     # --- the GpuDevice interface ---------------------------------------------------------------
@@ -214,6 +254,9 @@ class SimulatedGpu(GpuDevice):
 
     def power_limit_range(self) -> PowerLimitRange:
         return self.spec.power_limit
+
+    def mig_mode(self) -> bool | None:
+        return self._mig_mode
 
     @property
     def locked(self) -> LockedClocks | None:
@@ -232,6 +275,7 @@ class SimulatedGpu(GpuDevice):
         self._write("lock clocks")
         self._advance()
         self._locked = lock
+        self._foreign_lock = None  # the last writer wins
         self._refresh()
         logger.debug(
             "%s: locked graphics %d..%d MHz, memory %s", self.uuid, lowest, graphics_mhz, memory
@@ -239,26 +283,53 @@ class SimulatedGpu(GpuDevice):
 
     def reset_locked_clocks(self) -> None:
         self._follow_faults()
-        if self._locked is None:
+        if self._locked is None and self._foreign_lock is None:
             return
         self._write("reset clocks")
         self._advance()
         self._locked = None
+        self._foreign_lock = None
         self._refresh()
+
+    @property
+    def power_limit_set_w(self) -> float | None:
+        return self._limit_set_w
+
+    def set_power_limit_w(self, limit_w: float) -> None:
+        """Set the software limit; refused (`UnsupportedPowerLimitError`) outside the range."""
+        self._follow_faults()
+        limits = self.spec.power_limit
+        if not (math.isfinite(limit_w) and limits.min_w <= limit_w <= limits.max_w):
+            raise UnsupportedPowerLimitError(
+                f"simulated GPU {self.index}: power limit {limit_w:g} W is outside "
+                f"{limits.min_w:g}..{limits.max_w:g} W"
+            )
+        if self._limit_set_w == float(limit_w):
+            return
+        self._write_limit(float(limit_w))
+        self._limit_set_w = float(limit_w)
+
+    def reset_power_limit(self) -> None:
+        """Back to the default limit; no driver call when this process set none."""
+        self._follow_faults()
+        if self._limit_set_w is None:
+            return
+        self._write_limit(self.spec.power_limit.default_w)
+        self._limit_set_w = None
 
     def read(self) -> GpuReading:
         self._follow_faults()
         if self.fail_reads:
             raise GpuLostError(f"simulated GPU {self.index} fell off the bus")
         now = self._advance()
-        power_w = self._windowed_power_w(now) * (
+        power_w = self._windowed_power_w(now, self.spec.power_average_window_s) * (
             1.0 + self._noise.power_rel * self._rng.standard_normal()
         )
         if self.report_garbage_power:
             power_w = _GARBAGE_POWER_W[self._garbage % len(_GARBAGE_POWER_W)]
             self._garbage += 1
         truth = self._truth
-        throttle = ThrottleReason.NONE
+        throttle = ThrottleReason.HW_POWER_BRAKE if self._brake else ThrottleReason.NONE
         if truth is None:
             sm_clock_mhz = self.spec.idle_graphics_mhz
             throttle |= ThrottleReason.GPU_IDLE
@@ -273,7 +344,7 @@ class SimulatedGpu(GpuDevice):
             energy_j=self._energy_j,
             sm_clock_mhz=sm_clock_mhz,
             memory_clock_mhz=self._memory_mhz(),
-            enforced_limit_w=self._limit_w,
+            enforced_limit_w=self.enforced_limit_w,
             throttle=throttle,
         )
 
@@ -297,15 +368,42 @@ class SimulatedGpu(GpuDevice):
         self._plant = None
         self._refresh()
 
-    def set_power_limit_w(self, limit_w: float) -> None:
-        """Set the enforced power limit; refused (`InputError`) outside `power_limit_range`."""
-        limits = self.spec.power_limit
-        if not limits.min_w <= limit_w <= limits.max_w:
-            raise InputError(
-                f"power limit {limit_w} W is outside {limits.min_w:g}..{limits.max_w:g} W"
-            )
+    def set_external_power_cap_w(self, limit_w: float | None) -> None:
+        """Another limiter (a BMC's out-of-band cap, someone's ``nvidia-smi -pl``) caps the
+        board at ``limit_w`` (None: lifted); the firmware enforces the lowest limit."""
+        if limit_w is not None and not (math.isfinite(limit_w) and limit_w > 0):
+            raise InputError(f"an external power cap must be a positive power, got {limit_w}")
         self._advance()
-        self._limit_w = float(limit_w)
+        self._external_cap_w = None if limit_w is None else float(limit_w)
+        self._refresh()
+
+    @property
+    def power_brake(self) -> bool:
+        """HW power brake asserted (a PSU/BMC signal): the clock is halved, HW_POWER_BRAKE."""
+        return self._brake
+
+    @power_brake.setter
+    def power_brake(self, active: bool) -> None:
+        if bool(active) == self._brake:
+            return
+        self._advance()
+        self._brake = bool(active)
+        self._refresh()
+
+    def override_lock(self, graphics_max_mhz: int | None) -> None:
+        """Another process locks graphics at ``graphics_max_mhz`` (None: it resets the lock).
+
+        `locked` still shows our lock, as NVML cannot read one back; our next driver write
+        (a changed lock, or a reset) replaces the other one, as on a real GPU.
+        """
+        self._advance()
+        if graphics_max_mhz is None:
+            self._foreign_lock = None
+            self._locked = None  # a reset by anyone removes every lock
+        else:
+            self.spec.clocks.check(graphics_max_mhz)
+            memory = None if self._locked is None else self._locked.memory_mhz
+            self._foreign_lock = LockedClocks(self.spec.min_graphics_mhz, graphics_max_mhz, memory)
         self._refresh()
 
     @property
@@ -314,7 +412,9 @@ class SimulatedGpu(GpuDevice):
 
     @property
     def enforced_limit_w(self) -> float:
-        return self._limit_w
+        """What the firmware enforces: the lowest of our limit and any external cap."""
+        external = self._external_cap_w
+        return self._limit_w if external is None else min(self._limit_w, external)
 
     @property
     def iterations_done(self) -> float:
@@ -325,11 +425,13 @@ class SimulatedGpu(GpuDevice):
     @property
     def true_power_w(self) -> float:
         """The power drawn now, without noise or averaging (what the energy counter integrates)."""
+        self._advance()
         return self._power_now_w()
 
     @property
     def true_iteration_time_s(self) -> float | None:
         """Seconds per iteration at the current settings, or None when idle."""
+        self._advance()
         return None if self._truth is None else float(self._truth.iteration_time_s[0])
 
     # --- internals -----------------------------------------------------------------------------
@@ -346,8 +448,22 @@ class SimulatedGpu(GpuDevice):
             raise GpuError(f"simulated GPU {self.index}: {what} failed (injected fault)")
         self.clock_writes += 1
 
+    def _write_limit(self, limit_w: float) -> None:
+        if self.fail_power_limit_writes:
+            raise PowerLimitPermissionError(
+                f"simulated GPU {self.index}: set power limit {limit_w:g} W failed: "
+                "Insufficient Permissions (injected fault)"
+            )
+        self.power_limit_writes += 1
+        self._advance()
+        self._limit_w = limit_w
+        self._refresh()
+
+    def _lock_in_force(self) -> LockedClocks | None:
+        return self._foreign_lock if self._foreign_lock is not None else self._locked
+
     def _memory_mhz(self) -> int:
-        locked = self._locked
+        locked = self._lock_in_force()
         if locked is not None and locked.memory_mhz is not None:
             return locked.memory_mhz
         return self.spec.max_memory_mhz
@@ -357,33 +473,63 @@ class SimulatedGpu(GpuDevice):
         return self.spec.idle_power_w if truth is None else float(truth.power_w[0])
 
     def _advance(self) -> float:
-        """Run the GPU up to now: energy += P·dt, iterations += dt / T."""
+        """Run the GPU up to now, through the end of a power-limit burst on the way."""
         now = self._time()
+        pending = self._pending
+        if pending is not None and pending[0] <= now:
+            self._run_until(pending[0])
+            self._truth, self._pending = pending[1], None
+            self._record_power(pending[0])
+        self._run_until(now)
+        return self._last_s
+
+    def _run_until(self, now: float) -> None:
+        """energy += P·dt, iterations += dt / T."""
         dt_s = now - self._last_s
         if dt_s > 0:
             self._energy_j += self._power_now_w() * dt_s
             if self._truth is not None:
                 self._iterations += dt_s / float(self._truth.iteration_time_s[0])
             self._last_s = now
-        return self._last_s
 
     def _refresh(self) -> None:
-        """Recompute the truth after a settings change (made right after `_advance`)."""
+        """Recompute the truth after a settings change (made right after `_advance`).
+
+        A binding limit is held as a `LIMIT_WINDOW_S` average, as the firmware does: when the
+        window before the change averaged no more than the capped power, the GPU first runs
+        uncapped for the burst that brings the window's average exactly to the limit,
+        Δ = W·(L − P_cap)/(P_free − P_cap), then at the limit clock; every window's average
+        stays ≤ L (exact when the window before the change drew a constant power).
+        """
         now = self._last_s
+        self._pending = None
         if self._plant is None:
             self._truth = None
         else:
-            locked = self._locked
-            cap = self.spec.max_graphics_mhz if locked is None else locked.graphics_max_mhz
-            self._truth = self._plant.step(cap, self._memory_mhz(), self._limit_w)
+            locked = self._lock_in_force()
+            cap = float(self.spec.max_graphics_mhz if locked is None else locked.graphics_max_mhz)
+            if self._brake:  # a power brake cuts the clock at least in half
+                cap = max(float(self.spec.min_graphics_mhz), cap / 2.0)
+            limit_w = self.enforced_limit_w
+            capped = self._plant.step(cap, self._memory_mhz(), limit_w)
+            self._truth = capped
+            if capped.power_capped[0]:
+                free = self._plant.step(cap, self._memory_mhz(), _NO_LIMIT_W)
+                free_w, capped_w = float(free.power_w[0]), float(capped.power_w[0])
+                before_w = self._windowed_power_w(now, LIMIT_WINDOW_S)
+                if free_w > limit_w and before_w <= capped_w:
+                    burst_s = LIMIT_WINDOW_S * (limit_w - capped_w) / (free_w - capped_w)
+                    if burst_s > 0:
+                        self._truth, self._pending = free, (now + burst_s, capped)
+        self._record_power(now)
+
+    def _record_power(self, now: float) -> None:
         self._segments.append((now, self._power_now_w()))
-        window = self.spec.power_average_window_s
-        while len(self._segments) > 1 and self._segments[1][0] <= now - window:
+        while len(self._segments) > 1 and self._segments[1][0] <= now - self._history_s:
             self._segments.popleft()
 
-    def _windowed_power_w(self, now: float) -> float:
+    def _windowed_power_w(self, now: float, window: float) -> float:
         """Mean true power over [now − window, now]; the power now when the window is 0."""
-        window = self.spec.power_average_window_s
         if window <= 0:
             return self._power_now_w()
         start = now - window
@@ -399,21 +545,86 @@ class SimulatedGpu(GpuDevice):
         return total_j / window
 
 
+GpuKind = GpuSpec | BoardDescription
+
+
 def simulated_gpus(
     spec_name: str,
-    count: int,
+    count: int | None,
     *,
     seed: int,
     time_source: Callable[[], float] = time.monotonic,
     noise: NoiseModel | None = None,
 ) -> GpuSet:
-    """``count`` simulated GPUs of the catalog type ``spec_name`` (indices 0..count−1)."""
-    if count < 1:
-        raise InputError(f"a simulated node needs at least one GPU, got {count}")
-    spec = catalog_spec(spec_name)
+    """Simulated GPUs of the kinds ``spec_name`` names (`node_gpu_kinds`), indices 0, 1, …"""
+    return simulated_gpus_mixed(
+        node_gpu_kinds(spec_name, count), seed=seed, time_source=time_source, noise=noise
+    )
+
+
+def simulated_gpus_mixed(
+    kinds: Sequence[GpuKind],
+    *,
+    seed: int,
+    time_source: Callable[[], float] = time.monotonic,
+    noise: NoiseModel | None = None,
+) -> GpuSet:
+    """One simulated GPU per entry of ``kinds`` (catalog types or recorded boards), in order."""
+    if not kinds:
+        raise InputError("a simulated node needs at least one GPU, got 0")
     return GpuSet(
         [
-            SimulatedGpu(spec, index=i, seed=seed, time_source=time_source, noise=noise)
-            for i in range(count)
+            SimulatedGpu(kind, index=i, seed=seed, time_source=time_source, noise=noise)
+            for i, kind in enumerate(kinds)
         ]
     )
+
+
+def node_gpu_kinds(text: str, count: int | None) -> list[GpuKind]:
+    """The kind of each GPU of a simulated node, in index order, from ``node.simulated_gpu_type``.
+
+    ``TYPE`` (``count`` GPUs) or ``TYPE:N,TYPE:N,…`` (N of each, in that order; ``count``,
+    when given, must equal the total). TYPE is a catalog name or alias, or the path of a
+    ``.json`` file holding a `BoardDescription` (e.g. a recorded one from ``tests/data/nvml``).
+    """
+    items = [part.strip() for part in text.split(",")]
+    if not all(items):
+        raise InputError(f"simulated GPU types {text!r:.80}: an empty entry")
+    groups: list[tuple[GpuKind, int | None]] = []
+    for item in items:
+        kind_text, colon, number = item.rpartition(":") if ":" in item else (item, "", "")
+        if colon and not number.strip().isdigit():
+            raise InputError(f"simulated GPU type {item!r:.60}: expected TYPE:N, N a count")
+        groups.append((_gpu_kind(kind_text.strip()), int(number) if colon else None))
+    counts = [n for _, n in groups]
+    if len(groups) == 1 and counts[0] is None:
+        if count is None:
+            raise InputError(f"simulated GPU type {text!r:.60}: how many? write {text}:N")
+        return [groups[0][0]] * _positive(count, text)
+    if any(n is None for n in counts):
+        raise InputError(f"simulated GPU types {text!r:.80}: give every type a count, TYPE:N")
+    kinds = [kind for kind, n in groups for _ in range(_positive(n or 0, text))]
+    if count is not None and count != len(kinds):
+        raise InputError(
+            f"simulated GPU types {text!r:.80} list {len(kinds)} GPUs, but the count is {count}"
+        )
+    return kinds
+
+
+def _positive(count: int, text: str) -> int:
+    if count < 1:
+        raise InputError(f"a simulated node needs at least one GPU, got {count} for {text!r:.60}")
+    return count
+
+
+def _gpu_kind(text: str) -> GpuKind:
+    if not text.lower().endswith(".json"):
+        return catalog_spec(text)
+    path = Path(text)
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise InputError(f"simulated board file {path}: {e.strerror or e}") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise InputError(f"simulated board file {path}: not JSON: {e}") from None
+    return BoardDescription.from_dict(value, path.name)

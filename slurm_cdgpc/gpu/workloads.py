@@ -47,10 +47,10 @@ from typing import Any, Final
 
 from slurm_cdgpc.agent.progress import report_progress
 from slurm_cdgpc.errors import CdgpcError, InputError
-from slurm_cdgpc.gpu.catalog import catalog_spec
+from slurm_cdgpc.gpu.board import BoardDescription
 from slurm_cdgpc.gpu.device import GpuReading, GpuSet
 from slurm_cdgpc.gpu.plant import WorkloadCalibration, WorkloadProfile, workload_profile
-from slurm_cdgpc.gpu.simulated import SimulatedGpu, simulated_gpus
+from slurm_cdgpc.gpu.simulated import SimulatedGpu, node_gpu_kinds, simulated_gpus
 
 logger = logging.getLogger(__name__)
 
@@ -106,6 +106,14 @@ class SharedSimulatedGpu(SimulatedGpu):
     def set_power_limit_w(self, limit_w: float) -> None:
         with self._shared_lock:
             super().set_power_limit_w(limit_w)
+
+    def reset_power_limit(self) -> None:
+        with self._shared_lock:
+            super().reset_power_limit()
+
+    def describe(self) -> BoardDescription:
+        with self._shared_lock:
+            return super().describe()
 
     @property
     def iterations_done(self) -> float:
@@ -289,14 +297,16 @@ class JobRunner:
 
 def simulated_node(
     spec_name: str,
-    count: int,
+    count: int | None,
     *,
     seed: int,
     progress_socket: Path | None,
     env: dict[str, str] | None = None,
 ) -> GpuSet:
-    """The node's simulated GPUs; with `JOBS_DIR_ENV` set, a `JobRunner` thread runs jobs on
-    them, and with `SPEED_ENV` set, they work on an `AcceleratedClock`."""
+    """The node's simulated GPUs, of the kinds ``spec_name`` names (`node_gpu_kinds`: one
+    catalog type, ``TYPE:N,…`` mixes, recorded ``.json`` boards); with `JOBS_DIR_ENV` set, a
+    `JobRunner` thread runs jobs on them, and with `SPEED_ENV` set, they work on an
+    `AcceleratedClock`."""
     environ = dict(os.environ) if env is None else env
     speed_text = environ.get(SPEED_ENV, "").strip()
     jobs_dir = environ.get(JOBS_DIR_ENV, "").strip()
@@ -307,13 +317,10 @@ def simulated_node(
     except ValueError:
         raise InputError(f"{SPEED_ENV} must be a number, got {speed_text!r}") from None
     clock = AcceleratedClock(speed)
-    if count < 1:
-        raise InputError(f"a simulated node needs at least one GPU, got {count}")
-    spec = catalog_spec(spec_name)
     lock = threading.RLock()
     devices = [
-        SharedSimulatedGpu(spec, index=i, seed=seed, time_source=clock, lock=lock)
-        for i in range(count)
+        SharedSimulatedGpu(kind, index=i, seed=seed, time_source=clock, lock=lock)
+        for i, kind in enumerate(node_gpu_kinds(spec_name, count))
     ]
     if jobs_dir:
         directory = Path(jobs_dir)

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import csv
+import json
 from itertools import pairwise
 from pathlib import Path
 
 import pytest
 
 from slurm_cdgpc.errors import InputError, UnsupportedClockError
+from slurm_cdgpc.gpu.board import BoardDescription
 from slurm_cdgpc.gpu.catalog import CATALOG, catalog_spec
 
 
@@ -79,10 +81,68 @@ def test_a40_lists_graphics_clocks_per_memory_clock() -> None:
         a40.clocks.check(1740, 405)
 
 
-def test_only_hopper_averages_its_power_reading() -> None:
+def test_power_readings_average_on_ampere_except_ga100_and_newer() -> None:
+    # NVML: "On Ampere (except GA100) or newer GPUs, the API returns power averaged over 1 sec";
+    # the A40 entry predates that rule and stays instantaneous, as the figures were made with it
+    averaging = {"H100-SXM", "H100-NVL", "H100-PCIE", "H200", "B200", "A10G", "A10", "L4", "L40S"}
     for spec in CATALOG.values():
-        hopper = spec.name.startswith(("H100", "H200"))
-        assert spec.power_average_window_s == (1.0 if hopper else 0.0), spec.name
+        assert spec.power_average_window_s == (1.0 if spec.name in averaging else 0.0), spec.name
+
+
+@pytest.mark.parametrize(
+    ("name", "canonical"),
+    [
+        ("NVIDIA A10G", "A10G"),
+        ("NVIDIA A10", "A10"),
+        ("Tesla T4", "T4"),
+        ("NVIDIA L4", "L4"),
+        ("NVIDIA L40S", "L40S"),
+        ("NVIDIA A100-SXM4-40GB", "A100-SXM4-40GB"),
+        ("NVIDIA H100 PCIe", "H100-PCIE"),
+        ("NVIDIA B200", "B200"),
+    ],
+)
+def test_the_simulators_boards_are_found_by_their_nvml_names(name: str, canonical: str) -> None:
+    assert catalog_spec(name).name == canonical
+
+
+@pytest.mark.parametrize(("fixture", "name"), [("a10g", "A10G"), ("tesla-t4", "T4")])
+def test_measured_boards_reproduce_the_recorded_nvidia_smi_tables(fixture: str, name: str) -> None:
+    path = Path(__file__).resolve().parent.parent / "data" / "nvml" / f"{fixture}.board.json"
+    board = BoardDescription.from_dict(json.loads(path.read_text()))
+    spec = catalog_spec(name)
+    assert spec.clocks == board.clocks
+    assert spec.power_limit == board.power_limit
+
+
+def test_estimated_ada_tables_follow_the_recorded_ada_structure() -> None:
+    path = Path(__file__).resolve().parent.parent / "data" / "nvml" / "rtx-4000-sff-ada.board.json"
+    ada = BoardDescription.from_dict(json.loads(path.read_text())).clocks
+    for name in ("L4", "L40S"):
+        clocks = catalog_spec(name).clocks
+        assert len(clocks.memory_mhz) == len(ada.memory_mhz), name
+        assert clocks.memory_mhz[2:] == ada.memory_mhz[2:]  # 5001, 810, 405 as on the Ada dump
+        assert clocks.graphics_for(405) == ada.graphics_for(405)
+        full = {clocks.graphics_for(m) for m in clocks.memory_mhz[:-1]}
+        assert len(full) == 1 and min(next(iter(full))) == 210
+
+
+def test_existing_entries_keep_their_values() -> None:
+    # figures and golden tests were made with these; new boards must not move them
+    a100 = catalog_spec("A100-SXM4-80GB")
+    assert (a100.power_limit.max_w, a100.idle_power_w, a100.knee_mhz) == (400.0, 60.0, 1100.0)
+    assert catalog_spec("A40").power_average_window_s == 0.0
+    assert list(CATALOG)[:8] == [
+        "V100-SXM2",
+        "V100-PCIE-32GB",
+        "A100-SXM4-80GB",
+        "A100-PCIE-40GB",
+        "A40",
+        "H100-SXM",
+        "H100-NVL",
+        "H200",
+    ]
+    assert not any(spec.estimated for spec in CATALOG.values())
 
 
 def test_entries_are_self_consistent() -> None:

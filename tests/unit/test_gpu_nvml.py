@@ -26,9 +26,11 @@ from slurm_cdgpc.errors import (
     GpuPermissionError,
     GpuUnavailableError,
     InputError,
+    PowerLimitPermissionError,
     UnsupportedClockError,
+    UnsupportedPowerLimitError,
 )
-from slurm_cdgpc.gpu.device import LockedClocks, PowerLimitRange, ThrottleReason
+from slurm_cdgpc.gpu.device import LockedClocks, PowerLimitRange, ThrottleReason, lock_overridden
 from slurm_cdgpc.gpu.nvml import NvmlGpu, NvmlGpuSet, nvml_is_available, open_nvml_gpus, probe
 
 DATA = Path(__file__).resolve().parent.parent / "data" / "nvml"
@@ -39,6 +41,7 @@ SETTER = re.compile(
     r"^nvml(Device|System|Unit|GpuInstance|ComputeInstance|Vgpu\w*?)?(Set|Reset|Clear)"
 )
 MODELLED_SETTERS = (
+    "nvmlDeviceSetPowerManagementLimit",
     "nvmlDeviceSetGpuLockedClocks",
     "nvmlDeviceSetMemoryLockedClocks",
     "nvmlDeviceResetGpuLockedClocks",
@@ -65,6 +68,8 @@ FAKE_METHODS = {
     "nvmlDeviceGetCurrentClocksEventReasons": "device_get_current_clocks_event_reasons",
     "nvmlDeviceGetCurrentClocksThrottleReasons": "device_get_current_clocks_throttle_reasons",
     "nvmlDeviceGetFieldValues": "device_get_field_values",
+    "nvmlDeviceGetMigMode": "device_get_mig_mode",
+    "nvmlDeviceSetPowerManagementLimit": "device_set_power_management_limit",
     "nvmlDeviceSetGpuLockedClocks": "device_set_gpu_locked_clocks",
     "nvmlDeviceSetMemoryLockedClocks": "device_set_memory_locked_clocks",
     "nvmlDeviceResetGpuLockedClocks": "device_reset_gpu_locked_clocks",
@@ -103,6 +108,7 @@ class FakeDevice:
     limits_mw: tuple[int, int] = (100_000, 400_000)
     default_limit_mw: int = 400_000
     enforced_limit_mw: Value = 400_000
+    requested_limit_mw: int = 400_000
     power_mw: Value = 251_234
     energy_mj: Value = 123_456_789
     instant_mw: Value = 260_000
@@ -110,6 +116,7 @@ class FakeDevice:
     sm_clock_mhz: int = 1410
     memory_clock_mhz: int = 1593
     reasons: int = 0
+    mig_mode: tuple[int, int] | None = None  # (current, pending); None: NOT_SUPPORTED
     fail: dict[str, int] = field(default_factory=dict)
 
 
@@ -188,7 +195,7 @@ class FakeNvml:
         self.calls.append((name, handle.index, *args))
         device = self.devices[handle.index]
         if name in device.fail:
-            raise pynvml.NVMLError(device.fail[name])
+            raise pynvml.NVMLError(device.fail[name])  # pynvml makes it the NVMLError_* subclass
         return device
 
     # -- library ------------------------------------------------------------------------------
@@ -270,7 +277,20 @@ class FakeNvml:
             value.value.uiVal = _value(device.instant_mw)
         return values
 
+    def device_get_mig_mode(self, h: FakeHandle) -> list[int]:
+        device = self._device("nvmlDeviceGetMigMode", h)
+        if device.mig_mode is None:
+            raise pynvml.NVMLError_NotSupported()
+        return list(device.mig_mode)
+
     # -- setters ------------------------------------------------------------------------------
+    def device_set_power_management_limit(self, h: FakeHandle, limit_mw: int) -> None:
+        device = self._device("nvmlDeviceSetPowerManagementLimit", h, limit_mw)
+        low, high = device.limits_mw
+        if not low <= limit_mw <= high:
+            raise pynvml.NVMLError_InvalidArgument()
+        device.requested_limit_mw = limit_mw
+
     def device_set_gpu_locked_clocks(self, h: FakeHandle, min_mhz: int, max_mhz: int) -> None:
         self._device("nvmlDeviceSetGpuLockedClocks", h, min_mhz, max_mhz)
 
@@ -821,3 +841,107 @@ def test_only_the_nvml_backend_imports_pynvml() -> None:
         if re.search(r"^\s*(import|from)\s+pynvml\b", path.read_text(), re.MULTILINE)
     )
     assert importers == ["gpu/nvml.py"]
+
+
+# -- board description, power limits, coexistence -----------------------------------------------
+
+
+def test_describe_reports_mig_mode_and_the_enforced_limit(open_gpus: OpenGpus) -> None:
+    mig, gddr = a100_sxm4_80gb("GPU-mig"), a40()
+    mig.mig_mode = (pynvml.NVML_DEVICE_MIG_ENABLE, pynvml.NVML_DEVICE_MIG_ENABLE)
+    mig.enforced_limit_mw = 400_000
+    gddr.fail["nvmlDeviceGetPowerUsage"] = pynvml.NVML_ERROR_GPU_IS_LOST
+    nvml, gpus = open_gpus(mig, gddr)
+    first, second = (gpu.describe() for gpu in gpus)
+    assert (first.name, first.uuid, first.mig_mode) == ("NVIDIA A100-SXM4-80GB", "GPU-mig", True)
+    assert first.enforced_limit_w == 400.0
+    assert first.power_limit == PowerLimitRange(100.0, 400.0, 400.0)
+    assert first.clocks.graphics_for(1593)[0] == 1410
+    assert second.mig_mode is None  # NOT_SUPPORTED: a GDDR part
+    assert second.enforced_limit_w is None  # the read failed; the description still comes
+    assert second.clocks.memory_mhz == (7251, 405)
+    assert nvml.setter_calls() == []
+    mig.mig_mode = (pynvml.NVML_DEVICE_MIG_DISABLE, pynvml.NVML_DEVICE_MIG_ENABLE)
+    assert gpus[0].mig_mode() is False  # pending is not current
+
+
+def test_memory_lock_not_supported_comes_from_the_real_pynvml_class(open_gpus: OpenGpus) -> None:
+    device = a40()
+    device.fail["nvmlDeviceSetMemoryLockedClocks"] = pynvml.NVML_ERROR_NOT_SUPPORTED
+    _, gpus = open_gpus(device)
+    with pytest.raises(GpuNotSupportedError) as info:
+        only_gpu(gpus).set_locked_clocks(1200, 7251)
+    assert type(info.value.__cause__) is pynvml.NVMLError_NotSupported
+
+
+def test_power_limit_is_set_in_milliwatts_idempotently_and_reset_to_the_default(
+    open_gpus: OpenGpus,
+) -> None:
+    device = a100_sxm4_80gb()
+    device.default_limit_mw = 350_000
+    nvml, gpus = open_gpus(device)
+    gpu = only_gpu(gpus)
+    gpu.set_power_limit_w(250.5)
+    gpu.set_power_limit_w(250.5)
+    assert gpu.power_limit_set_w == 250.5
+    for bad in (99.9, 400.001, float("inf")):
+        with pytest.raises(UnsupportedPowerLimitError, match=r"outside 100\.\.400 W"):
+            gpu.set_power_limit_w(bad)
+    gpu.reset_power_limit()
+    gpu.reset_power_limit()  # always calls NVML: a crashed agent's limit outlives it
+    assert gpu.power_limit_set_w is None
+    assert nvml.setter_calls() == [
+        ("nvmlDeviceSetPowerManagementLimit", 0, 250_500),
+        ("nvmlDeviceSetPowerManagementLimit", 0, 350_000),
+        ("nvmlDeviceSetPowerManagementLimit", 0, 350_000),
+    ]
+
+
+def test_power_limit_without_permission_is_a_soft_error_naming_it(open_gpus: OpenGpus) -> None:
+    device = a100_sxm4_80gb()
+    device.fail["nvmlDeviceSetPowerManagementLimit"] = pynvml.NVML_ERROR_NO_PERMISSION
+    _, gpus = open_gpus(device)
+    gpu = only_gpu(gpus)
+    with pytest.raises(PowerLimitPermissionError) as info:
+        gpu.set_power_limit_w(300.0)
+    assert isinstance(info.value, GpuError)  # soft: the clock locks may still work
+    assert "set power limit 300 W failed" in str(info.value)
+    assert "SYS_ADMIN" in str(info.value) and "\n" not in str(info.value)
+    assert type(info.value.__cause__) is pynvml.NVMLError_NoPermission
+    assert gpu.power_limit_set_w is None
+    with pytest.raises(PowerLimitPermissionError):
+        gpu.reset_power_limit()
+
+
+def test_an_enforced_limit_below_ours_is_what_readings_carry(
+    open_gpus: OpenGpus, clock: FakeClock
+) -> None:
+    device = a100_sxm4_80gb()
+    device.enforced_limit_mw = lambda: min(device.requested_limit_mw, 250_000)  # a BMC cap
+    device.reasons = 0x4  # SW_POWER_CAP
+    device.sm_clock_mhz = 1095
+    _, gpus = open_gpus(device)
+    gpu = only_gpu(gpus)
+    gpu.set_power_limit_w(300.0)
+    reading = gpu.read()
+    assert gpu.power_limit_set_w == 300.0
+    assert reading.enforced_limit_w == 250.0 < gpu.power_limit_set_w
+    assert reading.throttle == ThrottleReason.SW_POWER_CAP
+
+
+def test_clocks_changed_behind_our_back_are_detected(open_gpus: OpenGpus, clock: FakeClock) -> None:
+    device = a100_sxm4_80gb()
+    _, gpus = open_gpus(device)
+    gpu = only_gpu(gpus)
+    gpu.set_locked_clocks(1200)
+    device.sm_clock_mhz = 1200
+    readings = [gpu.read() for _ in range(3)]
+    assert not lock_overridden(readings, gpu.locked)
+    device.sm_clock_mhz = 1410  # another process ran nvidia-smi -lgc 210,1410
+    readings += [gpu.read() for _ in range(2)]
+    assert not lock_overridden(readings, gpu.locked)
+    readings.append(gpu.read())
+    assert lock_overridden(readings, gpu.locked)
+    device.reasons = 0x1  # GPU_IDLE: an idle GPU's clock says nothing about the lock
+    assert not lock_overridden([gpu.read() for _ in range(3)], gpu.locked)
+    assert not lock_overridden(readings, None)
