@@ -93,9 +93,11 @@ def open_gpus(config: Config, node_name: str) -> GpuSet:
         from slurm_cdgpc.gpu.workloads import simulated_node  # noqa: PLC0415
 
         seed = zlib.crc32(node_name.encode())  # distinct UUIDs per simulated node
+        kinds = node.simulated_gpu_type
         gpus = simulated_node(
-            node.simulated_gpu_type,
-            node.simulated_gpu_count,
+            kinds,
+            # TYPE:N,TYPE:N gives its own counts; simulated_gpu_count is for one TYPE
+            None if ":" in kinds or "," in kinds else node.simulated_gpu_count,
             seed=seed,
             progress_socket=node.progress_socket,
         )

@@ -87,6 +87,7 @@ from slurm_cdgpc.agent.protocol import (
 )
 from slurm_cdgpc.config import LEASE_ACTIONS, SafeCap
 from slurm_cdgpc.errors import CdgpcError, InputError
+from slurm_cdgpc.gpu.board import BoardDescription
 from slurm_cdgpc.gpu.device import GpuDevice, GpuReading, GpuSet, LockedClocks
 
 logger = logging.getLogger(__name__)
@@ -190,11 +191,39 @@ class NodeAgent:
         #: the GPUs whose locks the state file on disk lists (the file never lists fewer GPUs
         #: than are locked: a GPU not in here is written down before it is locked)
         self._recorded: frozenset[int] = frozenset()
+        #: each GPU's board as NVML describes it, read at start and whenever the head asks
+        self._boards: dict[int, BoardDescription] = {}
+        self._digests: dict[int, str] = {}
+        self._describe()
         self.recovered_stale_state = self._recover()
         self._lease_expires_s = self._clock() + lease_duration_s  # as the head wrote it
         self._lease_deadline = self._monotonic() + lease_duration_s  # what `tick` checks
 
     # -- start-up -------------------------------------------------------------------------------
+
+    def _describe(self) -> None:
+        """Describe every GPU's board (a GPU that cannot be described reports no board: the
+        head then goes by its name, as the catalog knows it)."""
+        boards: dict[int, BoardDescription] = {}
+        for dev in self.gpus:
+            try:
+                boards[dev.index] = dev.describe()
+            except CdgpcError as e:
+                logger.warning("GPU %d: cannot describe its board: %s", dev.index, _one_line(e))
+        if boards != self._boards:
+            for index, board in sorted(boards.items()):
+                if self._boards.get(index) != board:
+                    logger.info(
+                        "GPU %d: %s, %d memory clock(s), power limit %g-%g W%s",
+                        index,
+                        board.name,
+                        len(board.clocks.memory_mhz),
+                        board.power_limit.min_w,
+                        board.power_limit.max_w,
+                        ", MIG on" if board.mig_mode else "",
+                    )
+        self._boards = boards
+        self._digests = {index: board.digest() for index, board in boards.items()}
 
     def _recover(self) -> bool:
         """Take the leader epoch back from the state file; reset every GPU if it lists locks (a
@@ -257,6 +286,8 @@ class NodeAgent:
             now_s, arrived_s = self._clock(), self._monotonic()
             self._check_node(request)
             self._fence(request)
+            if request.describe:
+                self._describe()
             reports = tuple(self._report(dev) for dev in self.gpus)
             refused: list[Refusal] = []
             if request.lease_expires_s <= now_s:
@@ -293,7 +324,7 @@ class NodeAgent:
             self._sync_state()
             for r in refused:
                 logger.warning("GPU %s: setpoint refused: %s", r.gpu, r.reason)
-            return self._response(now_s, reports, refused)
+            return self._response(now_s, reports, refused, request.describe)
 
     def _expired_on_arrival(
         self, request: ExchangeRequest, now_s: float, reports: tuple[GpuReport, ...]
@@ -310,19 +341,24 @@ class NodeAgent:
         reason = f"lease already expired on arrival ({late_s:.1f} s ago): nothing applied"
         refused = [Refusal(sp.gpu, reason) for sp in request.setpoints]
         refused += [Refusal(gpu, reason) for gpu in request.release]
-        return self._response(now_s, reports, refused)
+        return self._response(now_s, reports, refused, request.describe)
 
     def _response(
-        self, now_s: float, reports: tuple[GpuReport, ...], refused: Sequence[Refusal]
+        self,
+        now_s: float,
+        reports: tuple[GpuReport, ...],
+        refused: Sequence[Refusal],
+        describe: bool = False,
     ) -> ExchangeResponse:
         """The readings taken before anything was applied, the progress reported since the
-        last exchange, and what was refused."""
+        last exchange, what was refused, and the boards when the head asked."""
         return ExchangeResponse(
             node=self.node_name,
             time_s=now_s,
             gpus=reports,
             progress=tuple(self._progress.values()),
             refused=tuple(refused),
+            boards=tuple(b for _, b in sorted(self._boards.items())) if describe else (),
         )
 
     def _check_node(self, request: ExchangeRequest) -> None:
@@ -435,6 +471,7 @@ class NodeAgent:
             else LockReport(locked.graphics_min_mhz, locked.graphics_max_mhz, locked.memory_mhz)
         )
         job = self._jobs.get(device.index)
+        digest = self._digests.get(device.index)
         try:
             reading = device.read()
         except CdgpcError as e:
@@ -451,6 +488,7 @@ class NodeAgent:
                 locked=lock,
                 job_id=job,
                 error=_one_line(f"read failed: {e}"),
+                board=digest,
             )
         stamp_s = reading.timestamp_s
         read_s = stamp_s if math.isfinite(stamp_s) and stamp_s >= 0 else None
@@ -471,6 +509,7 @@ class NodeAgent:
             job_id=job,
             error=error,
             read_s=read_s,
+            board=digest,
         )
 
     def _plausible(

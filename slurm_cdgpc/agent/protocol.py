@@ -41,9 +41,12 @@ import math
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Final, TypeGuard
+from typing import TYPE_CHECKING, Any, Final, TypeGuard
 
 from slurm_cdgpc.errors import InputError
+
+if TYPE_CHECKING:
+    from slurm_cdgpc.gpu.board import BoardDescription
 
 VERSION: Final = 1
 MAX_MESSAGE_BYTES: Final = 1024 * 1024
@@ -295,6 +298,9 @@ class ExchangeRequest:
     #: the node the request is for (the agent refuses any other: a captured request is no
     #: good on another node)
     node: str = field(kw_only=True)
+    #: the head asks for the node's board descriptions (`ExchangeResponse.boards`): it has
+    #: none yet, or a GPU reports a board it does not know
+    describe: bool = field(default=False, kw_only=True)
 
     def __post_init__(self) -> None:
         check_node_name(self.node)
@@ -310,6 +316,8 @@ class ExchangeRequest:
         }
         if self.epoch:
             data["epoch"] = self.epoch
+        if self.describe:
+            data["describe"] = True
         return dump_json(data)
 
     @classmethod
@@ -318,8 +326,11 @@ class ExchangeRequest:
             load_json(data),
             "request",
             ("version", "node", "interval", "lease_expires_s", "setpoints", "release"),
-            ("epoch",),
+            ("epoch", "describe"),
         )
+        describe = d.get("describe", False)
+        if not isinstance(describe, bool):
+            raise ProtocolError(f"describe: must be true or false, {_got(describe)}")
         version = _version(d)
         node = d["node"]
         if not (isinstance(node, str) and _NODE_RE.fullmatch(node)):
@@ -347,6 +358,7 @@ class ExchangeRequest:
             setpoints=setpoints,
             release=release,
             epoch=_int(d.get("epoch", 0), "epoch", 0, MAX_COUNT),
+            describe=describe,
         )
 
 
@@ -412,6 +424,8 @@ class GpuReport:
     #: when the GPU was read: the agent's monotonic clock in seconds (None: the read failed).
     #: Only differences between two reports of one agent mean anything.
     read_s: float | None = None
+    #: `BoardDescription.digest` of the GPU's board (None: not described; an older agent)
+    board: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -428,6 +442,7 @@ class GpuReport:
             "job_id": self.job_id,
             "error": self.error,
             "read_s": self.read_s,
+            "board": self.board,
         }
 
     @classmethod
@@ -442,7 +457,10 @@ class GpuReport:
 
     @classmethod
     def _checked(cls, value: object, where: str) -> GpuReport:
-        d = _fields(value, where, _GPU_REPORT_FIELDS)
+        d = _fields(value, where, _GPU_REPORT_FIELDS, ("board",))
+        board = d.get("board")
+        if board is not None and not (isinstance(board, str) and _DIGEST_RE.fullmatch(board)):
+            raise ProtocolError(f"{where}.board: must be 16 hex digits, {_got(board)}")
         return cls(
             index=_int(d["index"], f"{where}.index", 0, MAX_GPU_INDEX),
             uuid=_text(d["uuid"], f"{where}.uuid"),
@@ -463,9 +481,11 @@ class GpuReport:
             job_id=_opt_job_id(d["job_id"], f"{where}.job_id"),
             error=_opt_text(d["error"], f"{where}.error"),
             read_s=_opt_float(d["read_s"], f"{where}.read_s", 0.0, _MAX_READ_S),
+            board=board,
         )
 
 
+_DIGEST_RE: Final = re.compile(r"[0-9a-f]{16}")
 _GPU_REPORT_FIELDS: Final = (
     "index",
     "uuid",
@@ -481,7 +501,7 @@ _GPU_REPORT_FIELDS: Final = (
     "error",
     "read_s",
 )
-_GPU_REPORT_KEYS: Final = frozenset(_GPU_REPORT_FIELDS)
+_GPU_REPORT_KEYS: Final = frozenset((*_GPU_REPORT_FIELDS, "board"))
 _LOCK_REPORT_KEYS: Final = frozenset(("graphics_min_mhz", "graphics_max_mhz", "memory_mhz"))
 
 
@@ -511,6 +531,9 @@ def _gpu_report_fast(value: object) -> GpuReport | None:
         return None
     job = v["job_id"]
     if job is not None and not (type(job) is str and JOB_ID_RE.fullmatch(job)):
+        return None
+    board = v["board"]
+    if board is not None and not (type(board) is str and _DIGEST_RE.fullmatch(board)):
         return None
     locked = v["locked"]
     lock = None
@@ -543,6 +566,7 @@ def _gpu_report_fast(value: object) -> GpuReport | None:
         job_id=job,
         error=error,
         read_s=v["read_s"],
+        board=board,
     )
 
 
@@ -612,18 +636,21 @@ class ExchangeResponse:
     progress: tuple[ProgressReport, ...] = ()
     refused: tuple[Refusal, ...] = ()
     version: int = VERSION
+    #: every GPU's board as NVML describes it, when the request asked (`describe`)
+    boards: tuple[BoardDescription, ...] = ()
 
     def to_json(self) -> bytes:
-        return dump_json(
-            {
-                "version": self.version,
-                "node": self.node,
-                "time_s": self.time_s,
-                "gpus": [g.to_dict() for g in self.gpus],
-                "progress": [p.to_dict() for p in self.progress],
-                "refused": [r.to_dict() for r in self.refused],
-            }
-        )
+        data: dict[str, Any] = {
+            "version": self.version,
+            "node": self.node,
+            "time_s": self.time_s,
+            "gpus": [g.to_dict() for g in self.gpus],
+            "progress": [p.to_dict() for p in self.progress],
+            "refused": [r.to_dict() for r in self.refused],
+        }
+        if self.boards:
+            data["boards"] = [b.to_dict() for b in self.boards]
+        return dump_json(data)
 
     @classmethod
     def from_json(cls, data: bytes | str) -> ExchangeResponse:
@@ -631,6 +658,7 @@ class ExchangeResponse:
             load_json(data),
             "response",
             ("version", "node", "time_s", "gpus", "progress", "refused"),
+            ("boards",),
         )
         version = _version(d)
         node = d["node"]
@@ -645,7 +673,17 @@ class ExchangeResponse:
                 d["progress"], "progress", MAX_PROGRESS_ENTRIES, ProgressReport.from_dict
             ),
             refused=_parse_list(d["refused"], "refused", MAX_GPUS, Refusal.from_dict),
+            boards=_parse_list(d.get("boards", []), "boards", MAX_GPUS, _board),
         )
+
+
+def _board(value: object, where: str) -> BoardDescription:
+    from slurm_cdgpc.gpu.board import BoardDescription  # noqa: PLC0415 (only when described)
+
+    try:
+        return BoardDescription.from_dict(value, where)
+    except InputError as e:
+        raise ProtocolError(str(e)) from None
 
 
 def check_node_name(name: str) -> str:

@@ -201,7 +201,8 @@ def jobs(config_path: Path | None, as_json: bool) -> None:
 @_config_option
 @_json_option
 def nodes(config_path: Path | None, as_json: bool) -> None:
-    """Known nodes, their agents and whether the head reaches them."""
+    """Known nodes, their agents and whether the head reaches them; each GPU's board, and
+    whether it is controlled (if not, why)."""
     data = _client(_config(config_path)).get("/v1/nodes")
     if as_json:
         echo_json(data)
@@ -220,6 +221,20 @@ def nodes(config_path: Path | None, as_json: bool) -> None:
     ]
     headers = ["node", "reachable", "GPUs", "type", "worst case", "last seen", "agent"]
     click.echo(format_table(headers, rows) if rows else "no nodes known yet")
+    gpus = [
+        [
+            n["name"],
+            g["index"],
+            g["board"],
+            (g["type"] or "-") + (" (estimated prior)" if g["estimated"] else ""),
+            "yes" if g["controlled"] else f"no: {g['why']}",
+        ]
+        for n in data["nodes"]
+        for g in n.get("gpus", [])
+    ]
+    if gpus:
+        click.echo()
+        click.echo(format_table(["node", "GPU", "board", "type", "controlled"], gpus))
 
 
 @click.group()

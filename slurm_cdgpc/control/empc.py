@@ -199,6 +199,14 @@ class EconomicMPC:
         self._last_price: FloatArray | None = None
         self._last_step_s: float | None = None
 
+    def use_grid(self, grid: ClockGrid) -> None:
+        """A grid with more GPU types (a board an agent described); the types already known
+        must keep their rows."""
+        if grid.names[: len(self.grid.names)] != self.grid.names:
+            raise InputError("a new clock grid must keep the known GPU types in their order")
+        self.grid = grid
+        self.floor_grid = grid.floored(self.settings.min_clock_fraction)
+
     def step(
         self,
         estimator: JobEstimator,

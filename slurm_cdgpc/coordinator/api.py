@@ -23,7 +23,8 @@ one that is given and checks out gets a signed answer (a signed client can tell 
 ``GET /v1/budget``         read        the budget in force, scheduled changes, recent history
 ``GET /v1/status``         read        the last interval
 ``GET /v1/jobs``           read        active jobs: clocks, power, progress, predicted finish
-``GET /v1/nodes``          read        nodes, reachability, worst-case power
+``GET /v1/nodes``          read        nodes, reachability, worst-case power, each GPU's
+                                       board and whether it is controlled (why not)
 ``GET /v1/decisions``      read        ``?limit=N`` (default 20, at most 1000) latest decisions
 ``GET /metrics``           none        Prometheus text format 0.0.4 (`coordinator.metrics`)
 ``GET /v1/health``         none        ``{"ok": true}``
@@ -459,7 +460,9 @@ class _Handler(JsonHandler):
             views = self.server.job_views()
             return {"jobs": [job_dict(j, views) for j in c.store.jobs(ACTIVE_STATES)]}
         if path == "/v1/nodes":
-            return {"nodes": [node_dict(n) for n in c.store.nodes()]}
+            return {
+                "nodes": [{**node_dict(n), "gpus": c.gpu_views(n.name)} for n in c.store.nodes()]
+            }
         if path == "/v1/budget":
             now_s = c.now_s()
             current = c.store.current_budget(now_s)

@@ -95,6 +95,7 @@ from slurm_cdgpc.control.tuning import Tuning, shipped
 from slurm_cdgpc.coordinator.jobs import GpuRef, GpuSample, JobInfo, RunningJobs
 from slurm_cdgpc.coordinator.metrics import HeadMetrics
 from slurm_cdgpc.errors import CdgpcError, InputError
+from slurm_cdgpc.gpu.board import spec_from_board
 from slurm_cdgpc.gpu.catalog import CATALOG, GpuSpec, catalog_spec
 from slurm_cdgpc.model.estimator import EstimatorSettings, JobEstimator
 from slurm_cdgpc.store import (
@@ -254,6 +255,9 @@ def _catalog_max_w() -> float:
     return max(s.power_limit.max_w for s in CATALOG.values())
 
 
+_MIG: Final = "MIG mode is on: its clocks cannot be locked (counted at what it draws)"
+
+
 def _finite_or_none(x: float | None) -> float | None:
     return x if x is not None and math.isfinite(x) else None
 
@@ -279,6 +283,11 @@ class _NodeState:
     mean_w: dict[int, float] = field(default_factory=dict)
     #: when the node last answered an exchange (the head's clock; None: never)
     answered_s: float | None = None
+    #: per GPU index: the controller's type of its board (None: not controlled, see ``why``)
+    gpu_types: dict[int, str | None] = field(default_factory=dict)
+    why: dict[int, str] = field(default_factory=dict)
+    #: ask the agent for its boards at the next exchange (a GPU reported one not known here)
+    describe: bool = False
 
 
 def _interval_power(
@@ -418,13 +427,16 @@ class Coordinator:
         self.leader = leader
         self.settings = settings or CoordinatorSettings()
         self._clock = clock
-        self.specs = specs
+        #: the controller's GPU types: the catalog's, and every board an agent described
+        self.specs: dict[str, GpuSpec] = dict(specs)
+        #: board digest -> the type it maps to (`spec_from_board`)
+        self._board_types: dict[str, str] = {}
         # every supported clock: the controller applies its own floor (and its fallback)
         self.grid = ClockGrid.from_tables(
             [(name, spec.clocks) for name, spec in specs.items()], min_fraction=0.0
         )
         self.controller = EconomicMPC(self.grid, self.settings.controller)
-        self.running = RunningJobs(self.grid, JobEstimator(self.settings.estimator), specs)
+        self.running = RunningJobs(self.grid, JobEstimator(self.settings.estimator), self.specs)
         self.interval = 0
         self.last_report: IntervalReport | None = None
         self._nodes: dict[str, _NodeState] = {}
@@ -966,11 +978,19 @@ class Coordinator:
             return None
         if job.job_id in held_out:
             return None
-        types = {n.gpu_type for n in nodes if n is not None}
+        refs = [GpuRef(g.node, g.gpu_index) for g in job.gpus]
+        types = {self.gpu_type(ref) for ref in refs}
         if None in types or not types or any(n is None for n in nodes):
             if job.job_id not in self._waiting_logged:
                 self._waiting_logged.add(job.job_id)
-                logger.info("job %s: waits for its node(s) to report their GPU type", job.job_id)
+                why = sorted(
+                    {n.why.get(r.index, "") for r in refs if (n := self._nodes.get(r.node))} - {""}
+                )
+                logger.info(
+                    "job %s: not controlled: %s",
+                    job.job_id,
+                    "; ".join(why) or "waits for its node(s) to report their GPU type",
+                )
             return None
         gpu_type = sorted(t for t in types if t is not None)[0]
         if len(types) > 1:
@@ -1152,7 +1172,7 @@ class Coordinator:
                     job_id,
                 )
             for g in job.gpus:
-                gpu_type = self._nodes[g.node].gpu_type if g.node in self._nodes else None
+                gpu_type = self.gpu_type(GpuRef(g.node, g.gpu_index))
                 if gpu_type is None or gpu_type not in self.specs:
                     continue  # unknown type: never controlled, never held out
                 g_lo, m_lo = self.grid.bottom_mhz(np.array([self.grid.type_index(gpu_type)]))
@@ -1175,7 +1195,9 @@ class Coordinator:
             if not self.settings.shadow:
                 release = tuple(sorted(self._releases.get(name, set()) - taken))
             try:
-                request = ExchangeRequest(k, lease_s, points, release, epoch=epoch, node=name)
+                request = ExchangeRequest(
+                    k, lease_s, points, release, epoch=epoch, node=name, describe=node.describe
+                )
             except ProtocolError as e:  # no agent could take it: counted as unreachable
                 logger.error("node %s: no exchange possible: %s", name, e)
                 self.metrics.exchange_failures.labels("request").inc()
@@ -1204,6 +1226,7 @@ class Coordinator:
             sent = targets[name].request
             node.steady, node.mean_w = _interval_power(node, result.gpus, k, self._limit_w)
             node.reachable = True
+            self._learn_boards(name, node, result)
             node.reports = result.gpus
             node.reports_at = k
             node.sent = sent
@@ -1445,17 +1468,103 @@ class Coordinator:
                 self.store.mark_node(name, True, at_s=now_s)
 
     def _describe(self, name: str, gpus: Sequence[GpuReport]) -> tuple[str | None, float]:
-        """A node's GPU type (its first GPU's, by catalog name) and worst-case power."""
-        gpu_type = None
+        """A node's GPU type (when all its GPUs share one) and worst-case power: each GPU at
+        its board's largest power limit."""
+        node = self._nodes[name]
+        types = {node.gpu_types.get(r.index) for r in gpus}
+        gpu_type = types.pop() if len(types) == 1 else None
+        worst_w = 0.0
         for r in gpus:
-            try:
-                gpu_type = catalog_spec(r.name).name
-                break
-            except InputError:
-                continue
-        if gpus and gpu_type is None:
-            logger.warning("node %s: no GPU type of the catalog (%s)", name, gpus[0].name)
-        return gpu_type, float(sum(self._limit_w(r.name) for r in gpus))
+            t = node.gpu_types.get(r.index)
+            worst_w += self.specs[t].power_limit.max_w if t in self.specs else self._limit_w(r.name)
+        return gpu_type, worst_w
+
+    def _learn_boards(self, name: str, node: _NodeState, result: ExchangeResponse) -> None:
+        """Each GPU's type from its board: described by the agent (its clocks and limits, the
+        catalog's priors or a generic one), else the catalog's entry for its name. A board not
+        known here is asked for at the next exchange; an agent that describes none (an older
+        one) is never asked."""
+        for board in result.boards:
+            digest = board.digest()
+            if digest not in self._board_types:
+                spec = spec_from_board(board)
+                self._board_types[digest] = spec.name
+                if spec.name not in self.specs:
+                    self._add_type(spec)
+                    logger.info(
+                        "GPU type %s: %s (%s, %d-%d MHz, power limit %g-%g W)",
+                        spec.name,
+                        "estimated prior" if spec.estimated else "catalog prior",
+                        board.name,
+                        spec.min_graphics_mhz,
+                        spec.max_graphics_mhz,
+                        spec.power_limit.min_w,
+                        spec.power_limit.max_w,
+                    )
+        mig = {b.uuid: b.mig_mode for b in result.boards}
+        types: dict[int, str | None] = {}
+        why: dict[int, str] = {}
+        unknown = False
+        for r in result.gpus:
+            gpu_type = None if r.board is None else self._board_types.get(r.board)
+            if r.board is not None and gpu_type is None:
+                unknown = True  # asked for at the next exchange
+            if gpu_type is None:
+                try:  # until described: the catalog's entry for its name, if it has one
+                    gpu_type = catalog_spec(r.name).name
+                except InputError:
+                    why[r.index] = (
+                        "board not described yet"
+                        if r.board is not None
+                        else f"board {r.name!r} is not in the catalog and not described"
+                    )
+            if mig.get(r.uuid, node.why.get(r.index) == _MIG):
+                gpu_type, why[r.index] = None, _MIG
+            types[r.index] = gpu_type
+        if types != node.gpu_types or why != node.why:
+            for index, reason in sorted(why.items()):
+                if node.why.get(index) != reason:
+                    logger.warning("node %s GPU %d: not controlled: %s", name, index, reason)
+        node.gpu_types, node.why = types, why
+        node.describe = unknown and not result.boards
+
+    def _add_type(self, spec: GpuSpec) -> None:
+        """A GPU type the catalog does not have: the grid grows by it (existing types keep
+        their rows)."""
+        self.specs[spec.name] = spec
+        self.grid = ClockGrid.from_tables(
+            [(n, s.clocks) for n, s in self.specs.items()], min_fraction=0.0
+        )
+        self.controller.use_grid(self.grid)
+        self.running.grid = self.grid
+
+    def gpu_type(self, ref: GpuRef) -> str | None:
+        """The controller's type of a GPU (None: not known, or not controlled)."""
+        node = self._nodes.get(ref.node)
+        if node is None:
+            return None
+        if ref.index in node.gpu_types:
+            return node.gpu_types[ref.index]
+        return node.gpu_type  # not reported (yet): the node's one type, if it has one
+
+    def gpu_views(self, name: str) -> list[dict[str, object]]:
+        """Each GPU of a node as ``GET /v1/nodes`` shows it: board, type, controlled or why not."""
+        node = self._nodes.get(name)
+        if node is None:
+            return []
+        return [
+            {
+                "index": r.index,
+                "board": r.name,
+                "type": node.gpu_types.get(r.index),
+                "estimated": bool(
+                    (t := node.gpu_types.get(r.index)) in self.specs and self.specs[t].estimated
+                ),
+                "controlled": node.gpu_types.get(r.index) is not None,
+                "why": node.why.get(r.index),
+            }
+            for r in node.reports
+        ]
 
     def _persist_progress(
         self,

@@ -203,6 +203,11 @@ GENERIC_IDLE_SHARE: Final = _median_ratio(
 )
 
 
+#: a described board's type name is at most this, ``#`` and 8 hex digits: 64 characters, what
+#: the store keeps of a node's GPU type
+TYPE_NAME_CHARS: Final = 55
+
+
 def spec_from_board(board: BoardDescription) -> GpuSpec:
     """The controller's GPU type for ``board``; the board's clocks and limits always win.
 
@@ -241,7 +246,7 @@ def spec_from_board(board: BoardDescription) -> GpuSpec:
             aliases=(),
         )
     return GpuSpec(
-        name=f"{board.name}#{board.digest()[:8]}",
+        name=f"{board.name[:TYPE_NAME_CHARS]}#{board.digest()[:8]}",
         clocks=board.clocks,
         power_limit=board.power_limit,
         idle_power_w=GENERIC_IDLE_SHARE * board.power_limit.default_w,

@@ -24,6 +24,7 @@ from typing import Any
 import pytest
 
 from slurm_cdgpc.errors import CdgpcError
+from slurm_cdgpc.gpu.board import BoardDescription
 from slurm_cdgpc.transport.auth import HmacKey, HmacSigner
 from slurm_cdgpc.transport.http import HeadClient
 from tests.integration.processes import daemon_env, spawn, write_hmac_key
@@ -127,8 +128,13 @@ def site(tmp_path: Path, db_url: str) -> Iterator[Site]:
     yield from make_site(tmp_path, db_url)
 
 
-def make_site(tmp_path: Path, db_url: str) -> Iterator[Site]:
-    """Two agents running (not yet announced to any head), the head's config written."""
+def make_site(
+    tmp_path: Path,
+    db_url: str,
+    gpus: str = 'simulated_gpu_type = "A100-SXM4-80GB"\nsimulated_gpu_count = 2',
+) -> Iterator[Site]:
+    """Two agents running (not yet announced to any head), the head's config written; ``gpus``:
+    the agents' simulated GPUs (their ``[node]`` keys)."""
     key_file = tmp_path / "hmac.key"
     secret = write_hmac_key(key_file)
     common = f"""
@@ -168,8 +174,7 @@ url = "{db_url}"
             + f"""
 [node]
 backend = "simulated"
-simulated_gpu_type = "A100-SXM4-80GB"
-simulated_gpu_count = 2
+{gpus}
 state_file = "{tmp_path / node / "state.json"}"
 progress_socket = "{tmp_path / node / "progress.sock"}"
 listen_address = "127.0.0.1"
@@ -275,3 +280,75 @@ def test_register_budget_crash_and_resume(site: Site) -> None:
     restarted.proc.send_signal(signal.SIGTERM)
     assert restarted.proc.wait(timeout=10) == 0
     assert "cdgpcd stopped" in restarted.text()
+
+
+def test_boards_the_catalog_lacks_and_a_node_of_two_kinds_are_controlled(tmp_path: Path) -> None:
+    """Each agent describes its boards as NVML would: node1 one A100 and one RTX 4000 SFF Ada
+    (recorded from a real ``nvidia-smi -q -x``; not in the catalog), node2 two of the Ada."""
+    ada = REPO / "tests" / "data" / "nvml" / "rtx-4000-sff-ada.board.json"
+    board = BoardDescription.from_dict(json.loads(ada.read_text()))
+    mixed = f'simulated_gpu_type = "A100-SXM4-80GB:1,{ada}:1"'
+    sites = make_site(tmp_path, f"sqlite:///{tmp_path / 'cdgpc.db'}", mixed)
+    site = next(sites)
+    try:
+        (site.tmp_path / "node2.toml").write_text(
+            (site.tmp_path / "node2.toml")
+            .read_text()
+            .replace(mixed, f'simulated_gpu_type = "{ada}:2"')
+        )
+        site.procs[1].proc.terminate()  # node2 again, with two Ada boards
+        site.procs[1].proc.wait(timeout=10)
+        port = site.agent_ports["node2"]
+        agent = site.start(
+            "slurm_cdgpc.agent.main",
+            "--config",
+            str(site.tmp_path / "node2.toml"),
+            "--node-name",
+            "node2",
+            name="node2",
+        )
+        _wait("node2 answers", partial(_agent_healthy, port), 20, agent.text)
+        site.start_head()
+        client = site.client()
+        for node, port in site.agent_ports.items():
+            client.post("/v1/nodes", {"node": node, "url": f"http://127.0.0.1:{port}"})
+        client.post("/v1/budget", {"budget_w": 2000.0, "reason": "boards"})
+
+        def gpus() -> dict[tuple[str, int], dict[str, Any]]:
+            return {
+                (n["name"], g["index"]): g
+                for n in client.get("/v1/nodes")["nodes"]
+                for g in n["gpus"]
+            }
+
+        _wait(
+            "every GPU controlled",
+            lambda: all(g["controlled"] for g in gpus().values()) and len(gpus()) == 4,
+            10,
+            site.logs,
+        )
+        seen = gpus()
+        assert (
+            seen[("node1", 0)]["type"] == "A100-SXM4-80GB" and not seen[("node1", 0)]["estimated"]
+        )
+        ada_type = seen[("node1", 1)]["type"]
+        assert ada_type.endswith("#" + board.digest()[:8]) and seen[("node1", 1)]["estimated"]
+        assert {seen[("node2", i)]["type"] for i in (0, 1)} == {ada_type}
+        client.post("/v1/jobs", {"job_id": "71", "user": "root", "node": "node1", "gpus": [0]})
+        client.post("/v1/jobs", {"job_id": "72", "user": "root", "node": "node1", "gpus": [1]})
+        client.post("/v1/jobs", {"job_id": "73", "user": "root", "node": "node2", "gpus": [0, 1]})
+        _wait(
+            "every job locked",
+            lambda: set(site.locks("node1")) == {0, 1} and set(site.locks("node2")) == {0, 1},
+            10,
+            site.logs,
+        )
+        jobs = {j["job_id"]: j for j in client.get("/v1/jobs")["jobs"]}
+        for job_id in ("72", "73"):
+            mem, mhz = jobs[job_id]["memory_mhz"], jobs[job_id]["graphics_mhz"]
+            assert mem in board.clocks.memory_mhz and mhz in board.clocks.graphics_for(mem), jobs
+        assert jobs["71"]["graphics_mhz"] <= 1410 and jobs["71"]["controlled"]
+        assert "refused" not in site.logs()
+    finally:
+        for _ in sites:
+            pass

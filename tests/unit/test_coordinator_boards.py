@@ -1,0 +1,96 @@
+"""The head builds its clock grids from the boards its agents describe, not from the catalog:
+a board the catalog lacks is controlled, a node may hold two kinds, a MIG GPU is left alone."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from slurm_cdgpc.gpu.board import BoardDescription, spec_from_board
+from tests.unit.test_coordinator_daemon import A100, MakeCluster, make_cluster
+
+__all__ = ["make_cluster"]  # the fixture, imported to be found
+
+NVML = Path(__file__).resolve().parents[1] / "data" / "nvml"
+ADA = NVML / "rtx-4000-sff-ada.board.json"  # recorded from a real nvidia-smi -q -x
+MIG = NVML / "a100-sxm4-80gb-mig.board.json"
+
+
+def _board(path: Path) -> BoardDescription:
+    return BoardDescription.from_dict(json.loads(path.read_text()))
+
+
+def _grid_clocks(grid: object, type_index: int) -> dict[int, list[int]]:
+    g = grid
+    out = {}
+    for m in range(int(g.memory_count[type_index])):  # type: ignore[attr-defined]
+        count = int(g.graphics_count[type_index, m])  # type: ignore[attr-defined]
+        levels = g.graphics_mhz[type_index, m, :count]  # type: ignore[attr-defined]
+        out[int(g.memory_mhz[type_index, m])] = sorted(levels.tolist(), reverse=True)  # type: ignore[attr-defined]
+    return out
+
+
+def test_a_board_absent_from_the_catalog_is_controlled_with_the_clocks_it_reported(
+    make_cluster: MakeCluster,
+) -> None:
+    cluster = make_cluster(nodes=("n1",), gpu_type=f"{A100}:1,{ADA}:1")
+    cluster.store.set_budget(5000.0, "root")
+    cluster.tick()  # the reports name boards the head has never seen: it asks for them
+    assert not cluster.last_requests()["n1"].describe
+    cluster.tick()
+    assert cluster.last_requests()["n1"].describe
+    board = _board(ADA)
+    ada = spec_from_board(board)
+    assert ada.estimated and ada.name.endswith(board.digest()[:8])
+    views = {g["index"]: g for g in cluster.head.gpu_views("n1")}
+    assert views[0] == {
+        "index": 0,
+        "board": A100,
+        "type": A100,
+        "estimated": False,
+        "controlled": True,
+        "why": None,
+    }
+    assert (views[1]["type"], views[1]["estimated"], views[1]["controlled"]) == (
+        ada.name,
+        True,
+        True,
+    )
+    # the head's grid for that GPU is exactly what its agent reported
+    grid = cluster.head.grid
+    assert _grid_clocks(grid, grid.type_index(ada.name)) == {
+        m: list(board.clocks.graphics_for(m)) for m in board.clocks.memory_mhz
+    }
+    cluster.tick()  # no more asking once it knows
+    assert not cluster.last_requests()["n1"].describe
+    # a job on each kind: both get setpoints their boards list, and no GPU refuses one
+    cluster.head.register_job("51", "alice", "n1", [0])
+    cluster.head.register_job("52", "alice", "n1", [1])
+    for _ in range(3):
+        report = cluster.tick()
+    points = {p.gpu: p for p in cluster.last_requests()["n1"].setpoints}
+    assert set(points) == {0, 1}
+    assert points[1].memory_mhz in board.clocks.memory_mhz  # a GDDR board: memory is a lever
+    assert points[1].graphics_mhz in board.clocks.graphics_for(points[1].memory_mhz)
+    assert cluster.gpu("n1", 1).locked is not None
+    assert {v.job_id for v in report.jobs if v.controlled} == {"51", "52"}
+    node = next(n for n in cluster.store.nodes() if n.name == "n1")
+    a100_w = spec_from_board(cluster.gpu("n1", 0).describe()).power_limit.max_w
+    assert node.worst_case_power_w == a100_w + board.power_limit.max_w
+    assert node.gpu_type == ""  # two kinds: no one type for the node
+
+
+def test_a_mig_gpu_is_not_controlled_and_says_why(make_cluster: MakeCluster) -> None:
+    cluster = make_cluster(nodes=("n1",), gpu_type=f"{A100}:1,{MIG}:1")
+    cluster.tick()
+    cluster.tick()
+    views = {g["index"]: g for g in cluster.head.gpu_views("n1")}
+    assert views[0]["controlled"] and not views[1]["controlled"]
+    assert "MIG mode is on" in str(views[1]["why"])
+    cluster.head.register_job("61", "alice", "n1", [1])
+    report = cluster.tick()
+    assert not next(v for v in report.jobs if v.job_id == "61").controlled
+    assert all(p.gpu != 1 for p in cluster.last_requests()["n1"].setpoints)
+    assert np.isfinite(report.uncontrolled_w) and report.uncontrolled_w > 0
