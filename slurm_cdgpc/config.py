@@ -116,6 +116,8 @@ class ControlConfig:
     #: a job that does not say its total work has at most its Slurm time limit of it, at top
     #: clocks: its pressure comes from that bound, capped at 1 (off: pressure 1 at any slack)
     work_from_time_limit: bool = True
+    #: ... sharpened to this quantile of the share of their limit that ended jobs used (1: off)
+    limit_share_quantile: float = 0.9
     #: κ: budget held back, in standard errors, when the plan moves to less-known clocks
     exploration_sigmas: float = 1.0
     #: decide and record, but apply nothing
@@ -474,6 +476,9 @@ _SCHEMA: dict[str, tuple[type[Any], dict[str, _Key]]] = {
             "triage": _Key("triage", _boolean),
             "drain_pressure": _Key("drain_pressure", _non_negative),
             "work_from_time_limit": _Key("work_from_time_limit", _boolean),
+            "limit_share_quantile": _Key(
+                "limit_share_quantile", _in_range(0.0, 1.0, lo_open=True)
+            ),
             "exploration_sigmas": _Key("exploration_sigmas", _non_negative),
             "shadow": _Key("shadow", _boolean),
         },

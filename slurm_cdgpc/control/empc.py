@@ -27,6 +27,7 @@ from numpy.typing import NDArray
 from slurm_cdgpc.config import ControlConfig
 from slurm_cdgpc.control.discrete import ClockGrid, DiscretePlan, discretise
 from slurm_cdgpc.control.dual import MODES, DualProblem, DualResult, StepStatus, solve_price
+from slurm_cdgpc.control.limits import LimitShare
 from slurm_cdgpc.errors import InputError
 from slurm_cdgpc.model.estimator import JobEstimator
 from slurm_cdgpc.model.families import FloatArray
@@ -75,6 +76,9 @@ class ControllerSettings:
     #: clocks, less the work done (`JobEstimator.work_top_s`); its pressure is that over its
     #: slack, at most 1 (the bound is loose: the job must not outweigh one that says its work)
     work_from_time_limit: bool = _SHIPPED.work_from_time_limit
+    #: ... sharpened to this quantile of the share of their limit that ended jobs' work took
+    #: (`LimitShare`); 1 keeps the whole limit
+    limit_share_quantile: float = _SHIPPED.limit_share_quantile
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -89,6 +93,9 @@ class ControllerSettings:
             raise InputError(f"offset gain must be in [0, 1], got {self.offset_gain}")
         if not 0.0 <= self.min_clock_fraction < 1.0:
             raise InputError(f"clock floor must be in [0, 1), got {self.min_clock_fraction}")
+        if not 0.0 < self.limit_share_quantile <= 1.0:
+            q = self.limit_share_quantile
+            raise InputError(f"limit share quantile must be in (0, 1], got {q}")
         if self.drain_pressure < 0 or self.exploration_sigmas < 0:
             raise InputError("drain pressure and exploration sigmas must not be negative")
 
@@ -131,14 +138,19 @@ class JobState:
     time_limit_s: FloatArray | None = None
     start_s: FloatArray | None = None
 
-    def remaining_top_s(self, work_top_s: FloatArray, now_s: float) -> FloatArray:
-        """Upper bound on the work left, in seconds at top clocks, of jobs that did not say
-        theirs: min(L − done, start + L − now), ≥ 0 (Slurm ends the job at its limit); NaN
-        for jobs that said, or that have no time limit."""
+    def remaining_top_s(
+        self, work_top_s: FloatArray, now_s: float, share: float = 1.0
+    ) -> FloatArray:
+        """Bound on the work left, in seconds at top clocks, of jobs that did not say theirs:
+        min(s L − done, start + L − now), ≥ 0 (Slurm ends the job at its limit), with s the
+        share of its limit a job's work takes (`LimitShare`; 1 for a job past s L); NaN for
+        jobs that said, or that have no time limit."""
         n = self.remaining_iterations.shape[0]
         if self.time_limit_s is None or self.start_s is None:
             return np.full(n, np.nan)
-        left = np.minimum(self.time_limit_s - work_top_s, self.start_s + self.time_limit_s - now_s)
+        work_s = share * self.time_limit_s
+        work_s = np.where(work_top_s < work_s, work_s, self.time_limit_s)
+        left = np.minimum(work_s - work_top_s, self.start_s + self.time_limit_s - now_s)
         unknown = ~np.isfinite(self.remaining_iterations) & (self.time_limit_s > 0)
         return np.where(unknown, np.maximum(left, 0.0), np.nan)
 
@@ -198,6 +210,7 @@ class EconomicMPC:
         self.offset = 0.0  # δ
         self._last_price: FloatArray | None = None
         self._last_step_s: float | None = None
+        self.limit_share = LimitShare(self.settings.limit_share_quantile)
 
     def use_grid(self, grid: ClockGrid) -> None:
         """A grid with more GPU types (a board an agent described); the types already known
@@ -275,6 +288,11 @@ class EconomicMPC:
         settled = estimator.power.count >= s.settle_intervals
         planned = np.where(settled, plan.job_power_w, np.nan)
         return self._decide(planned, problem, result, plan, learn, t0, budget_w)
+
+    def jobs_ended(self, work_top_s: FloatArray, time_limit_s: FloatArray) -> None:
+        """Jobs that ended (their estimator rows about to go): the work they did against their
+        time limits teaches `limit_share`."""
+        self.limit_share.observe(work_top_s, time_limit_s)
 
     def exploration_margin_w(
         self,
@@ -413,7 +431,7 @@ class EconomicMPC:
         # unknown remaining work: assume the job needs its whole slack at top clocks (pressure
         # 1), or, from its time limit, at most what the limit leaves
         bound_top_s = (
-            jobs.remaining_top_s(estimator.work_top_s, now_s)
+            jobs.remaining_top_s(estimator.work_top_s, now_s, self.limit_share.share)
             if s.work_from_time_limit
             else np.full(n, np.nan)
         )

@@ -37,6 +37,7 @@ class Tuning:
                 triage=control.triage,
                 drain_pressure=control.drain_pressure,
                 work_from_time_limit=control.work_from_time_limit,
+                limit_share_quantile=control.limit_share_quantile,
             ),
             estimator=EstimatorSettings(
                 family=control.model_family,

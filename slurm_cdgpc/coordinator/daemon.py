@@ -942,6 +942,7 @@ class Coordinator:
             for j, info in wanted.items()
             if j in current and j not in leave and current[j] != info
         )
+        self.controller.jobs_ended(*self.running.work(j for j in leave if j not in by_id))
         for info in self.running.remove(leave):
             self._added_at.pop(info.job_id, None)
             if info.job_id not in by_id:

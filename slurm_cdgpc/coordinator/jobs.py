@@ -146,6 +146,16 @@ class RunningJobs:
                 raise InputError(f"job {job.job_id}: its GPUs changed; remove and add it")
             self._jobs[i] = job
 
+    def work(self, job_ids: Iterable[str]) -> tuple[FloatArray, FloatArray]:
+        """The work done (seconds at top clocks) and the time limits (NaN: none) of tracked
+        jobs, for `EconomicMPC.jobs_ended`."""
+        rows = [self._row[j] for j in job_ids if j in self._row]
+        limits = [self._jobs[i].time_limit_s for i in rows]
+        return (
+            self.estimator.work_top_s[rows],
+            np.array([math.nan if v is None else v for v in limits], dtype=np.float64),
+        )
+
     def remove(self, job_ids: Iterable[str]) -> list[JobInfo]:
         """Stop tracking jobs (their estimator rows go); returns the ones that were running."""
         gone = {j for j in job_ids if j in self._row}

@@ -224,8 +224,13 @@ class Cdgpc(Policy):
         self.controller = EconomicMPC(grid, tuning.controller)
         self.estimator = JobEstimator(tuning.estimator)
         self.planned_w = np.zeros(0)
+        self.time_limit_s = np.zeros(0)
 
     def decide(self, view: ClusterView) -> Setpoints:
+        ended = ~view.kept
+        if ended.any():  # as the head does when Slurm ends a job
+            self.controller.jobs_ended(self.estimator.work_top_s[ended], self.time_limit_s[ended])
+        self.time_limit_s = view.time_limit_s
         self.estimator.keep(view.kept)
         new = slice(len(view) - view.started, None)
         if view.started:

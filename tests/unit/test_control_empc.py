@@ -308,3 +308,31 @@ def test_the_controller_takes_one_budget_the_one_in_force() -> None:
     with pytest.raises(TypeError):
         ControllerSettings(horizon=4)  # type: ignore[call-arg]
     assert mpc.weights(est, jobs, 0.0).shape == (1, 3)
+
+
+def test_the_limit_share_is_learned_from_ended_jobs_and_a_job_past_it_gets_its_whole_limit() -> (
+    None
+):
+    mpc, est, _ = _setup(2)
+    hour = 3600.0
+    assert mpc.limit_share.share == 1.0
+    # 19 ended jobs are not enough; the 20th is: they used 0.3 to 0.6 of their limits
+    used = np.linspace(0.3, 0.6, 20)
+    mpc.jobs_ended(used[:19] * hour, np.full(19, hour))
+    assert mpc.limit_share.share == 1.0
+    mpc.jobs_ended(used[19:] * hour, np.full(1, hour))
+    mpc.jobs_ended(np.array([5.0]), np.array([np.nan]))  # no limit: not counted
+    assert mpc.limit_share.share == pytest.approx(np.quantile(used, 0.9))
+    share = mpc.limit_share.share
+    jobs = JobState(
+        gpu_type=np.zeros(2, dtype=np.int64),
+        remaining_iterations=np.full(2, np.nan),
+        deadline_s=np.full(2, 100 * hour),
+        time_limit_s=np.full(2, 10 * hour),
+        start_s=np.full(2, -hour),
+    )
+    est.work_top_s[:] = [hour, 7 * hour]  # the second has outlived the learned share
+    w = mpc.weights(est, jobs, now_s=0.0)[0] * est.predict_iteration_s(np.ones(2), np.ones(2))
+    np.testing.assert_allclose(w, [(share * 10 - 1) / 100, (10 - 7) / 100])
+    with pytest.raises(InputError, match="limit share quantile"):
+        ControllerSettings(limit_share_quantile=0.0)
