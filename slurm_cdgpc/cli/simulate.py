@@ -87,7 +87,8 @@ _TABLE = (
     default=str(DEFAULT_TIME_LIMITS),
     show_default=True,
     help="Slurm time limits: uniform:LOW:HIGH × the run time at top clocks, rounded up to "
-    "minutes (a trace's own limits win); a job still running at its limit is killed.",
+    "minutes (a trace's own limits win); a job still running at its limit is killed. none: no "
+    "limits (replays as before the simulator modelled them).",
 )
 @click.option("--limit-jobs", type=click.IntRange(min=1), default=None, help="First N jobs only.")
 @click.option(

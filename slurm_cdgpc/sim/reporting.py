@@ -123,18 +123,22 @@ PRESETS: Final = {"all-reported": ProgressMix(), "realistic": REALISTIC}
 
 @dataclass(frozen=True)
 class TimeLimitModel:
-    """L = U(low, high) × run time at top clocks, rounded up to whole minutes (at least one)."""
+    """L = U(low, high) × run time at top clocks, rounded up to whole minutes (at least one);
+    ``none`` (low = high = ∞): no job has a limit, and none is killed (replays made before the
+    simulator modelled limits)."""
 
     low: float = 1.5
     high: float = 3.0
 
     @classmethod
     def parse(cls, text: str) -> TimeLimitModel:
-        """``uniform:1.5:3``."""
+        """``uniform:1.5:3`` or ``none``."""
+        if text.strip() == "none":
+            return cls(math.inf, math.inf)
         match = _UNIFORM.fullmatch(text.strip())
         if match is None:
             raise InputError(
-                f"time-limit model {text!r}: use uniform:LOW:HIGH (e.g. uniform:1.5:3)"
+                f"time-limit model {text!r}: use uniform:LOW:HIGH (e.g. uniform:1.5:3) or none"
             )
         try:
             low, high = float(match[1]), float(match[2])
@@ -145,10 +149,12 @@ class TimeLimitModel:
         return cls(low, high)
 
     def __str__(self) -> str:
-        return f"uniform:{self.low:g}:{self.high:g}"
+        return "none" if math.isinf(self.low) else f"uniform:{self.low:g}:{self.high:g}"
 
     def draw(self, run_top_s: FloatArray, seed: int) -> FloatArray:
-        """Per job, its time limit in seconds."""
+        """Per job, its time limit in seconds (NaN: none)."""
+        if math.isinf(self.low):
+            return np.full(run_top_s.shape, np.nan)
         factor = np.random.default_rng([seed, 3]).uniform(self.low, self.high, run_top_s.shape)
         minutes = np.maximum(np.ceil(factor * run_top_s / 60.0 - 1e-9), 1.0)
         limit_s: FloatArray = 60.0 * minutes

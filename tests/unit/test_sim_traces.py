@@ -626,3 +626,11 @@ def test_real_alibaba_pods_and_nodes(shared_data: Path) -> None:
     assert 0.25 < float(np.mean(typed.gpu_type != "")) < 0.40
     with pytest.raises(TraceFormatError, match="column 'creation_time'"):
         load_trace(folder / "openb_pod_list_multigpu50.csv")
+
+
+def test_the_none_time_limit_model_gives_no_job_a_limit() -> None:
+    from slurm_cdgpc.sim.reporting import TimeLimitModel
+
+    model = TimeLimitModel.parse("none")
+    assert str(model) == "none" and TimeLimitModel.parse(str(model)) == model
+    assert np.isnan(model.draw(np.array([60.0, 3600.0]), seed=0)).all()
