@@ -20,6 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from slurm_cdgpc.errors import InputError
+from slurm_cdgpc.sim.reporting import TimeLimitModel
 from slurm_cdgpc.sim.traces import (
     FORMATS,
     Trace,
@@ -629,8 +630,6 @@ def test_real_alibaba_pods_and_nodes(shared_data: Path) -> None:
 
 
 def test_the_none_time_limit_model_gives_no_job_a_limit() -> None:
-    from slurm_cdgpc.sim.reporting import TimeLimitModel
-
     model = TimeLimitModel.parse("none")
     assert str(model) == "none" and TimeLimitModel.parse(str(model)) == model
     assert np.isnan(model.draw(np.array([60.0, 3600.0]), seed=0)).all()
