@@ -120,6 +120,9 @@ class ControlConfig:
     limit_share_quantile: float = 0.9
     #: κ: budget held back, in standard errors, when the plan moves to less-known clocks
     exploration_sigmas: float = 1.0
+    #: the guard rail: each controlled GPU's power limit at its planned power times (1 + this),
+    #: so the firmware clips a model's under-prediction within a second (0: off)
+    power_limit_margin: float = 0.0
     #: decide and record, but apply nothing
     shadow: bool = False
 
@@ -476,10 +479,9 @@ _SCHEMA: dict[str, tuple[type[Any], dict[str, _Key]]] = {
             "triage": _Key("triage", _boolean),
             "drain_pressure": _Key("drain_pressure", _non_negative),
             "work_from_time_limit": _Key("work_from_time_limit", _boolean),
-            "limit_share_quantile": _Key(
-                "limit_share_quantile", _in_range(0.0, 1.0, lo_open=True)
-            ),
+            "limit_share_quantile": _Key("limit_share_quantile", _in_range(0.0, 1.0, lo_open=True)),
             "exploration_sigmas": _Key("exploration_sigmas", _non_negative),
+            "power_limit_margin": _Key("power_limit_margin", _non_negative),
             "shadow": _Key("shadow", _boolean),
         },
     ),

@@ -50,6 +50,14 @@ Safety rules (DESIGN.md, "Safety"):
   construction, a state file that lists locks (or cannot be read) was left by a crash and locks
   may remain: every GPU is reset FIRST, then the file is rewritten or removed as
   above (kept as it is if a reset failed, so the next start retries).
+- **Guard rail.** A setpoint may carry a power limit (``power_limit_w``): it is set right after
+  the lock, clipped into the board's range and never above its default limit. A limit the board
+  refuses (NO_PERMISSION, out of range) is logged once per GPU and the lock stands: the clocks are
+  the lever, the limit only a rail under them. A setpoint without one puts the default limit
+  back. The default limit is restored wherever clocks are: on release, on a lapse (``cap`` and
+  ``reset``; the safe cap is a clock, whatever its ``power_w``), by `restore_defaults`, and after
+  a crash: the state file lists every GPU with a lock or a limit, and the limits it records are
+  reset on the next start (only those: a limit it does not record is another limiter's).
 - **Measure, then act.** An exchange reads every GPU before it applies anything, so its answer
   describes the interval that just ended: ``locked`` and ``job_id`` are what was in force during
   it (unless a lapse or an Epilog changed them since the last exchange), ``read_s`` when it was
@@ -86,7 +94,7 @@ from slurm_cdgpc.agent.protocol import (
     check_node_name,
 )
 from slurm_cdgpc.config import LEASE_ACTIONS, SafeCap
-from slurm_cdgpc.errors import CdgpcError, InputError
+from slurm_cdgpc.errors import CdgpcError, InputError, PowerLimitPermissionError
 from slurm_cdgpc.gpu.board import BoardDescription
 from slurm_cdgpc.gpu.device import GpuDevice, GpuReading, GpuSet, LockedClocks
 
@@ -194,6 +202,8 @@ class NodeAgent:
         #: each GPU's board as NVML describes it, read at start and whenever the head asks
         self._boards: dict[int, BoardDescription] = {}
         self._digests: dict[int, str] = {}
+        #: GPUs whose power limit was refused (warned about once; the lock stands)
+        self._limit_warned: set[int] = set()
         self._describe()
         self.recovered_stale_state = self._recover()
         self._lease_expires_s = self._clock() + lease_duration_s  # as the head wrote it
@@ -235,7 +245,7 @@ class NodeAgent:
         except OSError as e:
             text = f"<unreadable: {e.strerror or e}>"
         locks = self._read_state(text)
-        if locks == 0:
+        if locks is not None and not locks:
             logger.info(
                 "leader epoch %d known from %s; no clock locks", self._epoch, self.state_file
             )
@@ -246,7 +256,22 @@ class NodeAgent:
             self.state_file,
             _one_line(text)[:200],
         )
-        failed = self.gpus.reset_all()
+        failed: list[tuple[GpuDevice, CdgpcError]] = self.gpus.reset_all()
+        # only the limits the file records go back to the default: a limit this agent did not
+        # set is another limiter's (an admin's nvidia-smi -pl, a site policy), and raising it
+        # would be the unsafe direction; a limit of ours the crash kept from the file stays
+        # below the default until the next setpoint or release, which is the safe one
+        listed = {e.get("index") for e in locks or () if e.get("power_limit_w") is not None}
+        for dev in self.gpus:
+            if dev.index not in listed:
+                continue
+            try:
+                dev.reset_power_limit()
+            except PowerLimitPermissionError as e:
+                # no right to reset a limit is no right to have set one: none of ours remains
+                logger.info("GPU %d: power limit not reset: %s", dev.index, _one_line(e))
+            except CdgpcError as e:
+                failed.append((dev, e))
         for dev, error in failed:
             logger.error("GPU %s: reset after a crash failed: %s", dev.index, error)
         if failed:
@@ -256,9 +281,9 @@ class NodeAgent:
             logger.info("default clocks restored on %d GPU(s) after a crash", len(self.gpus))
         return True
 
-    def _read_state(self, text: str) -> int | None:
-        """Restore the epoch from a state file's text; the number of locks it lists (None: not
-        a state file this agent understands, so locks may remain)."""
+    def _read_state(self, text: str) -> list[dict[str, Any]] | None:
+        """Restore the epoch from a state file's text; the entries it lists, one per GPU lock
+        or limit (None: not a state file this agent understands, so locks may remain)."""
         try:
             document = json.loads(text)
         except ValueError:
@@ -270,7 +295,7 @@ class NodeAgent:
             self._epoch = epoch
         else:
             logger.warning("state file %s: epoch %r ignored", self.state_file, epoch)
-        return len(document["locks"])
+        return [e if isinstance(e, dict) else {} for e in document["locks"]]
 
     # -- the exchange ---------------------------------------------------------------------------
 
@@ -320,6 +345,7 @@ class NodeAgent:
                 if self._apply(devices[sp.gpu], sp.graphics_mhz, sp.memory_mhz, refused):
                     self._jobs[sp.gpu] = sp.job_id
                     self._lapse_capped.discard(sp.gpu)
+                    self._apply_limit(devices[sp.gpu], sp.power_limit_w)
             self._renew(request, now_s, arrived_s)
             self._sync_state()
             for r in refused:
@@ -448,12 +474,50 @@ class NodeAgent:
         return False
 
     def _reset(self, device: GpuDevice) -> bool:
+        """Default clocks, and the default power limit if one was set (True: the clocks)."""
+        self._reset_limit(device)
         try:
             device.reset_locked_clocks()
             return True
         except CdgpcError as e:
             logger.error("GPU %d: reset to default clocks failed: %s", device.index, e)
             return False
+
+    def _apply_limit(self, device: GpuDevice, limit_w: float | None) -> None:
+        """The guard rail after the lock: ``limit_w`` clipped into [minimum, default] of the
+        board (None: the default limit back). A refusal is warned about once per GPU and
+        changes nothing else: the lock stands."""
+        if limit_w is None:
+            self._reset_limit(device)
+            return
+        try:
+            limits = device.power_limit_range()
+            device.set_power_limit_w(min(max(limit_w, limits.min_w), limits.default_w))
+        except CdgpcError as e:
+            self._limit_refused(device, f"power limit {limit_w:g} W refused", e)
+
+    def _reset_limit(self, device: GpuDevice) -> bool:
+        """The board's default power limit back, if this agent set another (True: done)."""
+        if device.power_limit_set_w is None:
+            return True
+        try:
+            device.reset_power_limit()
+            return True
+        except CdgpcError as e:
+            self._limit_refused(device, "reset to the default power limit failed", e)
+            return False
+
+    def _limit_refused(self, device: GpuDevice, what: str, error: CdgpcError) -> None:
+        if device.index in self._limit_warned:
+            logger.debug("GPU %d: %s: %s", device.index, what, error)
+            return
+        self._limit_warned.add(device.index)
+        logger.warning(
+            "GPU %d: %s: %s; the clock lock stands (logged once for this GPU)",
+            device.index,
+            what,
+            _one_line(error),
+        )
 
     def _device(self, index: int) -> GpuDevice | None:
         for dev in self.gpus:
@@ -569,7 +633,11 @@ class NodeAgent:
 
     def _apply_safe_cap(self) -> tuple[int, ...]:
         wanted: dict[int, LockedClocks] = {}
+        limits_reset = False
         for dev in self.gpus:
+            # the safe cap is a clock: a rail sized for the head's last plan goes with the head
+            if dev.power_limit_set_w is not None:
+                limits_reset = self._reset_limit(dev) or limits_reset
             try:
                 lock = self._safe_cap_lock(dev)
             except CdgpcError as e:
@@ -578,6 +646,8 @@ class NodeAgent:
             if lock is not None:
                 wanted[dev.index] = lock
         if not wanted:
+            if limits_reset:
+                self._sync_state()
             return ()
         if wanted.keys() - self._recorded and not self._write_state(intended=wanted):
             logger.error("cannot record the safe cap in the state file; applying it anyway")
@@ -686,6 +756,12 @@ class NodeAgent:
         """Reset every GPU (trying all even if some fail); remove the state file if all worked."""
         with self._lock:
             failed = self.gpus.reset_all()
+            for dev in self.gpus:
+                if dev.power_limit_set_w is not None:
+                    try:
+                        dev.reset_power_limit()
+                    except CdgpcError as e:
+                        failed.append((dev, e))
             for dev, error in failed:
                 logger.error("GPU %d: restoring default clocks failed: %s", dev.index, error)
             self._jobs.clear()
@@ -722,21 +798,31 @@ class NodeAgent:
     # -- the state file -------------------------------------------------------------------------
 
     def _state(self, extra: dict[int, LockedClocks] | None = None) -> list[dict[str, Any]]:
+        """One entry per lock that may exist (current and ``extra``, intended), with the power
+        limit set on its GPU; a GPU with a limit and no lock gets one with null clocks."""
         locks: list[dict[str, Any]] = []
         for dev in self.gpus:
-            entries = [dev.locked, (extra or {}).get(dev.index)]
+            entry = {
+                "index": dev.index,
+                "uuid": dev.uuid,
+                "graphics_min_mhz": None,
+                "graphics_max_mhz": None,
+                "memory_mhz": None,
+                "job_id": self._jobs.get(dev.index),
+                "power_limit_w": dev.power_limit_set_w,
+            }
+            entries = [lock for lock in (dev.locked, (extra or {}).get(dev.index)) if lock]
             for lock in entries:
-                if lock is not None:
-                    locks.append(
-                        {
-                            "index": dev.index,
-                            "uuid": dev.uuid,
-                            "graphics_min_mhz": lock.graphics_min_mhz,
-                            "graphics_max_mhz": lock.graphics_max_mhz,
-                            "memory_mhz": lock.memory_mhz,
-                            "job_id": self._jobs.get(dev.index),
-                        }
-                    )
+                locks.append(
+                    entry
+                    | {
+                        "graphics_min_mhz": lock.graphics_min_mhz,
+                        "graphics_max_mhz": lock.graphics_max_mhz,
+                        "memory_mhz": lock.memory_mhz,
+                    }
+                )
+            if not entries and dev.power_limit_set_w is not None:
+                locks.append(entry)  # a limit alone still needs its reset
         return locks
 
     def _write_state(self, intended: dict[int, LockedClocks] | None = None) -> bool:
@@ -779,7 +865,9 @@ class NodeAgent:
     def _sync_state(self) -> None:
         """The state file lists exactly what is locked now; it is absent when nothing is and no
         leader epoch needs keeping."""
-        if self._epoch or any(dev.locked is not None for dev in self.gpus):
+        if self._epoch or any(
+            dev.locked is not None or dev.power_limit_set_w is not None for dev in self.gpus
+        ):
             self._write_state()
         else:
             self._remove_state_file()

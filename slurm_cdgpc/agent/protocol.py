@@ -16,6 +16,10 @@ Exchange request (head → agent, ``POST /v1/exchange``)::
 captured on its way to one agent and replayed to another is refused there (`NodeAgent.exchange`)
 instead of setting that node's clocks and renewing its lease.
 
+A setpoint may carry ``power_limit_w``, the guard rail under its clocks (the board's software
+power limit, which the agent clips into the board's range); it is written only when set, so a
+head with the rail off sends exactly what an older agent parses.
+
 ``release`` lists GPUs whose job ended: the agent resets them to default clocks. A GPU may not be
 both set and released in one request. ``epoch`` (optional, absent means 0) is the sending head's
 leader epoch (`slurm_cdgpc.store.leader`): an agent refuses a request whose epoch is lower than
@@ -233,25 +237,48 @@ def dump_json(data: object) -> bytes:
 
 # -- the exchange request ----------------------------------------------------------------------
 
-_SETPOINT_KEYS: Final = frozenset(("gpu", "job_id", "graphics_mhz", "memory_mhz"))
+_SETPOINT_KEYS: Final = frozenset(("gpu", "job_id", "graphics_mhz", "memory_mhz", "power_limit_w"))
+#: the largest power limit a setpoint may carry (no board comes near it)
+MAX_POWER_LIMIT_W: Final = 1e5
+
+
+def _power_limit(value: object, where: str) -> float | None:
+    """None, or a finite power in (0, `MAX_POWER_LIMIT_W`] W, else `ProtocolError`."""
+    if value is None:
+        return None
+    if (
+        isinstance(value, int | float)
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and 0 < value <= MAX_POWER_LIMIT_W
+    ):
+        return float(value)
+    raise ProtocolError(
+        f"{where}: must be a power in W, above 0 and at most {MAX_POWER_LIMIT_W:g}, {_got(value)}"
+    )
 
 
 @dataclass(frozen=True)
 class Setpoint:
-    """Cap GPU ``gpu`` (this node's index) at ``graphics_mhz`` for job ``job_id``."""
+    """Cap GPU ``gpu`` (this node's index) at ``graphics_mhz`` for job ``job_id``; with
+    ``power_limit_w``, hold its power limit there too (the guard rail; None: default limit)."""
 
     gpu: int
     job_id: str
     graphics_mhz: int
     memory_mhz: int | None = None
+    power_limit_w: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        data: dict[str, Any] = {
             "gpu": self.gpu,
             "job_id": self.job_id,
             "graphics_mhz": self.graphics_mhz,
             "memory_mhz": self.memory_mhz,
         }
+        if self.power_limit_w is not None:
+            data["power_limit_w"] = self.power_limit_w
+        return data
 
     @classmethod
     def from_dict(cls, value: object, where: str) -> Setpoint:
@@ -260,27 +287,31 @@ class Setpoint:
         the field-by-field path, which says exactly what is wrong."""
         if type(value) is dict and value.keys() <= _SETPOINT_KEYS:
             gpu, job, graphics = value.get("gpu"), value.get("job_id"), value.get("graphics_mhz")
-            memory = value.get("memory_mhz")
+            memory, limit = value.get("memory_mhz"), value.get("power_limit_w")
             if (
                 type(gpu) is int
                 and 0 <= gpu <= MAX_GPU_INDEX
                 and type(graphics) is int
                 and 1 <= graphics <= MAX_CLOCK_MHZ
                 and (memory is None or (type(memory) is int and 1 <= memory <= MAX_CLOCK_MHZ))
+                and (limit is None or (type(limit) is float and 0.0 < limit <= MAX_POWER_LIMIT_W))
                 and type(job) is str
                 and JOB_ID_RE.fullmatch(job)
             ):
-                return cls(gpu, job, graphics, memory)
+                return cls(gpu, job, graphics, memory, limit)
         return cls._checked(value, where)
 
     @classmethod
     def _checked(cls, value: object, where: str) -> Setpoint:
-        d = _fields(value, where, ("gpu", "job_id", "graphics_mhz"), ("memory_mhz",))
+        d = _fields(
+            value, where, ("gpu", "job_id", "graphics_mhz"), ("memory_mhz", "power_limit_w")
+        )
         return cls(
             gpu=_int(d["gpu"], f"{where}.gpu", 0, MAX_GPU_INDEX),
             job_id=job_id(d["job_id"], f"{where}.job_id"),
             graphics_mhz=_int(d["graphics_mhz"], f"{where}.graphics_mhz", 1, MAX_CLOCK_MHZ),
             memory_mhz=_opt_int(d.get("memory_mhz"), f"{where}.memory_mhz", 1, MAX_CLOCK_MHZ),
+            power_limit_w=_power_limit(d.get("power_limit_w"), f"{where}.power_limit_w"),
         )
 
 

@@ -60,6 +60,60 @@ def controller_cmd(
     )
 
 
+@bench.command("guard-rail")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--jobs", type=click.IntRange(min=1), default=120, show_default=True)
+@click.option("--intervals", type=click.IntRange(min=2), default=60, show_default=True)
+@click.option(
+    "--budget-fraction",
+    type=click.FloatRange(0.0, 1.0, min_open=True),
+    default=0.7,
+    show_default=True,
+    help="Budget as a fraction of the fleet's power at top clocks.",
+)
+@click.option(
+    "--bias",
+    type=click.FloatRange(min=0.0),
+    default=0.10,
+    show_default=True,
+    help="Every job's power jumps by this share at --step-at (its models are that low).",
+)
+@click.option("--step-at", type=click.IntRange(min=1), default=20, show_default=True)
+@click.option(
+    "--margin",
+    "margins",
+    type=click.FloatRange(min=0.0, min_open=True),
+    multiple=True,
+    help="Margins to compare with the rail off (repeatable; default 0.02, 0.05, 0.10).",
+)
+@click.option("--json", "as_json", is_flag=True, help="Accepted for symmetry: output is JSON.")
+def guard_rail_cmd(
+    seed: int,
+    jobs: int,
+    intervals: int,
+    budget_fraction: float,
+    bias: float,
+    step_at: int,
+    margins: tuple[float, ...],
+    as_json: bool,
+) -> None:
+    """The power-limit guard rail in the closed loop: overshoot after a model error, and its
+    steady-state cost in clock and speed, with the rail off and at each margin."""
+    from slurm_cdgpc.bench.guard_rail import bench_guard_rail  # noqa: PLC0415
+
+    echo_json(
+        bench_guard_rail(
+            seed=seed,
+            jobs=jobs,
+            intervals=intervals,
+            budget_fraction=budget_fraction,
+            bias=bias,
+            step_at=step_at,
+            margins=(None, *(margins or (0.02, 0.05, 0.10))),
+        )
+    )
+
+
 @bench.command("progress-hook")
 @click.option("--rounds", type=click.IntRange(min=1), default=5, show_default=True)
 @click.option("--steps", type=click.IntRange(min=1), default=2000, show_default=True)

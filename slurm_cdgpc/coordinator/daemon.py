@@ -81,7 +81,7 @@ from slurm_cdgpc.agent.protocol import (
     ProtocolError,
 )
 from slurm_cdgpc.agent.protocol import Setpoint as AgentSetpoint
-from slurm_cdgpc.config import Config
+from slurm_cdgpc.config import Config, ControlConfig
 from slurm_cdgpc.control.discrete import ClockGrid
 from slurm_cdgpc.control.dual import StepStatus
 from slurm_cdgpc.control.empc import (
@@ -166,6 +166,9 @@ class CoordinatorSettings:
     #: a job's first intervals at its setpoint are its start-up: its model does not learn them
     #: (it stays counted at its power limit meanwhile)
     startup_intervals: int = 1
+    #: the guard rail: each controlled GPU's power limit at its planned power times (1 + this)
+    #: (``control.power_limit_margin``; 0: off, the boards keep their default limits)
+    power_limit_margin: float = ControlConfig.power_limit_margin
     controller: ControllerSettings = field(default_factory=lambda: shipped().controller)
     estimator: EstimatorSettings = field(default_factory=lambda: shipped().estimator)
 
@@ -184,6 +187,7 @@ class CoordinatorSettings:
             # three reconcile periods (`coordinator.main`: at least two control intervals)
             queue_stale_s=3 * max(config.head.reconcile_interval_s, 2 * c.interval_s),
             replan_gap_s=c.interval_s / 6,
+            power_limit_margin=c.power_limit_margin,
             controller=tuning.controller,
             estimator=tuning.estimator,
         )
@@ -1146,8 +1150,13 @@ class Coordinator:
         out: dict[str, list[AgentSetpoint]] = {}
         if decision is not None:
             out = {
-                node: [AgentSetpoint(p.gpu, p.job_id, p.graphics_mhz, p.memory_mhz) for p in points]
-                for node, points in self.running.setpoints(decision).items()
+                node: [
+                    AgentSetpoint(p.gpu, p.job_id, p.graphics_mhz, p.memory_mhz, p.power_limit_w)
+                    for p in points
+                ]
+                for node, points in self.running.setpoints(
+                    decision, self.settings.power_limit_margin
+                ).items()
             }
         held_out = {p.job_id for p in self._refusing.values() if p.job_id not in self.running}
         lowest = self._lowest_points(held_out) if squeeze else {}

@@ -20,6 +20,7 @@ import numpy as np
 
 from slurm_cdgpc.control.discrete import ClockGrid
 from slurm_cdgpc.control.empc import Decision, JobState, Measurements
+from slurm_cdgpc.control.guard_rail import power_limits_w
 from slurm_cdgpc.errors import InputError
 from slurm_cdgpc.gpu.catalog import GpuSpec
 from slurm_cdgpc.gpu.device import ThrottleReason
@@ -89,6 +90,8 @@ class NodeSetpoint:
     job_id: str
     graphics_mhz: int
     memory_mhz: int | None
+    #: the guard rail under the clocks (`slurm_cdgpc.control.guard_rail`; None: off)
+    power_limit_w: float | None = None
 
 
 @dataclass
@@ -258,16 +261,30 @@ class RunningJobs:
             power_capped=capped,
         )
 
-    def setpoints(self, decision: Decision) -> dict[str, list[NodeSetpoint]]:
-        """The decision as per-node setpoints: every GPU of a job gets the job's clocks."""
+    def setpoints(
+        self, decision: Decision, power_limit_margin: float = 0.0
+    ) -> dict[str, list[NodeSetpoint]]:
+        """The decision as per-node setpoints: every GPU of a job gets the job's clocks and,
+        with a margin above 0, the guard rail: its planned power per GPU times (1 + margin)
+        (`slurm_cdgpc.control.guard_rail`), to the milliwatt NVML takes."""
         if decision.graphics_mhz.shape[0] != len(self):
             raise InputError("the decision does not match the running jobs")
+        specs = [self.specs[job.gpu_type] for job in self._jobs]
+        limits = power_limits_w(
+            decision.job_power_w,
+            [len(job.gpus) for job in self._jobs],
+            power_limit_margin,
+            [s.power_limit.min_w for s in specs],
+            [s.power_limit.default_w for s in specs],
+        )
         out: dict[str, list[NodeSetpoint]] = {}
         for i, job in enumerate(self._jobs):
-            spec = self.specs[job.gpu_type]
-            memory = int(decision.memory_mhz[i]) if spec.memory_lockable else None
+            memory = int(decision.memory_mhz[i]) if specs[i].memory_lockable else None
+            limit_w = None if limits is None else round(float(limits[i]), 3)
             for ref in job.gpus:
                 out.setdefault(ref.node, []).append(
-                    NodeSetpoint(ref.index, job.job_id, int(decision.graphics_mhz[i]), memory)
+                    NodeSetpoint(
+                        ref.index, job.job_id, int(decision.graphics_mhz[i]), memory, limit_w
+                    )
                 )
         return out

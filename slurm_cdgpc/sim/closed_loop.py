@@ -8,6 +8,12 @@ iterations and a deadline. `ClosedLoop` runs the real control path against it ea
 
 The controller never sees the plant's parameters, only noisy per-job power, iteration times and
 applied clocks, as a head daemon would receive them from its node agents.
+
+With ``power_limit_margin`` above 0 each job's GPUs also get the head's guard rail
+(`slurm_cdgpc.control.guard_rail`) as their power limit, which the plant holds as the firmware
+does. ``power_scale`` multiplies every job's true power from the next interval on (a workload
+that draws more than its model learned, e.g. 1.1): the plant under limit L with power scaled by
+s is the plant under L / s with its power times s, exactly.
 """
 
 from __future__ import annotations
@@ -29,9 +35,10 @@ from slurm_cdgpc.control.empc import (
     Measurements,
     QueueState,
 )
+from slurm_cdgpc.control.guard_rail import power_limits_w
 from slurm_cdgpc.errors import InputError
 from slurm_cdgpc.gpu.catalog import GpuSpec, catalog_spec
-from slurm_cdgpc.gpu.plant import NoiseModel, Plant, WorkloadArrays, draw_workloads
+from slurm_cdgpc.gpu.plant import NoiseModel, Plant, PlantState, WorkloadArrays, draw_workloads
 from slurm_cdgpc.model.estimator import EstimatorSettings, JobEstimator, JobStatics
 from slurm_cdgpc.model.families import FloatArray
 
@@ -143,8 +150,13 @@ class ClosedLoop:
         estimator_settings: EstimatorSettings | None = None,
         noise: NoiseModel | None = None,
         queued: bool = False,
+        power_limit_margin: float = 0.0,
     ) -> None:
         self.fleet = fleet
+        #: the guard rail's margin (0: off, the boards at their default limits)
+        self.power_limit_margin = power_limit_margin
+        #: every job's true power over what its workload alone draws (1: as calibrated)
+        self.power_scale = 1.0
         self.rng = rng
         self.noise = noise
         #: jobs wait for GPUs (the drain's input): the jobs are packed on 8-GPU nodes, in order
@@ -160,6 +172,8 @@ class ClosedLoop:
         self._measured: Measurements | None = None
         self.t_s = 0.0
         self.last_decision: Decision | None = None
+        #: the plant's truth in the last interval (clocks applied under the limits, power)
+        self.last_truth: PlantState | None = None
 
     @property
     def interval_s(self) -> float:
@@ -192,7 +206,24 @@ class ClosedLoop:
         step_s = time.perf_counter() - t0
         self.last_decision = d
 
-        truth = self._plant.step(d.graphics_mhz, d.memory_mhz)
+        plant = self._plant
+        limits = power_limits_w(
+            d.job_power_w,
+            fleet.gpus,
+            self.power_limit_margin,
+            np.asarray([s.power_limit.min_w for s in fleet.specs])[fleet.gpu_type],
+            plant.default_limit_w,
+        )
+        limit_w = plant.default_limit_w if limits is None else limits
+        truth = plant.step(d.graphics_mhz, d.memory_mhz, limit_w / self.power_scale)
+        if self.power_scale != 1.0:
+            truth = PlantState(
+                truth.applied_mhz,
+                truth.power_w * self.power_scale,
+                truth.iteration_time_s,
+                truth.power_capped,
+            )
+        self.last_truth = truth
         seen = self._plant.observe(truth, self.rng, self.noise)
         power_w = float(np.sum(fleet.gpus * truth.power_w))
         self._measured = Measurements(

@@ -762,3 +762,104 @@ def test_epilog_release_resets_only_that_jobs_gpus(
     assert agent.release_job("7") == ([], [])  # twice: nothing left to do
     assert agent.release_job("999") == ([], [])  # a job this node never ran touches nothing
     assert caps(gpus)[2] == 900
+
+
+# -- the power-limit guard rail ----------------------------------------------------------------
+
+A100_DEFAULT_W = 400.0
+A100_MIN_W = 100.0
+
+
+def test_the_guard_rail_is_set_with_the_lock_and_clipped_into_the_board(
+    agent: NodeAgent, gpus: GpuSet, clock: ManualClock
+) -> None:
+    answer = agent.exchange(
+        request(
+            clock,
+            Setpoint(0, "7", 1200, None, 287.5),
+            Setpoint(1, "7", 1200, None, 5000.0),  # above the board: its default
+            Setpoint(2, "7", 1200, None, 20.0),  # below the board: its minimum
+            Setpoint(3, "8", 1200),
+        )
+    )
+    assert answer.refused == ()
+    limits = [sim(gpus, i).power_limit_set_w for i in range(4)]
+    assert limits == [287.5, A100_DEFAULT_W, A100_MIN_W, None]
+    assert all(sim(gpus, i).locked is not None for i in range(4))
+    assert sim(gpus, 0).read().enforced_limit_w == 287.5  # what the firmware now holds
+    # a setpoint without one puts the default limit back
+    agent.exchange(request(clock, Setpoint(0, "7", 1200)))
+    assert sim(gpus, 0).power_limit_set_w is None
+    assert sim(gpus, 0).read().enforced_limit_w == A100_DEFAULT_W
+
+
+def test_a_refused_limit_is_logged_once_and_the_lock_stands(
+    agent: NodeAgent, gpus: GpuSet, clock: ManualClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    sim(gpus, 0).fail_power_limit_writes = True  # NO_PERMISSION
+    with caplog.at_level(logging.WARNING, logger="slurm_cdgpc.agent.node"):
+        for interval, mhz in enumerate((1200, 1110, 1005), start=1):
+            answer = agent.exchange(
+                request(clock, Setpoint(0, "7", mhz, None, 250.0), interval=interval)
+            )
+            assert answer.refused == ()
+            locked = sim(gpus, 0).locked
+            assert locked is not None and locked.graphics_max_mhz == mhz
+    warnings = [r for r in caplog.records if "power limit" in r.getMessage()]
+    assert len(warnings) == 1 and "lock stands" in warnings[0].getMessage()
+    assert sim(gpus, 0).power_limit_set_w is None
+
+
+def test_release_lapse_and_shutdown_restore_the_default_limit(
+    make_agent: AgentFactory, gpus: GpuSet, clock: ManualClock, state_file: Path
+) -> None:
+    agent = make_agent()
+    agent.exchange(request(clock, *(Setpoint(i, "7", 1200, None, 250.0) for i in range(3))))
+    assert json.loads(state_file.read_text())["locks"][0]["power_limit_w"] == 250.0
+    agent.exchange(request(clock, release=(0,)))  # the job ended on GPU 0
+    assert sim(gpus, 0).power_limit_set_w is None and sim(gpus, 0).locked is None
+    assert sim(gpus, 1).power_limit_set_w == 250.0
+    clock.advance(LEASE_S + 1)
+    assert agent.tick().lapsed  # the safe cap is a clock: the head's rail goes with the head
+    assert [sim(gpus, i).power_limit_set_w for i in range(3)] == [None] * 3
+    agent.exchange(request(clock, Setpoint(1, "7", 1200, None, 250.0)))
+    assert sim(gpus, 1).power_limit_set_w == 250.0
+    assert agent.restore_defaults() == []
+    assert all(sim(gpus, i).power_limit_set_w is None for i in range(4))
+    assert not state_file.exists()
+
+
+def test_reset_on_lapse_restores_the_default_limit(
+    make_agent: AgentFactory, gpus: GpuSet, clock: ManualClock
+) -> None:
+    agent = make_agent(on_lapse="reset")
+    agent.exchange(request(clock, Setpoint(0, "7", 1200, None, 250.0)))
+    clock.advance(LEASE_S + 1)
+    assert agent.tick().changed == (0,)
+    assert sim(gpus, 0).power_limit_set_w is None and sim(gpus, 0).locked is None
+
+
+def test_a_limit_left_by_a_crashed_agent_is_reset_at_the_next_start(
+    make_agent: AgentFactory, gpus: GpuSet, clock: ManualClock, state_file: Path
+) -> None:
+    crashed = make_agent()
+    crashed.exchange(request(clock, Setpoint(2, "7", 1200, None, 250.0)))
+    # its clocks were reset by hand, its limit was not: the file still lists the limit
+    sim(gpus, 2).reset_locked_clocks()
+    crashed._sync_state()
+    [entry] = json.loads(state_file.read_text())["locks"]
+    assert (entry["index"], entry["graphics_max_mhz"], entry["power_limit_w"]) == (2, None, 250.0)
+    del crashed  # killed: nothing restored
+    restarted = make_agent()
+    assert restarted.recovered_stale_state
+    assert sim(gpus, 2).power_limit_set_w is None
+    assert sim(gpus, 2).read().enforced_limit_w == A100_DEFAULT_W
+    assert not state_file.exists()
+
+
+def test_the_epilogs_release_restores_the_default_limit(
+    agent: NodeAgent, gpus: GpuSet, clock: ManualClock
+) -> None:
+    agent.exchange(request(clock, Setpoint(1, "7", 1200, None, 250.0)))
+    assert agent.release_job("7") == ([1], [])
+    assert sim(gpus, 1).power_limit_set_w is None and sim(gpus, 1).locked is None

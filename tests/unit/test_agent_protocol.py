@@ -280,6 +280,7 @@ def test_fuzzed_requests_raise_only_input_errors(data: bytes) -> None:
             job_id=st.from_regex(r"\A[1-9][0-9]{0,5}(_[0-9]{1,3})?\Z"),
             graphics_mhz=st.integers(1, 100_000),
             memory_mhz=st.none() | st.integers(1, 100_000),
+            power_limit_w=st.none() | st.floats(1e-3, 1e5, allow_nan=False),
         ),
         max_size=8,
         unique_by=lambda s: s.gpu,
@@ -356,8 +357,15 @@ def test_a_setpoint_is_parsed_the_same_by_either_path() -> None:
     """`Setpoint.from_dict` takes plainly valid setpoints in one pass: for every field set to
     every kind of odd value (or removed, or joined by an unknown one) it gives what the
     field-by-field path gives, the same value or the same one-line refusal."""
-    valid = {"gpu": 3, "job_id": "124_7", "graphics_mhz": 900, "memory_mhz": 7251}
+    valid = {
+        "gpu": 3,
+        "job_id": "124_7",
+        "graphics_mhz": 900,
+        "memory_mhz": 7251,
+        "power_limit_w": 250.5,
+    }
     cases: list[object] = [valid, {**valid, "unknown": 1}, [], "x", None]
+    cases += [{**valid, "power_limit_w": w} for w in (1e5, 1e5 + 0.5, 5e-324, -0.0, 250)]
     for field in valid:
         cases.append({k: v for k, v in valid.items() if k != field})
         cases += [{**valid, field: value} for value in _ODD_VALUES]
@@ -374,3 +382,19 @@ def test_a_setpoint_is_parsed_the_same_by_either_path() -> None:
         assert outcome(Setpoint.from_dict, case) == expected, case
         taken += isinstance(expected, Setpoint)
     assert taken > len(valid)
+
+
+def test_a_setpoints_power_limit_is_optional_and_checked() -> None:
+    """The guard rail travels only when set (an older agent parses a head with the rail off),
+    and a bad one is refused in one line that names the field."""
+    plain = ExchangeRequest(3, 1e9, (Setpoint(0, "7", 1200),), node="gpu01")
+    assert b"power_limit_w" not in plain.to_json()
+    railed = ExchangeRequest(3, 1e9, (Setpoint(0, "7", 1200, None, 287.5),), node="gpu01")
+    assert ExchangeRequest.from_json(railed.to_json()) == railed
+    for bad in ("0", "-5", "1e6", "true", '"300"', "1e400"):
+        text = railed.to_json().decode().replace("287.5", bad)
+        with pytest.raises(ProtocolError) as caught:
+            ExchangeRequest.from_json(text)
+        message = str(caught.value)
+        assert "\n" not in message
+        assert message.startswith("setpoints[0].power_limit_w") or "not valid JSON" in message

@@ -11,7 +11,7 @@ import pwd
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Final
+from typing import Any, Final
 
 import numpy as np
 import pytest
@@ -20,7 +20,7 @@ from sqlalchemy import Engine
 from slurm_cdgpc.agent.node import NodeAgent
 from slurm_cdgpc.agent.protocol import ExchangeRequest, ExchangeResponse, GpuReport
 from slurm_cdgpc.config import SafeCap
-from slurm_cdgpc.control.empc import ControllerSettings, QueueState
+from slurm_cdgpc.control.empc import ControllerSettings, Decision, QueueState
 from slurm_cdgpc.coordinator.daemon import (
     Coordinator,
     CoordinatorSettings,
@@ -112,6 +112,7 @@ def make_cluster(tmp_path: Path) -> Iterator[MakeCluster]:
         shadow: bool = False,
         gpu_type: str = A100,
         agent_class: type[NodeAgent] = NodeAgent,
+        power_limit_margin: float = CoordinatorSettings.power_limit_margin,
     ) -> Cluster:
         clock = ManualClock(T0_S)
         home = tmp_path / f"cluster{len(engines)}"  # one per cluster, and two in one test
@@ -135,6 +136,7 @@ def make_cluster(tmp_path: Path) -> Iterator[MakeCluster]:
             interval_s=INTERVAL_S,
             lease_s=LEASE_S,
             shadow=shadow,
+            power_limit_margin=power_limit_margin,
             controller=ControllerSettings(interval_s=INTERVAL_S),
         )
         transport = FakeTransport(agents)
@@ -908,3 +910,47 @@ def test_the_comment_total_wins_and_one_node_reports_a_jobs_progress(
     n2.record_progress("41", 40, 1000, uid=0)
     cluster.tick()
     assert _iterations_done(cluster, "41") == 40
+
+
+@pytest.mark.parametrize("margin", [0.0, 0.05])
+def test_setpoints_carry_the_guard_rail_when_its_margin_is_above_zero(
+    make_cluster: MakeCluster, margin: float
+) -> None:
+    """Each GPU of a controlled job gets its share of the job's planned power times
+    (1 + margin) as its power limit; with the margin at 0 no setpoint carries one and the
+    boards keep their default limits."""
+    cluster = make_cluster(power_limit_margin=margin)
+    for index in (0, 1):
+        cluster.gpu("n1", index).attach("bert")
+    cluster.gpu("n2", 0).attach("resnet50")
+    cluster.store.set_budget(900.0, "root")
+    cluster.tick()
+    _register(cluster, "1", "n1", 0, 1)
+    _register(cluster, "2", "n2", 0)
+    decisions: list[Decision] = []
+    step = cluster.head.controller.step
+
+    def recorded(*args: Any, **kwargs: Any) -> Decision:
+        decisions.append(step(*args, **kwargs))
+        return decisions[-1]
+
+    cluster.head.controller.step = recorded  # type: ignore[method-assign]
+    for _ in range(6):
+        cluster.tick()
+    decision = decisions[-1]
+    planned = dict(
+        zip((j.job_id for j in cluster.head.running.jobs), decision.job_power_w, strict=True)
+    )
+    points = [p for r in cluster.last_requests().values() for p in r.setpoints]
+    assert len(points) == 3
+    for node, index, job, gpus in (("n1", 0, "1", 2), ("n1", 1, "1", 2), ("n2", 0, "2", 1)):
+        [point] = [p for p in cluster.last_requests()[node].setpoints if p.gpu == index]
+        gpu = cluster.gpu(node, index)
+        if margin == 0:
+            assert point.power_limit_w is None and gpu.power_limit_set_w is None
+            assert gpu.enforced_limit_w == A100_LIMIT_W
+            continue
+        expected_w = planned[job] / gpus * (1 + margin)
+        assert point.power_limit_w == pytest.approx(expected_w, abs=1e-3)
+        assert gpu.power_limit_set_w == pytest.approx(expected_w, abs=1e-3)
+        assert gpu.enforced_limit_w < A100_LIMIT_W
