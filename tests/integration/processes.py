@@ -1,16 +1,21 @@
-"""What the tests that start daemons share: their environment, their HMAC key, starting them
-with their stderr in a log file, and stopping them (munged, sshd, agents, heads)."""
+"""What the tests that start daemons share: their environment, their HMAC key, free ports,
+waiting for them, starting them with their stderr in a log file, and stopping them (munged,
+sshd, agents, heads)."""
 
 from __future__ import annotations
 
 import os
 import secrets
+import socket
 import subprocess
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import pytest
+
+from slurm_cdgpc.errors import CdgpcError
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -62,3 +67,26 @@ def stop(proc: subprocess.Popen[bytes], timeout_s: float = 5.0) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait(timeout_s)
+
+
+def free_port() -> int:
+    """A TCP port free on loopback now (the daemon under test binds it a moment later)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_for(what: str, check: Callable[[], Any], timeout_s: float, logs: Callable[[], str]) -> Any:
+    """``check()``'s first true result, polled; a failed test with ``logs()`` after ``timeout_s``
+    (a check that raises OSError, ValueError, KeyError or `CdgpcError` counts as not yet)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            result = check()
+        except (OSError, ValueError, KeyError, CdgpcError):
+            result = None
+        if result:
+            return result
+        if time.monotonic() > deadline:
+            pytest.fail(f"{what}: not within {timeout_s:g} s\n{logs()}")
+        time.sleep(0.05)

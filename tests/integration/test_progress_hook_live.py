@@ -8,7 +8,6 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -21,10 +20,16 @@ from typing import Any
 
 import pytest
 
-from slurm_cdgpc.errors import CdgpcError
 from slurm_cdgpc.transport.auth import HmacKey, HmacSigner
 from slurm_cdgpc.transport.http import HeadClient
-from tests.integration.processes import daemon_env, spawn, stop, write_hmac_key
+from tests.integration.processes import (
+    daemon_env,
+    free_port,
+    spawn,
+    stop,
+    wait_for,
+    write_hmac_key,
+)
 
 pytestmark = pytest.mark.live
 
@@ -99,26 +104,6 @@ print("trained", trainer.state.global_step)
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _wait(what: str, check: Callable[[], Any], timeout_s: float, logs: Callable[[], str]) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            result = check()
-        except (OSError, ValueError, KeyError, CdgpcError):
-            result = None
-        if result:
-            return result
-        if time.monotonic() > deadline:
-            pytest.fail(f"{what}: not within {timeout_s:g} s\n{logs()}")
-        time.sleep(0.1)
-
-
 @dataclass
 class Site:
     """A head and one node agent, running; the node's config; a signed client of the head."""
@@ -184,7 +169,7 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Site]:
     tmp = tmp_path_factory.mktemp("hook")
     short = Path(tempfile.mkdtemp(prefix="cdgpc-"))  # Unix socket paths: at most 107 bytes
     secret = write_hmac_key(tmp / "hmac.key")
-    head_port, node_port = _free_port(), _free_port()
+    head_port, node_port = free_port(), free_port()
     common = f"""
 [control]
 interval = "0.5s"
@@ -248,11 +233,11 @@ listen_port = {node_port}
         client = HeadClient(
             f"http://127.0.0.1:{head_port}", HmacSigner(HmacKey(secret), uid=0, gid=0)
         )
-        _wait("cdgpcd answers", lambda: client.get("/v1/health"), 20, logs)
-        _wait("the agent's socket", progress_socket.exists, 20, logs)
+        wait_for("cdgpcd answers", lambda: client.get("/v1/health"), 20, logs)
+        wait_for("the agent's socket", progress_socket.exists, 20, logs)
         client.post("/v1/nodes", {"node": NODE, "url": f"http://127.0.0.1:{node_port}"})
         client.post("/v1/budget", {"budget_w": 5000.0, "reason": "live test"})
-        _wait(
+        wait_for(
             "the node reports",
             lambda: any(n["reachable"] for n in client.get("/v1/nodes")["nodes"]),
             10,
@@ -274,7 +259,7 @@ def test_a_torch_job_reports_progress_with_no_change_to_its_code(site: Site) -> 
     done = _run(TRAIN, env, site.scratch)
     assert (done.returncode, done.stderr) == (0, "")
     assert time.monotonic() - started > 2.0  # long enough for more than one report
-    job = _wait(
+    job = wait_for(
         "job 7's progress", lambda: (j := site.job("7"))["iterations_done"] and j, 10, site.logs
     )
     assert job["iterations_done"] > 0
@@ -308,7 +293,7 @@ def test_a_jobs_own_sitecustomize_still_runs(site: Site, tmp_path: Path) -> None
     done = _run(TRAIN, env, site.scratch)
     assert (done.returncode, done.stderr) == (0, "")
     assert (tmp_path / "later" / "ran").read_text() == "ran\n"
-    _wait("job 8's progress", lambda: site.job("8")["iterations_done"] > 0, 10, site.logs)
+    wait_for("job 8's progress", lambda: site.job("8")["iterations_done"] > 0, 10, site.logs)
 
 
 def test_a_lightning_job_reports_its_total(site: Site) -> None:
@@ -319,7 +304,7 @@ def test_a_lightning_job_reports_its_total(site: Site) -> None:
     done = _run(LIGHTNING, env, site.scratch)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip().endswith("fitted 40")
-    job = _wait(
+    job = wait_for(
         "job 9's total", lambda: (j := site.job("9"))["iterations_done"] == 40 and j, 10, site.logs
     )
     assert job["iterations_total"] == 40
@@ -331,7 +316,7 @@ def test_a_transformers_trainer_job_reports_its_total(site: Site) -> None:
     done = _run(TRANSFORMERS, env, site.scratch)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip().endswith("trained 30")
-    job = _wait(
+    job = wait_for(
         "job 10's total",
         lambda: (j := site.job("10"))["iterations_done"] == 30 and j,
         10,
