@@ -151,8 +151,22 @@ class ClosedLoop:
         noise: NoiseModel | None = None,
         queued: bool = False,
         power_limit_margin: float = 0.0,
+        silent_share: float = 0.0,
     ) -> None:
         self.fleet = fleet
+        #: jobs that say no total: the controller sees only their time limit (twice the work
+        #: they start with, at top clocks), as the head sees a job whose hook reports steps
+        self.silent = (
+            rng.random(len(fleet.gpus)) < silent_share
+            if silent_share > 0
+            else np.zeros(len(fleet.gpus), dtype=bool)
+        )
+        self.time_limit_s = np.full(len(fleet.gpus), np.nan)
+        if self.silent.any():
+            top = np.asarray([s.max_graphics_mhz for s in fleet.specs])[fleet.gpu_type]
+            t_top = fleet.plant().step(top).iteration_time_s
+            limit_s = 2.0 * fleet.remaining_iterations * t_top
+            self.time_limit_s = np.where(self.silent, limit_s, np.nan)
         #: the guard rail's margin (0: off, the boards at their default limits)
         self.power_limit_margin = power_limit_margin
         #: every job's true power over what its workload alone draws (1: as calibrated)
@@ -197,7 +211,13 @@ class ClosedLoop:
     def step(self, budget_w: float) -> IntervalRecord:
         """Decide, run the plant for one interval at the decided clocks, measure."""
         fleet = self.fleet
-        jobs = JobState(fleet.gpu_type, fleet.remaining_iterations, fleet.deadline_s)
+        jobs = JobState(
+            fleet.gpu_type,
+            np.where(self.silent, np.nan, fleet.remaining_iterations),
+            fleet.deadline_s,
+            time_limit_s=self.time_limit_s,
+            start_s=np.zeros(len(fleet.gpus)),
+        )
         queue = self.queue()
         t0 = time.perf_counter()
         d = self.controller.step(
