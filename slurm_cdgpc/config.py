@@ -45,6 +45,8 @@ ENV_PREFIX = "CDGPC_"
 DUAL_MODES = ("newton", "bisection", "gradient")
 MODEL_FAMILIES = ("bent", "cubic", "linear")
 LEASE_ACTIONS = ("cap", "reset", "keep")
+#: what an agent does when another process changes the clocks it locked
+OVERRIDE_ACTIONS = ("reapply", "yield")
 
 
 class ConfigError(InputError):
@@ -183,6 +185,8 @@ class NodeConfig:
     progress_socket: Path = Path("/run/cdgpc/progress.sock")
     #: the TaskProlog puts the automatic progress hook (slurm_cdgpc/hook) on jobs' PYTHONPATH
     progress_hook: bool = True
+    #: another process changed our lock: ``reapply`` ours, or ``yield`` the GPU to it
+    on_override: str = "reapply"
     transport: str = "http"
     listen_address: str = "0.0.0.0"
     listen_port: int = 8464
@@ -516,6 +520,7 @@ _SCHEMA: dict[str, tuple[type[Any], dict[str, _Key]]] = {
             "state_file": _Key("state_file", _absolute_path),
             "progress_socket": _Key("progress_socket", _absolute_path),
             "progress_hook": _Key("progress_hook", _boolean),
+            "on_override": _Key("on_override", _choice(*OVERRIDE_ACTIONS)),
             "transport": _Key("transport", _choice("http", "ssh")),
             "listen_address": _Key("listen_address", _listen_address),
             "listen_port": _Key("listen_port", _integer(1, 65535)),

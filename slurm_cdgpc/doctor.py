@@ -12,9 +12,11 @@ import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Final
 
 from slurm_cdgpc.config import Config
 from slurm_cdgpc.errors import CdgpcError
+from slurm_cdgpc.gpu.device import ThrottleReason
 from slurm_cdgpc.transport.credentials import signer_from_config, verifier_from_config
 from slurm_cdgpc.transport.http import HeadClient
 
@@ -33,12 +35,18 @@ class Check:
         return {"name": self.name, "ok": self.ok, "detail": self.detail, "fix": self.fix}
 
 
-def run_checks(config: Config, *, status_path: Path = Path("/proc/self/status")) -> list[Check]:
+def run_checks(
+    config: Config,
+    *,
+    status_path: Path = Path("/proc/self/status"),
+    proc_root: Path = Path("/proc"),
+) -> list[Check]:
     checks: list[Callable[[], Check]] = [
         lambda: _auth(config),
         lambda: _reachable("head", config.head.url, "start cdgpcd or fix [head] url"),
         lambda: _gpus(config),
         lambda: _clock_privileges(config, status_path),
+        lambda: _limiters(config, proc_root),
         lambda: _agent(config),
         _spool,
     ]
@@ -119,6 +127,68 @@ def _clock_privileges(config: Config, status_path: Path) -> Check:
     if not os.access(ctl, os.R_OK | os.W_OK):
         return Check("clock control", False, f"{ctl} is not accessible", "check DeviceAllow=")
     return Check("clock control", True, "CAP_SYS_ADMIN and /dev/nvidiactl available")
+
+
+#: daemons that set GPU clocks or power limits themselves, by their process name
+OTHER_LIMITERS: Final = {
+    "nvidia-powerd": "NVIDIA Dynamic Power Boost (moves power between CPU and GPU)",
+    "nv-hostengine": "the DCGM host engine (its power policies set limits)",
+    "geopmd": "GEOPM (sets power limits and frequencies)",
+    "eard": "the EAR node daemon (sets GPU clocks)",
+}
+#: throttle reasons only another limiter causes
+_FOREIGN_REASONS: Final = (
+    (ThrottleReason.HW_POWER_BRAKE, "a power brake"),
+    (ThrottleReason.HW_SLOWDOWN, "a hardware slowdown"),
+    (ThrottleReason.SW_THERMAL, "a thermal slowdown"),
+    (ThrottleReason.HW_THERMAL, "a thermal slowdown"),
+)
+
+
+def _limiters(config: Config, proc_root: Path) -> Check:
+    """Whatever else may hold this node's GPUs: daemons known to set clocks or limits, and
+    (NVML) an enforced limit below the default or a brake or slowdown in force now."""
+    found = []
+    for comm in sorted(proc_root.glob("[0-9]*/comm")):
+        try:
+            name = comm.read_text().strip()
+        except OSError:
+            continue  # the process is gone
+        if name in OTHER_LIMITERS:
+            found.append(f"{name} runs: {OTHER_LIMITERS[name]}")
+    if config.node.backend == "nvml":
+        found += _nvml_limiters()
+    if not found:
+        return Check("other limiters", True, "none found (no daemon of the known ones, no cap)")
+    return Check(
+        "other limiters",
+        False,
+        "; ".join(dict.fromkeys(found)),
+        'leave GPU clocks to cdgpc-noded there, or set node.on_override = "yield"',
+    )
+
+
+def _nvml_limiters() -> list[str]:
+    from slurm_cdgpc.gpu.nvml import nvml_is_available, open_nvml_gpus  # noqa: PLC0415
+
+    if not nvml_is_available():
+        return []
+    found = []
+    try:
+        with open_nvml_gpus() as gpus:
+            for dev in gpus:
+                reading, default_w = dev.read(), dev.power_limit_range().default_w
+                if reading.enforced_limit_w < default_w - 1.0:
+                    found.append(
+                        f"GPU {dev.index}: enforced power limit {reading.enforced_limit_w:.0f} W, "
+                        f"below its default {default_w:.0f} W (a BMC, nvidia-smi -pl, a policy)"
+                    )
+                for reason, text in _FOREIGN_REASONS:
+                    if reason in reading.throttle:
+                        found.append(f"GPU {dev.index}: held by {text}")
+    except CdgpcError as e:
+        found.append(f"NVML could not be read: {e}")
+    return found
 
 
 def _spool() -> Check:

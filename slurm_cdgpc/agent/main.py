@@ -148,6 +148,7 @@ def run(config: Config, *, node_name: str | None = None) -> int:
             lease_duration_s=config.lease.duration_s,
             max_lease_s=2 * config.lease.duration_s,
             on_lapse=config.lease.on_lapse,
+            on_override=config.node.on_override,
         )
         failed = _serve(config, agent, stop)
         return 1 if failed else 0

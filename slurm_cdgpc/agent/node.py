@@ -58,6 +58,11 @@ Safety rules (DESIGN.md, "Safety"):
   ``reset``; the safe cap is a clock, whatever its ``power_w``), by `restore_defaults`, and after
   a crash: the state file lists every GPU with a lock or a limit, and the limits it records are
   reset on the next start (only those: a limit it does not record is another limiter's).
+- **Another process's clocks.** NVML cannot read a lock back: a busy GPU running above our cap
+  (or at another memory clock) two exchanges in a row (`lock_overridden`) was changed by another
+  process. It is logged once, then our lock is set again (``node.on_override = "reapply"``) or
+  the GPU is left to that process (``"yield"``: its setpoints are refused, so the head counts it
+  at what it draws, and its release leaves its clocks alone).
 - **Measure, then act.** An exchange reads every GPU before it applies anything, so its answer
   describes the interval that just ended: ``locked`` and ``job_id`` are what was in force during
   it (unless a lapse or an Epilog changed them since the last exchange), ``read_s`` when it was
@@ -78,6 +83,7 @@ import os
 import socket
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -93,10 +99,10 @@ from slurm_cdgpc.agent.protocol import (
     Refusal,
     check_node_name,
 )
-from slurm_cdgpc.config import LEASE_ACTIONS, SafeCap
+from slurm_cdgpc.config import LEASE_ACTIONS, OVERRIDE_ACTIONS, SafeCap
 from slurm_cdgpc.errors import CdgpcError, InputError, PowerLimitPermissionError
 from slurm_cdgpc.gpu.board import BoardDescription
-from slurm_cdgpc.gpu.device import GpuDevice, GpuReading, GpuSet, LockedClocks
+from slurm_cdgpc.gpu.device import GpuDevice, GpuReading, GpuSet, LockedClocks, lock_overridden
 
 logger = logging.getLogger(__name__)
 
@@ -126,6 +132,11 @@ class LeaseState:
     left_s: float  # until the lease lapses (negative: lapsed that long ago)
     lapses: int  # since the agent started
     safe_capped: int  # GPUs a lapse moved to the safe cap that still hold it
+
+
+#: exchanges in a row whose reads show another lock before the agent calls it an override
+OVERRIDE_READS: Final = 2
+_YIELDED: Final = "another process holds its clocks (node.on_override = yield)"
 
 
 def _one_line(text: object) -> str:
@@ -172,11 +183,22 @@ class NodeAgent:
         lease_duration_s: float = 90.0,
         max_lease_s: float | None = None,
         on_lapse: str = "cap",
+        on_override: str = "reapply",
     ) -> None:
         if on_lapse not in LEASE_ACTIONS:
             raise InputError(
                 f"on_lapse must be one of {', '.join(LEASE_ACTIONS)}, got {on_lapse!r}"
             )
+        if on_override not in OVERRIDE_ACTIONS:
+            raise InputError(
+                f"on_override must be one of {', '.join(OVERRIDE_ACTIONS)}, got {on_override!r}"
+            )
+        self.on_override = on_override
+        #: per GPU we hold a lock on: its last readings, to tell when another process changed it
+        self._recent: dict[int, deque[GpuReading]] = {}
+        #: GPUs another process took the clocks of: logged (once an episode); left to it (yield)
+        self._overridden: set[int] = set()
+        self._yielded: set[int] = set()
         if not lease_duration_s > 0:
             raise InputError(f"lease duration must be positive, got {lease_duration_s}")
         self.gpus = gpus
@@ -314,6 +336,7 @@ class NodeAgent:
             if request.describe:
                 self._describe()
             reports = tuple(self._report(dev) for dev in self.gpus)
+            self._check_overrides()
             refused: list[Refusal] = []
             if request.lease_expires_s <= now_s:
                 return self._expired_on_arrival(request, now_s, reports)
@@ -325,6 +348,9 @@ class NodeAgent:
                 device = self._device(sp.gpu)
                 if device is None:
                     refused.append(Refusal(sp.gpu, f"no GPU with index {sp.gpu} on this node"))
+                    continue
+                if sp.gpu in self._yielded:
+                    refused.append(Refusal(sp.gpu, _YIELDED))
                     continue
                 try:
                     table = device.supported_clocks()
@@ -439,10 +465,46 @@ class NodeAgent:
                     if dev is not None and self._reset(dev):
                         self._lapse_capped.discard(gpu)
 
+    def _check_overrides(self) -> None:
+        """After the exchange's reads: a GPU whose clocks another process changed (two reads
+        in a row, `lock_overridden`) is logged once, then locked again (``reapply``) or left to
+        that process (``yield``: its setpoints are refused until its job's GPUs are released)."""
+        for dev in self.gpus:
+            locked, recent = dev.locked, self._recent.get(dev.index, ())
+            if locked is None or dev.index in self._yielded:
+                continue
+            if not lock_overridden(list(recent), locked, consecutive=OVERRIDE_READS):
+                self._overridden.discard(dev.index)
+                continue
+            if dev.index not in self._overridden:
+                self._overridden.add(dev.index)
+                logger.warning(
+                    "GPU %d: its clocks are not the %d MHz cap we locked (another process "
+                    "changed them); %s",
+                    dev.index,
+                    locked.graphics_max_mhz,
+                    "locking ours again" if self.on_override == "reapply" else "leaving it to it",
+                )
+            self._recent.pop(dev.index, None)
+            if self.on_override == "yield":
+                self._yielded.add(dev.index)
+                continue
+            try:  # a lock is idempotent: undo it, then set ours again
+                dev.reset_locked_clocks()
+                dev.set_locked_clocks(locked.graphics_max_mhz, locked.memory_mhz)
+            except CdgpcError as e:
+                logger.error("GPU %d: locking our clocks again failed: %s", dev.index, e)
+
     def _release(self, gpu: int, refused: list[Refusal]) -> None:
         device = self._device(gpu)
         if device is None:
             refused.append(Refusal(gpu, f"no GPU with index {gpu} on this node"))
+            return
+        if gpu in self._yielded:  # its clocks are another process's: leave them be
+            self._yielded.discard(gpu)
+            self._overridden.discard(gpu)
+            job = self._jobs.pop(gpu, None)
+            logger.info("GPU %d: released (job %s ended); its clocks left as they are", gpu, job)
             return
         if self._reset(device):
             job = self._jobs.pop(gpu, None)
@@ -554,6 +616,10 @@ class NodeAgent:
                 error=_one_line(f"read failed: {e}"),
                 board=digest,
             )
+        if locked is not None:
+            self._recent.setdefault(device.index, deque(maxlen=OVERRIDE_READS)).append(reading)
+        else:
+            self._recent.pop(device.index, None)
         stamp_s = reading.timestamp_s
         read_s = stamp_s if math.isfinite(stamp_s) and stamp_s >= 0 else None
         power_w, energy_j, error = self._plausible(device, reading)

@@ -147,6 +147,8 @@ def status(config_path: Path | None, as_json: bool) -> None:
         f"{last.get('nodes_reachable', 0)} node(s) reachable, "
         f"{last.get('nodes_unreachable', 0)} unreachable"
     )
+    for line in last.get("limited", []):
+        click.echo(f"held by another limiter: {line}")
 
 
 @click.command()

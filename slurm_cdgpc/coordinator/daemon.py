@@ -97,6 +97,7 @@ from slurm_cdgpc.coordinator.metrics import HeadMetrics
 from slurm_cdgpc.errors import CdgpcError, InputError
 from slurm_cdgpc.gpu.board import spec_from_board
 from slurm_cdgpc.gpu.catalog import CATALOG, GpuSpec, catalog_spec
+from slurm_cdgpc.gpu.device import ThrottleReason
 from slurm_cdgpc.model.estimator import EstimatorSettings, JobEstimator
 from slurm_cdgpc.store import (
     ACTIVE_STATES,
@@ -233,6 +234,9 @@ class IntervalReport:
     nodes_unreachable: int
     setpoints_sent: int
     jobs: tuple[JobView, ...] = ()
+    #: GPUs another limiter holds (a lower enforced limit, a brake, a slowdown, clocks another
+    #: process took), one line each: ``node:index: why``
+    limited: tuple[str, ...] = ()
 
     def to_dict(self) -> dict[str, object]:
         return {
@@ -251,6 +255,7 @@ class IntervalReport:
             "nodes_unreachable": self.nodes_unreachable,
             "setpoints_sent": self.setpoints_sent,
             "jobs_controlled": sum(1 for j in self.jobs if j.controlled),
+            "limited": list(self.limited),
         }
 
 
@@ -260,6 +265,13 @@ def _catalog_max_w() -> float:
 
 
 _MIG: Final = "MIG mode is on: its clocks cannot be locked (counted at what it draws)"
+#: throttle reasons that only another limiter (the board, the BMC, the rack) causes
+_LIMITER_REASONS: Final = (
+    (ThrottleReason.HW_POWER_BRAKE, "power brake (an external power-brake signal)"),
+    (ThrottleReason.HW_SLOWDOWN, "hardware slowdown (thermal or power)"),
+    (ThrottleReason.HW_THERMAL, "hardware thermal slowdown"),
+    (ThrottleReason.SW_THERMAL, "software thermal slowdown"),
+)
 
 
 def _finite_or_none(x: float | None) -> float | None:
@@ -292,6 +304,8 @@ class _NodeState:
     why: dict[int, str] = field(default_factory=dict)
     #: ask the agent for its boards at the next exchange (a GPU reported one not known here)
     describe: bool = False
+    #: GPUs whose setpoint the agent refused because another process holds their clocks
+    foreign: frozenset[int] = frozenset()
 
 
 def _interval_power(
@@ -1241,6 +1255,9 @@ class Coordinator:
             node.reports_at = k
             node.sent = sent
             node.refused = frozenset(r.gpu for r in result.refused)
+            node.foreign = frozenset(
+                r.gpu for r in result.refused if "another process holds its clocks" in r.reason
+            )
             self._track_refusals(name, sent, result)
             for refusal in result.refused:
                 job = next((p.job_id for p in sent.setpoints if p.gpu == refusal.gpu), "-")
@@ -1445,7 +1462,40 @@ class Coordinator:
             nodes_unreachable=sum(1 for n in self._nodes.values() if n.reachable is False),
             setpoints_sent=sum(len(v) for v in setpoints.values()),
             jobs=views,
+            limited=self._other_limiters(),
         )
+
+    def _other_limiters(self) -> tuple[str, ...]:
+        """The GPUs held by something else than this head, from the last reports: an enforced
+        power limit below the board's default that this head did not ask for, a power brake or
+        a slowdown, or a refusal because another process holds the clocks."""
+        out: list[str] = []
+        margin = self.settings.power_limit_margin
+        for name, node in sorted(self._nodes.items()):
+            for r in node.reports:
+                why: list[str] = []
+                t = node.gpu_types.get(r.index)
+                spec = self.specs.get(t) if t is not None else None
+                enforced = r.enforced_limit_w
+                if (
+                    spec is not None
+                    and enforced is not None
+                    and enforced < spec.power_limit.default_w - 1.0
+                    and not (margin > 0 and r.job_id is not None)  # our rail's, when it is on
+                ):
+                    why.append(
+                        f"enforced power limit {enforced:.0f} W, below its default "
+                        f"{spec.power_limit.default_w:.0f} W"
+                    )
+                throttle = ThrottleReason(r.throttle or 0)
+                for reason, text in _LIMITER_REASONS:
+                    if reason in throttle:
+                        why.append(text)
+                if r.index in node.foreign:
+                    why.append("another process holds its clocks")
+                if why:
+                    out.append(f"{name}:{r.index}: {', '.join(why)}")
+        return tuple(out)
 
     def _persist_nodes(
         self, responses: Mapping[str, ExchangeResponse | NodeFailure], now_s: float

@@ -863,3 +863,43 @@ def test_the_epilogs_release_restores_the_default_limit(
     agent.exchange(request(clock, Setpoint(1, "7", 1200, None, 250.0)))
     assert agent.release_job("7") == ([1], [])
     assert sim(gpus, 1).power_limit_set_w is None and sim(gpus, 1).locked is None
+
+
+# -- another process's clocks --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("action", ["reapply", "yield"])
+def test_clocks_changed_behind_our_back_are_locked_again_or_left_to_the_other_process(
+    make_agent: AgentFactory,
+    gpus: GpuSet,
+    clock: ManualClock,
+    action: str,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    agent = make_agent(on_override=action)
+    gpu = sim(gpus, 1)
+    gpu.attach("resnet50")  # busy: an idle GPU's clock says nothing of the lock
+    point = Setpoint(gpu=1, job_id="5", graphics_mhz=1005)
+    agent.exchange(request(clock, point))
+    clock.advance(30)
+    agent.exchange(request(clock, point))
+    assert report(agent.exchange(request(clock, point)), 1).sm_clock_mhz <= 1005
+    gpu.override_lock(1410)  # nvidia-smi -lgc by someone else; NVML still shows ours
+    with caplog.at_level("WARNING", logger="slurm_cdgpc.agent.node"):
+        for _ in range(3):
+            clock.advance(30)
+            response = agent.exchange(request(clock, point))
+    overrides = [r for r in caplog.records if "another process changed them" in r.getMessage()]
+    assert len(overrides) == 1  # once, not every exchange
+    clock.advance(30)
+    after = agent.exchange(request(clock, point))
+    if action == "reapply":
+        assert report(after, 1).sm_clock_mhz <= 1005 and after.refused == ()
+    else:
+        assert report(after, 1).sm_clock_mhz > 1005  # theirs stands
+        assert [r.gpu for r in response.refused] == [1] and "another process" in response.refused[
+            0
+        ].reason
+        ended = agent.exchange(request(clock, release=(1,)))
+        assert ended.refused == () and report(ended, 1).sm_clock_mhz > 1005  # left as it is
+        assert report(agent.exchange(request(clock, point)), 1).locked is not None  # ours again

@@ -954,3 +954,17 @@ def test_setpoints_carry_the_guard_rail_when_its_margin_is_above_zero(
         assert point.power_limit_w == pytest.approx(expected_w, abs=1e-3)
         assert gpu.power_limit_set_w == pytest.approx(expected_w, abs=1e-3)
         assert gpu.enforced_limit_w < A100_LIMIT_W
+
+
+def test_status_names_the_gpus_another_limiter_holds(make_cluster: MakeCluster) -> None:
+    cluster = make_cluster()
+    cluster.tick()
+    assert cluster.tick().limited == ()
+    cluster.gpu("n1", 1).set_external_power_cap_w(150.0)  # a BMC cap, an admin's nvidia-smi -pl
+    cluster.gpu("n2", 0).power_brake = True
+    report = cluster.tick()
+    assert report.limited == (
+        "n1:1: enforced power limit 150 W, below its default 400 W",
+        "n2:0: power brake (an external power-brake signal)",
+    )
+    assert report.to_dict()["limited"] == list(report.limited)

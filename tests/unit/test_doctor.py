@@ -100,3 +100,22 @@ def test_doctor_exits_non_zero_and_prints_json(tmp_path: Path, health_url: str) 
     report = json.loads(result.output)
     assert report["ok"] is False
     assert {c["name"] for c in report["checks"] if not c["ok"]} == {"agent"}
+
+
+def test_doctor_names_the_other_limiters_it_finds(tmp_path: Path, health_url: str) -> None:
+    proc = tmp_path / "proc"
+    for pid, name in ((1, "systemd"), (812, "nvidia-powerd"), (813, "nv-hostengine")):
+        (proc / str(pid)).mkdir(parents=True)
+        (proc / str(pid) / "comm").write_text(name + "\n")
+    (proc / "self").mkdir()  # not a process number: not read
+    checks = {c.name: c for c in run_checks(_config(tmp_path, health_url), proc_root=proc)}
+    found = checks["other limiters"]
+    assert not found.ok and "on_override" in found.fix
+    assert found.detail == (
+        "nvidia-powerd runs: NVIDIA Dynamic Power Boost (moves power between CPU and GPU); "
+        "nv-hostengine runs: the DCGM host engine (its power policies set limits)"
+    )
+    (proc / "812" / "comm").unlink()
+    (proc / "813" / "comm").unlink()
+    checks = {c.name: c for c in run_checks(_config(tmp_path, health_url), proc_root=proc)}
+    assert checks["other limiters"].ok
