@@ -52,6 +52,7 @@ import numpy.typing as npt
 from slurm_cdgpc.config import ControlConfig
 from slurm_cdgpc.control.discrete import ClockGrid
 from slurm_cdgpc.control.empc import EconomicMPC, JobState, Measurements, QueueState
+from slurm_cdgpc.control.guard_rail import power_limits_w
 from slurm_cdgpc.control.tuning import Tuning, paper, shipped
 from slurm_cdgpc.errors import InputError
 from slurm_cdgpc.gpu.catalog import GpuSpec
@@ -212,9 +213,17 @@ class StaticGpuFreq(Policy):
 class Cdgpc(Policy):
     """The head's controller on the simulator's view: only turns the view into its inputs."""
 
-    def __init__(self, name: str = "cdgpc", tuning: Callable[[float], Tuning] = shipped) -> None:
+    def __init__(
+        self,
+        name: str = "cdgpc",
+        tuning: Callable[[float], Tuning] = shipped,
+        power_limit_margin: float = ControlConfig().power_limit_margin,
+    ) -> None:
         self.name = name
         self.tuning = tuning
+        #: the guard rail (`control.power_limit_margin`): per-GPU limits under the plan, as
+        #: the head sends them (0: off)
+        self.power_limit_margin = power_limit_margin
 
     def start(self, fleet: FleetSpec, budget_w: float, interval_s: float) -> None:
         self.specs = fleet.specs
@@ -260,9 +269,17 @@ class Cdgpc(Policy):
             self.estimator, jobs, view.now_s, view.budget_w, view.idle_power_w, measured, queue
         )
         self.planned_w = d.planned_power_w
+        limits = power_limits_w(
+            d.job_power_w,
+            view.job_gpus,
+            self.power_limit_margin,
+            np.array([s.power_limit.min_w for s in self.specs])[view.job_type],
+            np.array([s.power_limit.default_w for s in self.specs])[view.job_type],
+        )
         return Setpoints(
             graphics_mhz=d.graphics_mhz.astype(np.float64),
             memory_mhz=d.memory_mhz.astype(np.float64),
+            limit_w=limits,
         )
 
 
@@ -398,6 +415,8 @@ def make_policy(name: str, control: ControlConfig | None = None) -> Policy:
         raise InputError(f"unknown policy {name!r} (known: {', '.join(POLICIES)})") from None
     if name == "cdgpc" and control is not None:
         return Cdgpc(
-            "cdgpc", lambda interval_s: Tuning.from_config(control).with_interval(interval_s)
+            "cdgpc",
+            lambda interval_s: Tuning.from_config(control).with_interval(interval_s),
+            control.power_limit_margin,
         )
     return factory()

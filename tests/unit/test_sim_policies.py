@@ -9,7 +9,8 @@ from types import FunctionType, ModuleType
 import numpy as np
 import pytest
 
-from slurm_cdgpc.control.empc import JobState
+from slurm_cdgpc.config import ControlConfig
+from slurm_cdgpc.control.empc import Decision, JobState
 from slurm_cdgpc.gpu.plant import Plant, WorkloadArrays
 from slurm_cdgpc.sim.cluster import ClusterView, PlantPolicy, Policy, Setpoints, Simulator
 from slurm_cdgpc.sim.fleet import parse_fleet
@@ -232,3 +233,28 @@ def test_cdgpc_passes_the_time_limit_and_start_into_the_controllers_job_state() 
     pressure = policy.controller.weights(est, jobs, now_s=hour)[0] * t_top
     # at most start + 4 h − now = 3 h of work left over 99 h of slack; no limit: pressure 1
     np.testing.assert_allclose(pressure, [3 / 99, 1.0])
+
+
+def test_cdgpc_sends_the_guard_rails_limits_as_the_head_does() -> None:
+    fleet = parse_fleet("2x8:A100-SXM4-80GB")
+    off, on = Cdgpc(), make_policy("cdgpc", ControlConfig(power_limit_margin=0.05))
+    assert isinstance(on, Cdgpc)
+    for policy in (off, on):
+        policy.start(fleet, 2000.0, 60.0)
+    assert off.decide(_view()).limit_w is None  # shipped: no rail
+    decisions: list[Decision] = []
+    step = on.controller.step
+
+    def spy(*args: object, **kwargs: object) -> Decision:
+        decisions.append(step(*args, **kwargs))  # type: ignore[arg-type]
+        return decisions[-1]
+
+    on.controller.step = spy  # type: ignore[method-assign,assignment]
+    view = _view()
+    sp = on.decide(view)
+    [d] = decisions
+    spec = fleet.specs[0]
+    per_gpu = d.job_power_w / view.job_gpus * 1.05  # planned power per GPU, plus the margin
+    expected = np.clip(per_gpu, spec.power_limit.min_w, spec.power_limit.default_w)
+    assert sp.limit_w is not None
+    np.testing.assert_allclose(sp.limit_w, expected)
