@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Final
 
 import numpy as np
 
@@ -26,6 +27,16 @@ from slurm_cdgpc.gpu.catalog import GpuSpec
 from slurm_cdgpc.gpu.device import ThrottleReason
 from slurm_cdgpc.model.estimator import JobEstimator, JobStatics
 from slurm_cdgpc.model.families import FloatArray
+
+#: what holds a GPU below the clock it was locked at: its power limit (ours, the board's, a
+#: BMC's), a power brake, a hardware or thermal slowdown
+HELD_BELOW_LOCK: Final = (
+    ThrottleReason.SW_POWER_CAP
+    | ThrottleReason.HW_POWER_BRAKE
+    | ThrottleReason.HW_SLOWDOWN
+    | ThrottleReason.HW_THERMAL
+    | ThrottleReason.SW_THERMAL
+)
 
 
 @dataclass(frozen=True, order=True)
@@ -232,7 +243,9 @@ class RunningJobs:
 
         Power is the mean over the job's GPUs that reported (NaN if none did); the applied clock
         is the slowest GPU's (it paces the job); iteration time comes from the last two progress
-        reports (NaN without them); power-capped if any GPU reported SW_POWER_CAP.
+        reports (NaN without them); power-capped if any GPU was held below its lock by a
+        limiter (`HELD_BELOW_LOCK`): the plan then does not go above the clock it ran at, and
+        the job counts at what it draws.
         """
         by_ref = {s.ref: s for s in samples}
         n = len(self)
@@ -248,7 +261,7 @@ class RunningJobs:
                 power[i] = sum(s.power_w for s in good) / len(good)
                 clock[i] = min(s.sm_clock_mhz for s in good)
                 memory[i] = min(s.memory_clock_mhz for s in good)
-                capped[i] = any(s.throttle & ThrottleReason.SW_POWER_CAP for s in good)
+                capped[i] = any(s.throttle & HELD_BELOW_LOCK for s in good)
             latest, before = self._progress.get(job.job_id, (None, None))
             if latest is not None and before is not None:
                 iteration[i] = (latest.time_s - before.time_s) / (latest.step - before.step)

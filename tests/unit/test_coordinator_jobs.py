@@ -93,3 +93,22 @@ def test_a_decision_becomes_per_node_setpoints_with_one_clock_per_job() -> None:
     assert per_node["n1"][0].graphics_mhz == n2[0].graphics_mhz == 1410
     assert n2[0].memory_mhz is None  # HBM: no memory lock
     assert n2[1].job_id == "2" and n2[1].memory_mhz == 7251 and n2[1].graphics_mhz == 1740
+
+
+@pytest.mark.parametrize(
+    ("reason", "held"),
+    [
+        (ThrottleReason.HW_POWER_BRAKE, True),  # a rack's power brake
+        (ThrottleReason.HW_SLOWDOWN, True),
+        (ThrottleReason.SW_THERMAL, True),
+        (ThrottleReason.GPU_IDLE, False),  # idle is not a limiter
+        (ThrottleReason.NONE, False),
+    ],
+)
+def test_any_limiter_below_the_lock_counts_the_job_at_the_clock_it_ran(
+    reason: ThrottleReason, held: bool
+) -> None:
+    table = _table()
+    table.add([_job("7", ("n1", 0))])
+    m = table.measurements([GpuSample(GpuRef("n1", 0), 150.0, 705, 1593, int(reason))])
+    assert m.power_capped is not None and m.power_capped.tolist() == [held]
