@@ -36,7 +36,7 @@ import pytest
 
 from slurm_cdgpc.errors import CdgpcError
 from slurm_cdgpc.gpu.catalog import catalog_spec
-from slurm_cdgpc.gpu.simulated import SimulatedGpu
+from slurm_cdgpc.gpu.simulated import ManualClock, SimulatedGpu
 from slurm_cdgpc.slurm.spool import Spool
 from slurm_cdgpc.store import Store, make_engine
 from slurm_cdgpc.transport.auth import HmacKey, HmacSigner
@@ -147,7 +147,8 @@ class _Plant:
     """Power of one A100 running the test's workload (or idling) under a clock cap, no noise."""
 
     def __init__(self) -> None:
-        self._gpu = SimulatedGpu(catalog_spec(GPU_TYPE))
+        self._clock = ManualClock()
+        self._gpu = SimulatedGpu(catalog_spec(GPU_TYPE), time_source=self._clock)
         self._gpu.attach(WORKLOAD)
         self._busy: dict[int | None, float] = {}
         self.idle_w = self._gpu.spec.idle_power_w
@@ -158,6 +159,9 @@ class _Plant:
                 self._gpu.reset_locked_clocks()
             else:
                 self._gpu.set_locked_clocks(cap_mhz)
+            # the steady draw: past the moment after a change, when the firmware's 1 s average
+            # lets the power run above the limit
+            self._clock.advance(5.0)
             self._busy[cap_mhz] = self._gpu.true_power_w
         return self._busy[cap_mhz]
 
