@@ -321,13 +321,11 @@ def test_boards_the_catalog_lacks_and_a_node_of_two_kinds_are_controlled(tmp_pat
                 for g in n["gpus"]
             }
 
-        _wait(
-            "every GPU controlled",
-            lambda: all(g["controlled"] for g in gpus().values()) and len(gpus()) == 4,
-            10,
-            site.logs,
-        )
-        seen = gpus()
+        def all_controlled() -> dict[tuple[str, int], dict[str, Any]] | None:
+            now = gpus()  # one look: no GPU reported yet is not every GPU controlled
+            return now if len(now) == 4 and all(g["controlled"] for g in now.values()) else None
+
+        seen = _wait("every GPU controlled", all_controlled, 10, site.logs)
         assert (
             seen[("node1", 0)]["type"] == "A100-SXM4-80GB" and not seen[("node1", 0)]["estimated"]
         )
@@ -343,7 +341,13 @@ def test_boards_the_catalog_lacks_and_a_node_of_two_kinds_are_controlled(tmp_pat
             10,
             site.logs,
         )
-        jobs = {j["job_id"]: j for j in client.get("/v1/jobs")["jobs"]}
+
+        def jobs_controlled() -> dict[str, dict[str, Any]] | None:
+            # the locks are on before the interval that sent them reports its jobs controlled
+            now = {j["job_id"]: j for j in client.get("/v1/jobs")["jobs"]}
+            return now if all(now[i]["controlled"] for i in ("71", "72", "73")) else None
+
+        jobs = _wait("every job controlled", jobs_controlled, 10, site.logs)
         for job_id in ("72", "73"):
             mem, mhz = jobs[job_id]["memory_mhz"], jobs[job_id]["graphics_mhz"]
             assert mem in board.clocks.memory_mhz and mhz in board.clocks.graphics_for(mem), jobs
