@@ -21,7 +21,6 @@ from typing import Any
 import numpy as np
 
 from slurm_cdgpc.control.dual import MODES, DualProblem, solve_price
-from slurm_cdgpc.control.empc import JobState
 from slurm_cdgpc.control.reference import solve_reference
 from slurm_cdgpc.control.tuning import shipped
 from slurm_cdgpc.errors import InputError
@@ -68,15 +67,8 @@ def bench_controller(
             errors.append(record.plan_error_pct)
 
     f = loop.fleet
-    job_state = JobState(
-        f.gpu_type,
-        np.where(loop.silent, np.nan, f.remaining_iterations),
-        f.deadline_s,
-        time_limit_s=loop.time_limit_s,
-        start_s=np.zeros(len(f.gpus)),
-    )
     problem = loop.controller.problem(
-        loop.estimator, job_state, loop.t_s, budget_w, queue=loop.queue()
+        loop.estimator, loop.job_state(), loop.t_s, budget_w, queue=loop.queue()
     )
     agreement = _modes_agree(problem)
     reference = _reference_gap(problem, rng)

@@ -208,16 +208,21 @@ class ClosedLoop:
         free[-1] = 1
         return QueueState(True, rows, nodes, free)
 
-    def step(self, budget_w: float) -> IntervalRecord:
-        """Decide, run the plant for one interval at the decided clocks, measure."""
+    def job_state(self) -> JobState:
+        """What the controller sees of the jobs now (a silent job: its time limit, no total)."""
         fleet = self.fleet
-        jobs = JobState(
+        return JobState(
             fleet.gpu_type,
             np.where(self.silent, np.nan, fleet.remaining_iterations),
             fleet.deadline_s,
             time_limit_s=self.time_limit_s,
             start_s=np.zeros(len(fleet.gpus)),
         )
+
+    def step(self, budget_w: float) -> IntervalRecord:
+        """Decide, run the plant for one interval at the decided clocks, measure."""
+        fleet = self.fleet
+        jobs = self.job_state()
         queue = self.queue()
         t0 = time.perf_counter()
         d = self.controller.step(

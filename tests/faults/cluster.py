@@ -43,7 +43,9 @@ from slurm_cdgpc.transport.auth import HmacKey, HmacSigner
 from slurm_cdgpc.transport.http import HeadClient, HeadRefusedError
 from tests.evidence import record
 from tests.integration.processes import daemon_env, spawn, stop, write_hmac_key
-from tests.integration.test_head_live import Proc, _free_port, _wait
+from tests.integration.processes import free_port as _free_port
+from tests.integration.processes import wait_for as _wait
+from tests.integration.test_head_live import Proc
 
 REPO = Path(__file__).resolve().parents[2]
 INTERVAL_S = 0.5

@@ -35,7 +35,7 @@ from tests.faults.cluster import (
     make_cluster,
     registrar,
 )
-from tests.integration.test_head_live import _wait
+from tests.integration.processes import wait_for as _wait
 
 pytestmark = [pytest.mark.faults, pytest.mark.live]
 

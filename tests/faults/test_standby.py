@@ -28,14 +28,14 @@ from slurm_cdgpc.errors import CdgpcError
 from slurm_cdgpc.transport.http import EXCHANGE_PATH, HeadClient, HeadRefusedError
 from tests.evidence import record
 from tests.integration import conftest as databases
+from tests.integration.processes import free_port as _free_port
+from tests.integration.processes import wait_for as _wait
 from tests.integration.test_head_live import (
     INTERVAL_S,
     LEASE_S,
     Proc,
     Site,
-    _free_port,
     _job,
-    _wait,
     make_site,
 )
 

@@ -45,7 +45,8 @@ from tests.faults.cluster import (
     registrar,
     unavailable,
 )
-from tests.integration.test_head_live import _free_port, _wait
+from tests.integration.processes import free_port as _free_port
+from tests.integration.processes import wait_for as _wait
 
 pytestmark = [pytest.mark.faults, pytest.mark.live]
 

@@ -11,11 +11,10 @@ from __future__ import annotations
 import http.client
 import json
 import signal
-import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -23,11 +22,12 @@ from typing import Any
 
 import pytest
 
-from slurm_cdgpc.errors import CdgpcError
 from slurm_cdgpc.gpu.board import BoardDescription
 from slurm_cdgpc.transport.auth import HmacKey, HmacSigner
 from slurm_cdgpc.transport.http import HeadClient
 from tests.integration.processes import daemon_env, spawn, write_hmac_key
+from tests.integration.processes import free_port as _free_port
+from tests.integration.processes import wait_for as _wait
 
 pytestmark = pytest.mark.live
 
@@ -35,26 +35,6 @@ REPO = Path(__file__).resolve().parents[2]
 INTERVAL_S = 0.5
 LEASE_S = 2.0
 SAFE_MHZ = 840  # A100-SXM4-80GB: highest level ≤ 0.6 · 1410 MHz
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _wait(what: str, check: Callable[[], Any], timeout_s: float, log: Callable[[], str]) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            result = check()
-        except (OSError, ValueError, KeyError, CdgpcError):
-            result = None
-        if result:
-            return result
-        if time.monotonic() > deadline:
-            pytest.fail(f"{what}: not within {timeout_s:g} s\n{log()}")
-        time.sleep(0.05)
 
 
 @dataclass

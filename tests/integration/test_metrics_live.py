@@ -19,7 +19,8 @@ from typing import NoReturn
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.integration.test_head_live import Site, _wait, make_site
+from tests.integration.processes import wait_for as _wait
+from tests.integration.test_head_live import Site, make_site
 
 pytestmark = pytest.mark.live
 

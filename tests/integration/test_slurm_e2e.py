@@ -12,21 +12,21 @@ import os
 import re
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from slurm_cdgpc.errors import CdgpcError
 from slurm_cdgpc.slurm.spool import forward_spool
 from slurm_cdgpc.transport.auth import HmacKey, HmacSigner
 from slurm_cdgpc.transport.http import HeadClient
+from tests.integration.processes import free_port as _free_port
+from tests.integration.processes import wait_for as wait
 
 pytestmark = [pytest.mark.slurm, pytest.mark.live]
 
@@ -37,12 +37,6 @@ INTERVAL_S = 0.5
 LEASE_S = 3.0
 #: the head's reconcile with squeue (and its grace period)
 RECONCILE_S = 2.0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _unavailable(reason: str) -> None:
@@ -139,20 +133,6 @@ class Cluster:
             for p in (self.lab / "log").glob("*.log")
         ]
         return "\n".join(parts)
-
-
-def wait(what: str, check: Callable[[], Any], timeout_s: float, log: Callable[[], str]) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            result = check()
-        except (OSError, ValueError, KeyError, CdgpcError):
-            result = None
-        if result:
-            return result
-        if time.monotonic() > deadline:
-            pytest.fail(f"{what}: not within {timeout_s:g} s\n{log()}")
-        time.sleep(0.05)
 
 
 @pytest.fixture(scope="session")
