@@ -1259,6 +1259,7 @@ class Coordinator:
                 r.gpu for r in result.refused if "another process holds its clocks" in r.reason
             )
             self._track_refusals(name, sent, result)
+            self._release_orphans(name, sent, result)
             for refusal in result.refused:
                 job = next((p.job_id for p in sent.setpoints if p.gpu == refusal.gpu), "-")
                 logger.warning(
@@ -1268,6 +1269,29 @@ class Coordinator:
                 self.running.record_progress(p.job_id, p.step, p.time_s)
         self._sampled_at = k
         return responses
+
+    def _release_orphans(self, name: str, sent: ExchangeRequest, result: ExchangeResponse) -> None:
+        """Release a GPU the agent still holds for a job the store has finished: its release
+        was lost (the head died before sending it, or the job came and went while the head was
+        away), and no one else would ever lift that lock. A job the store does not know is left
+        alone: its Prolog may hold its GPUs while its registration is on its way."""
+        held = {g.gpu_index for j in self._known.values() for g in j.gpus if g.node == name}
+        for r in result.gpus:
+            if r.locked is None or r.job_id is None or r.index in held:
+                continue
+            if r.job_id in self._known or r.index in sent.release:  # read before it applied
+                continue
+            if r.index in self._releases.get(name, set()):
+                continue
+            job = self.store.job(r.job_id)
+            if job is not None and job.state == "finished":
+                logger.info(
+                    "node %s: GPU %d still held for job %s, which has ended: released",
+                    name,
+                    r.index,
+                    r.job_id,
+                )
+                self._releases.setdefault(name, set()).add(r.index)
 
     def _track_refusals(self, name: str, sent: ExchangeRequest, result: ExchangeResponse) -> None:
         """Keep refused releases queued (a GPU whose reset failed must not stay locked), and

@@ -968,3 +968,23 @@ def test_status_names_the_gpus_another_limiter_holds(make_cluster: MakeCluster) 
         "n2:0: power brake (an external power-brake signal)",
     )
     assert report.to_dict()["limited"] == list(report.limited)
+
+
+def test_a_gpu_held_for_a_job_that_ended_while_the_head_was_away_is_released(
+    make_cluster: MakeCluster,
+) -> None:
+    cluster = make_cluster()
+    cluster.tick()
+    _register(cluster, "81", "n1", 0)
+    cluster.tick()
+    cluster.tick()
+    assert cluster.cap("n1", 0) is not None  # the agent holds GPU 0 for job 81
+    cluster.store.finish_job("81")  # its Epilog reached the store, the release never the agent
+    cluster.restart_head()  # a head that never knew job 81
+    cluster.tick()  # it sees the orphan lock ...
+    cluster.tick()  # ... and releases it
+    assert cluster.cap("n1", 0) is None
+    _register(cluster, "82", "n2", 1)  # a job the store knows as active is never touched
+    cluster.tick()
+    cluster.tick()
+    assert cluster.cap("n2", 1) is not None
