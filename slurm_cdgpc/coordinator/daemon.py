@@ -259,6 +259,12 @@ class IntervalReport:
         }
 
 
+def _full_grid(specs: Mapping[str, GpuSpec]) -> ClockGrid:
+    """Every supported clock of every type, in ``specs``' order: the controller applies its own
+    floor (and its fallback), and a type added later keeps the earlier ones' rows."""
+    return ClockGrid.from_tables([(n, s.clocks) for n, s in specs.items()], min_fraction=0.0)
+
+
 def _catalog_max_w() -> float:
     """The largest maximum power limit of the catalog: a GPU of unknown type may be any."""
     return max(s.power_limit.max_w for s in CATALOG.values())
@@ -449,10 +455,7 @@ class Coordinator:
         self.specs: dict[str, GpuSpec] = dict(specs)
         #: board digest -> the type it maps to (`spec_from_board`)
         self._board_types: dict[str, str] = {}
-        # every supported clock: the controller applies its own floor (and its fallback)
-        self.grid = ClockGrid.from_tables(
-            [(name, spec.clocks) for name, spec in specs.items()], min_fraction=0.0
-        )
+        self.grid = _full_grid(self.specs)
         self.controller = EconomicMPC(self.grid, self.settings.controller)
         self.running = RunningJobs(self.grid, JobEstimator(self.settings.estimator), self.specs)
         self.interval = 0
@@ -1616,9 +1619,7 @@ class Coordinator:
         """A GPU type the catalog does not have: the grid grows by it (existing types keep
         their rows)."""
         self.specs[spec.name] = spec
-        self.grid = ClockGrid.from_tables(
-            [(n, s.clocks) for n, s in self.specs.items()], min_fraction=0.0
-        )
+        self.grid = _full_grid(self.specs)
         self.controller.use_grid(self.grid)
         self.running.grid = self.grid
 
@@ -1636,19 +1637,21 @@ class Coordinator:
         node = self._nodes.get(name)
         if node is None:
             return []
-        return [
-            {
-                "index": r.index,
-                "board": r.name,
-                "type": node.gpu_types.get(r.index),
-                "estimated": bool(
-                    (t := node.gpu_types.get(r.index)) in self.specs and self.specs[t].estimated
-                ),
-                "controlled": node.gpu_types.get(r.index) is not None,
-                "why": node.why.get(r.index),
-            }
-            for r in node.reports
-        ]
+        views: list[dict[str, object]] = []
+        for r in node.reports:
+            gpu_type = node.gpu_types.get(r.index)
+            spec = None if gpu_type is None else self.specs.get(gpu_type)
+            views.append(
+                {
+                    "index": r.index,
+                    "board": r.name,
+                    "type": gpu_type,
+                    "estimated": spec is not None and spec.estimated,
+                    "controlled": gpu_type is not None,
+                    "why": node.why.get(r.index),
+                }
+            )
+        return views
 
     def _persist_progress(
         self,
