@@ -1,6 +1,5 @@
 """The node agent ``cdgpc-noded``: applies the head's clocks to this node's GPUs, safely.
 
-- `protocol`: the versioned JSON messages exchanged with the head (and the progress line).
 - `node`: `NodeAgent`, the core (setpoints, lease watchdog, state file); no sockets.
 - `server`: the authenticated HTTP listener (``POST /v1/exchange``, ``GET /v1/health``).
 - `progress`: the Unix socket training jobs report progress on, and its stdlib-only client

@@ -31,11 +31,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import BinaryIO, Final
 
-from slurm_cdgpc.agent.protocol import (
-    MAX_MESSAGE_BYTES,
-    ExchangeRequest,
-    MessageTooLargeError,
-)
 from slurm_cdgpc.config import Config, load_config
 from slurm_cdgpc.errors import SoftError
 from slurm_cdgpc.service import serve
@@ -50,6 +45,11 @@ from slurm_cdgpc.transport.http import (
     send_signed,
 )
 from slurm_cdgpc.transport.ssh import REQUEST_HEADER, envelope, open_envelope
+from slurm_cdgpc.wire.protocol import (
+    MAX_MESSAGE_BYTES,
+    ExchangeRequest,
+    MessageTooLargeError,
+)
 
 logger = logging.getLogger(__name__)
 

@@ -40,7 +40,6 @@ from typing import Final
 
 from slurm_cdgpc.agent.node import NodeAgent
 from slurm_cdgpc.agent.progress import ProgressServer
-from slurm_cdgpc.agent.protocol import check_node_name
 from slurm_cdgpc.agent.server import AgentHttpServer
 from slurm_cdgpc.config import Config, load_config
 from slurm_cdgpc.errors import CdgpcError, FatalError, InputError
@@ -53,6 +52,7 @@ from slurm_cdgpc.transport.auth import (
 )
 from slurm_cdgpc.transport.credentials import signer_from_config, verifier_from_config
 from slurm_cdgpc.transport.http import HeadClient
+from slurm_cdgpc.wire.protocol import check_node_name
 
 logger = logging.getLogger(__name__)
 

@@ -89,7 +89,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
-from slurm_cdgpc.agent.protocol import (
+from slurm_cdgpc.config import LEASE_ACTIONS, OVERRIDE_ACTIONS, SafeCap
+from slurm_cdgpc.errors import CdgpcError, InputError, PowerLimitPermissionError
+from slurm_cdgpc.gpu.board import BoardDescription
+from slurm_cdgpc.gpu.device import GpuDevice, GpuReading, GpuSet, LockedClocks, lock_overridden
+from slurm_cdgpc.wire.protocol import (
     ExchangeRequest,
     ExchangeResponse,
     GpuReport,
@@ -99,10 +103,6 @@ from slurm_cdgpc.agent.protocol import (
     Refusal,
     check_node_name,
 )
-from slurm_cdgpc.config import LEASE_ACTIONS, OVERRIDE_ACTIONS, SafeCap
-from slurm_cdgpc.errors import CdgpcError, InputError, PowerLimitPermissionError
-from slurm_cdgpc.gpu.board import BoardDescription
-from slurm_cdgpc.gpu.device import GpuDevice, GpuReading, GpuSet, LockedClocks, lock_overridden
 
 logger = logging.getLogger(__name__)
 

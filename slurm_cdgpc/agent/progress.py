@@ -46,8 +46,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Final
 
-from slurm_cdgpc.agent.protocol import MAX_PROGRESS_LINE_BYTES, ProgressLine, ProtocolError
 from slurm_cdgpc.errors import CdgpcError, FatalError
+from slurm_cdgpc.wire.protocol import MAX_PROGRESS_LINE_BYTES, ProgressLine, ProtocolError
 
 logger = logging.getLogger(__name__)
 

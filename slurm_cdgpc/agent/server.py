@@ -42,18 +42,6 @@ from typing import Any, Final
 
 from slurm_cdgpc.agent.metrics import CONTENT_TYPE, AgentMetrics
 from slurm_cdgpc.agent.node import NodeAgent, StaleEpochError, WrongNodeError
-from slurm_cdgpc.agent.protocol import (
-    HOLD_PATH,
-    MAX_MESSAGE_BYTES,
-    RELEASE_PATH,
-    ExchangeRequest,
-    MessageTooLargeError,
-    ProtocolError,
-    dump_json,
-    gpu_indices,
-    job_id,
-    load_json,
-)
 from slurm_cdgpc.errors import CdgpcError
 from slurm_cdgpc.transport.auth import (
     REPLY_HEADER,
@@ -69,6 +57,18 @@ from slurm_cdgpc.transport.auth import (
 )
 from slurm_cdgpc.transport.evented import EventedHttpServer, EventLoop
 from slurm_cdgpc.transport.server import JsonHandler
+from slurm_cdgpc.wire.protocol import (
+    HOLD_PATH,
+    MAX_MESSAGE_BYTES,
+    RELEASE_PATH,
+    ExchangeRequest,
+    MessageTooLargeError,
+    ProtocolError,
+    dump_json,
+    gpu_indices,
+    job_id,
+    load_json,
+)
 
 logger = logging.getLogger(__name__)
 

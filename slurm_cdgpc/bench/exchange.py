@@ -42,7 +42,6 @@ from typing import Any, Final
 import numpy as np
 
 from slurm_cdgpc.agent.node import NodeAgent
-from slurm_cdgpc.agent.protocol import ExchangeRequest, Setpoint
 from slurm_cdgpc.agent.server import AgentHttpServer
 from slurm_cdgpc.config import SafeCap
 from slurm_cdgpc.errors import FatalError, InputError
@@ -51,6 +50,7 @@ from slurm_cdgpc.service import settle_heap
 from slurm_cdgpc.transport.auth import AccessPolicy, HmacKey, HmacSigner, HmacVerifier
 from slurm_cdgpc.transport.evented import EventLoop
 from slurm_cdgpc.transport.http import MAX_IN_FLIGHT, NodeExchanger, NodeFailure, NodeTarget
+from slurm_cdgpc.wire.protocol import ExchangeRequest, Setpoint
 
 logger = logging.getLogger(__name__)
 

@@ -50,7 +50,6 @@ from typing import Any, Final
 
 import numpy as np
 
-from slurm_cdgpc.agent.protocol import ExchangeResponse
 from slurm_cdgpc.bench.exchange import (
     load_key,
     scratch_dir,
@@ -66,6 +65,7 @@ from slurm_cdgpc.service import LOG_FORMAT, settle_heap
 from slurm_cdgpc.store import ACTIVE_STATES, Store, make_engine, upgrade
 from slurm_cdgpc.transport.auth import AccessPolicy, HmacKey, HmacSigner, HmacVerifier
 from slurm_cdgpc.transport.http import HeadClient, NodeFailure, NodeTarget
+from slurm_cdgpc.wire.protocol import ExchangeResponse
 
 logger = logging.getLogger(__name__)
 

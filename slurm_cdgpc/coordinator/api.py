@@ -43,13 +43,6 @@ from http import HTTPStatus
 from typing import Any, Final
 from urllib.parse import parse_qs, urlsplit
 
-from slurm_cdgpc.agent.protocol import (
-    ProtocolError,
-    check_node_name,
-    dump_json,
-    job_id,
-    load_json,
-)
 from slurm_cdgpc.coordinator.daemon import Coordinator, IntervalReport, JobView
 from slurm_cdgpc.coordinator.metrics import CONTENT_TYPE
 from slurm_cdgpc.errors import CdgpcError, InputError
@@ -69,6 +62,13 @@ from slurm_cdgpc.transport.auth import (
 )
 from slurm_cdgpc.transport.evented import EventedHttpServer
 from slurm_cdgpc.transport.server import JsonHandler
+from slurm_cdgpc.wire.protocol import (
+    ProtocolError,
+    check_node_name,
+    dump_json,
+    job_id,
+    load_json,
+)
 
 logger = logging.getLogger(__name__)
 

@@ -73,14 +73,6 @@ from typing import TYPE_CHECKING, Final, Protocol
 
 import numpy as np
 
-from slurm_cdgpc.agent.protocol import (
-    ExchangeRequest,
-    ExchangeResponse,
-    GpuReport,
-    ProgressReport,
-    ProtocolError,
-)
-from slurm_cdgpc.agent.protocol import Setpoint as AgentSetpoint
 from slurm_cdgpc.config import Config, ControlConfig
 from slurm_cdgpc.control.discrete import ClockGrid
 from slurm_cdgpc.control.dual import StepStatus
@@ -115,6 +107,14 @@ from slurm_cdgpc.store.leader import LeadershipLostError
 from slurm_cdgpc.store.repository import JobRegistration
 from slurm_cdgpc.transport.http import NodeFailure, NodeTarget
 from slurm_cdgpc.transport.ssh import ssh_url
+from slurm_cdgpc.wire.protocol import (
+    ExchangeRequest,
+    ExchangeResponse,
+    GpuReport,
+    ProgressReport,
+    ProtocolError,
+)
+from slurm_cdgpc.wire.protocol import Setpoint as AgentSetpoint
 
 if TYPE_CHECKING:
     from sqlalchemy import Connection

@@ -37,7 +37,7 @@ INTERVAL_ENV = "CDGPC_PROGRESS_INTERVAL"
 OFF_VALUES = ("off", "0", "false", "no")
 RANK_ENVS = ("LOCAL_RANK", "SLURM_LOCALID")
 DEFAULT_INTERVAL_S = 1.0
-MAX_COUNT = 2**53  # slurm_cdgpc.agent.protocol.MAX_COUNT
+MAX_COUNT = 2**53  # slurm_cdgpc.wire.protocol.MAX_COUNT
 _DIGITS = frozenset("0123456789")
 
 _reporter: Reporter | None = None
@@ -51,7 +51,7 @@ _handle: Any = None  # torch's RemovableHandle of the post hook
 def progress_line(job_id: str, step: int, total: int | None = None) -> bytes:
     """What the agent reads: ``ProgressLine(job_id, step, total).to_json()`` and a newline.
 
-    The format is duplicated from slurm_cdgpc.agent.protocol because the job's Python has no
+    The format is duplicated from slurm_cdgpc.wire.protocol because the job's Python has no
     slurm_cdgpc (a unit test keeps the two equal); a job id is digits and ``_``, no escaping.
     """
     text = "null" if total is None else str(int(total))
@@ -59,7 +59,7 @@ def progress_line(job_id: str, step: int, total: int | None = None) -> bytes:
 
 
 def valid_job_id(text: str) -> bool:
-    """``123`` or ``123_4``, as `slurm_cdgpc.agent.protocol.JOB_ID_RE` says."""
+    """``123`` or ``123_4``, as `slurm_cdgpc.wire.protocol.JOB_ID_RE` says."""
     parts = text.split("_")
     if len(parts) > 2 or not all(0 < len(p) <= 10 and _DIGITS.issuperset(p) for p in parts):
         return False

@@ -26,12 +26,6 @@ from typing import Final, Self
 import numpy as np
 from sqlalchemy import Engine
 
-from slurm_cdgpc.agent.protocol import (
-    ExchangeResponse,
-    GpuReport,
-    LockReport,
-    ProgressReport,
-)
 from slurm_cdgpc.config import ControlConfig
 from slurm_cdgpc.control.tuning import Tuning
 from slurm_cdgpc.coordinator.daemon import Coordinator, CoordinatorSettings, IntervalReport
@@ -42,6 +36,12 @@ from slurm_cdgpc.sim.cluster import ClusterView, Policy, Setpoints
 from slurm_cdgpc.sim.fleet import FleetSpec
 from slurm_cdgpc.store import Store, make_engine, upgrade
 from slurm_cdgpc.transport.http import NodeFailure, NodeTarget
+from slurm_cdgpc.wire.protocol import (
+    ExchangeResponse,
+    GpuReport,
+    LockReport,
+    ProgressReport,
+)
 
 logger = logging.getLogger(__name__)
 

@@ -51,7 +51,6 @@ from pathlib import Path
 from typing import Final
 
 from slurm_cdgpc.agent.forward import agent_url
-from slurm_cdgpc.agent.protocol import HOLD_PATH, RELEASE_PATH
 from slurm_cdgpc.config import load_config
 from slurm_cdgpc.errors import CdgpcError, InputError, SoftError
 from slurm_cdgpc.slurm.comment import (
@@ -65,6 +64,7 @@ from slurm_cdgpc.slurm.scontrol import SCONTROL, JobTimes, job_times
 from slurm_cdgpc.slurm.spool import DEFAULT_SPOOL_DIR, JobsClient, Spool, SpoolError
 from slurm_cdgpc.transport.credentials import signer_from_config
 from slurm_cdgpc.transport.http import HeadClient, HeadRefusedError
+from slurm_cdgpc.wire.protocol import HOLD_PATH, RELEASE_PATH
 
 logger = logging.getLogger(__name__)
 

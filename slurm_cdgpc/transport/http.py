@@ -44,15 +44,15 @@ from dataclasses import dataclass
 from typing import Any, BinaryIO, Final, NamedTuple, TypeVar
 from urllib.parse import urlencode, urlsplit
 
-from slurm_cdgpc.agent.protocol import (
+from slurm_cdgpc.errors import CdgpcError, InputError, SoftError
+from slurm_cdgpc.transport.auth import HEAD_RESPONDER, AuthError, Reply, SignedRequest, Signer
+from slurm_cdgpc.wire.protocol import (
     ExchangeRequest,
     ExchangeResponse,
     ProtocolError,
     dump_json,
     load_json,
 )
-from slurm_cdgpc.errors import CdgpcError, InputError, SoftError
-from slurm_cdgpc.transport.auth import HEAD_RESPONDER, AuthError, Reply, SignedRequest, Signer
 
 logger = logging.getLogger(__name__)
 _R = TypeVar("_R")

@@ -10,9 +10,9 @@ from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
-from slurm_cdgpc.agent.protocol import ExchangeResponse
 from slurm_cdgpc.transport.http import NodeFailure, NodeTarget
 from slurm_cdgpc.transport.ssh import is_ssh_url
+from slurm_cdgpc.wire.protocol import ExchangeResponse
 
 
 class Exchanger(Protocol):

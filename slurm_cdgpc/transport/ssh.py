@@ -15,7 +15,7 @@ agent's port instead of the agent can pass for it. SSH authenticates the head to
 the node to the head: host keys).
 
 Safety: no shell on our side (an argv list); the host is checked with
-`slurm_cdgpc.agent.protocol.check_node_name` before it reaches argv, and follows ``--``, so a node
+`slurm_cdgpc.wire.protocol.check_node_name` before it reaches argv, and follows ``--``, so a node
 named ``-oProxyCommand=...`` can never become an option; the remote command's words are quoted
 for the remote shell. ``BatchMode`` and ``ConnectTimeout`` come first, and ssh keeps the first
 value it is given, so configured options cannot turn on password prompts. Each ssh runs in a
@@ -44,15 +44,15 @@ from dataclasses import dataclass
 from typing import Final
 from urllib.parse import urlsplit
 
-from slurm_cdgpc.agent.protocol import (
+from slurm_cdgpc.errors import CdgpcError, InputError
+from slurm_cdgpc.transport.auth import MAX_CREDENTIAL_CHARS, REPLY_HEADER, Signer
+from slurm_cdgpc.transport.http import EXCHANGE_PATH, NodeFailure, NodeTarget, exchange_answer
+from slurm_cdgpc.wire.protocol import (
     MAX_MESSAGE_BYTES,
     ExchangeResponse,
     ProtocolError,
     check_node_name,
 )
-from slurm_cdgpc.errors import CdgpcError, InputError
-from slurm_cdgpc.transport.auth import MAX_CREDENTIAL_CHARS, REPLY_HEADER, Signer
-from slurm_cdgpc.transport.http import EXCHANGE_PATH, NodeFailure, NodeTarget, exchange_answer
 
 logger = logging.getLogger(__name__)
 

@@ -23,9 +23,9 @@ from pathlib import Path
 
 import pytest
 
-from slurm_cdgpc.agent.protocol import ExchangeRequest, Setpoint
 from slurm_cdgpc.errors import CdgpcError
 from slurm_cdgpc.transport.http import EXCHANGE_PATH, HeadClient, HeadRefusedError
+from slurm_cdgpc.wire.protocol import ExchangeRequest, Setpoint
 from tests.evidence import record
 from tests.integration import conftest as databases
 from tests.integration.processes import free_port as _free_port

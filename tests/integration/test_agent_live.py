@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from slurm_cdgpc.agent.protocol import ExchangeRequest, ExchangeResponse, GpuReport, Setpoint
 from slurm_cdgpc.transport.auth import HmacKey, HmacSigner
+from slurm_cdgpc.wire.protocol import ExchangeRequest, ExchangeResponse, GpuReport, Setpoint
 from tests.integration.processes import daemon_env, write_hmac_key
 
 pytestmark = pytest.mark.live

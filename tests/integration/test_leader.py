@@ -22,7 +22,6 @@ import pytest
 from sqlalchemy import Connection, Engine, text
 
 from slurm_cdgpc.agent.node import NodeAgent
-from slurm_cdgpc.agent.protocol import ExchangeRequest, ExchangeResponse
 from slurm_cdgpc.config import SafeCap
 from slurm_cdgpc.control.empc import ControllerSettings
 from slurm_cdgpc.coordinator.daemon import Coordinator, CoordinatorSettings
@@ -30,6 +29,7 @@ from slurm_cdgpc.gpu.simulated import simulated_gpus
 from slurm_cdgpc.store import Store, upgrade
 from slurm_cdgpc.store.leader import LeaderLock, LeadershipLostError
 from slurm_cdgpc.transport.http import NodeFailure, NodeTarget
+from slurm_cdgpc.wire.protocol import ExchangeRequest, ExchangeResponse
 
 #: long enough never to run out during a test step, even on a loaded machine
 LONG_S = 30.0

@@ -23,12 +23,12 @@ from typing import Any
 import pytest
 from sqlalchemy import Engine, event
 
-from slurm_cdgpc.agent.protocol import ExchangeResponse
 from slurm_cdgpc.coordinator.daemon import Coordinator, CoordinatorSettings
 from slurm_cdgpc.errors import InputError
 from slurm_cdgpc.store import ACTIVE_STATES, Job, JobGpu, Store, StoreError, make_engine, upgrade
 from slurm_cdgpc.store.repository import JobRegistration
 from slurm_cdgpc.transport.http import NodeFailure, NodeTarget
+from slurm_cdgpc.wire.protocol import ExchangeResponse
 from tests.evidence import record
 from tests.integration.conftest import FakeClock
 

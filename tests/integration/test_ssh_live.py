@@ -17,10 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from slurm_cdgpc.agent.protocol import ExchangeRequest, ExchangeResponse, GpuReport, Setpoint
 from slurm_cdgpc.transport.auth import HmacKey, HmacSigner
 from slurm_cdgpc.transport.http import NodeFailure, NodeTarget
 from slurm_cdgpc.transport.ssh import SshExchanger, ssh_url
+from slurm_cdgpc.wire.protocol import ExchangeRequest, ExchangeResponse, GpuReport, Setpoint
 from tests.integration import sshd_fixture
 from tests.integration.processes import stop
 from tests.integration.sshd_fixture import SshServer

@@ -27,18 +27,18 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from slurm_cdgpc.agent.progress import ProgressServer
-from slurm_cdgpc.agent.protocol import (
+from slurm_cdgpc.config import Config, known_keys, load_config
+from slurm_cdgpc.errors import CdgpcError, InputError
+from slurm_cdgpc.sim.traces import Trace, load_trace
+from slurm_cdgpc.slurm.comment import parse_comment
+from slurm_cdgpc.units import parse_duration_s, parse_power_w
+from slurm_cdgpc.wire.protocol import (
     ExchangeRequest,
     ExchangeResponse,
     ProgressLine,
     ProtocolError,
     load_json,
 )
-from slurm_cdgpc.config import Config, known_keys, load_config
-from slurm_cdgpc.errors import CdgpcError, InputError
-from slurm_cdgpc.sim.traces import Trace, load_trace
-from slurm_cdgpc.slurm.comment import parse_comment
-from slurm_cdgpc.units import parse_duration_s, parse_power_w
 from tests.evidence import record
 from tests.security.live import Daemon, head_and_agent
 

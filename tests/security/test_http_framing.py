@@ -36,7 +36,6 @@ import h11
 import pytest
 
 from slurm_cdgpc.agent.node import NodeAgent
-from slurm_cdgpc.agent.protocol import ExchangeRequest
 from slurm_cdgpc.agent.server import AgentHttpServer
 from slurm_cdgpc.config import SafeCap
 from slurm_cdgpc.coordinator.api import HeadHttpServer
@@ -45,6 +44,7 @@ from slurm_cdgpc.gpu.simulated import simulated_gpus
 from slurm_cdgpc.store import Store, make_engine, upgrade
 from slurm_cdgpc.transport.auth import AccessPolicy, HmacKey, HmacSigner, HmacVerifier
 from slurm_cdgpc.transport.evented import EventLoop
+from slurm_cdgpc.wire.protocol import ExchangeRequest
 from tests.evidence import record
 from tests.unit.test_coordinator_api import NoAgents
 

@@ -16,13 +16,13 @@ from urllib.parse import quote
 
 import pytest
 
-from slurm_cdgpc.agent.protocol import ExchangeRequest
 from slurm_cdgpc.errors import InputError
 from slurm_cdgpc.slurm.comment import parse_comment
 from slurm_cdgpc.transport.auth import HmacKey, HmacSigner
 from slurm_cdgpc.transport.http import NodeExchanger, NodeFailure, NodeTarget
 from slurm_cdgpc.transport.routing import RoutingExchanger
 from slurm_cdgpc.transport.ssh import SshExchanger
+from slurm_cdgpc.wire.protocol import ExchangeRequest
 from tests.evidence import record
 from tests.security.live import Daemon, make_keys, start_head, stop_all
 

@@ -29,9 +29,9 @@ from typing import Any
 import pytest
 
 from slurm_cdgpc.agent import server as agent_server
-from slurm_cdgpc.agent.protocol import HOLD_PATH, RELEASE_PATH
 from slurm_cdgpc.coordinator import api as head_api
 from slurm_cdgpc.transport.auth import HmacKey, HmacSigner
+from slurm_cdgpc.wire.protocol import HOLD_PATH, RELEASE_PATH
 from tests.evidence import record
 from tests.security.live import (
     REPO,

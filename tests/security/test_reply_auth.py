@@ -24,12 +24,6 @@ from pathlib import Path
 import pytest
 
 from slurm_cdgpc.agent.node import NodeAgent
-from slurm_cdgpc.agent.protocol import (
-    ExchangeRequest,
-    ExchangeResponse,
-    ProgressReport,
-    Setpoint,
-)
 from slurm_cdgpc.agent.server import AgentHttpServer
 from slurm_cdgpc.config import SafeCap
 from slurm_cdgpc.control.empc import ControllerSettings
@@ -62,6 +56,12 @@ from slurm_cdgpc.transport.http import (
     NodeExchanger,
     NodeFailure,
     NodeTarget,
+)
+from slurm_cdgpc.wire.protocol import (
+    ExchangeRequest,
+    ExchangeResponse,
+    ProgressReport,
+    Setpoint,
 )
 from tests.integration import munge_fixture
 from tests.integration.munge_fixture import MungeDaemon, unavailable

@@ -28,13 +28,13 @@ from pathlib import Path
 import pytest
 
 from slurm_cdgpc.agent.progress import ProgressServer, report_progress
-from slurm_cdgpc.agent.protocol import ExchangeRequest
 from slurm_cdgpc.slurm.hooks import DEFAULT_BUDGET_S, DEFAULT_TIMEOUT_S
 from slurm_cdgpc.slurm.install import write_hooks
 from slurm_cdgpc.slurm.spool import Spool, SpoolRecord
 from slurm_cdgpc.transport import http
 from slurm_cdgpc.transport.auth import HmacKey, HmacSigner
 from slurm_cdgpc.transport.http import HeadClient, HeadUnavailableError, NodeExchanger, NodeTarget
+from slurm_cdgpc.wire.protocol import ExchangeRequest
 
 pytestmark = pytest.mark.security
 

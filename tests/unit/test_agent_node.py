@@ -18,11 +18,11 @@ from slurm_cdgpc.agent.node import (
     WrongNodeError,
     safe_clock_mhz,
 )
-from slurm_cdgpc.agent.protocol import ExchangeRequest, ExchangeResponse, GpuReport, Setpoint
 from slurm_cdgpc.config import SafeCap
 from slurm_cdgpc.errors import InputError
 from slurm_cdgpc.gpu.device import GpuSet
 from slurm_cdgpc.gpu.simulated import ManualClock, SimulatedGpu, simulated_gpus
+from slurm_cdgpc.wire.protocol import ExchangeRequest, ExchangeResponse, GpuReport, Setpoint
 
 T0_S = 1_767_225_600.0
 LEASE_S = 90.0

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from slurm_cdgpc.agent.progress import ProgressServer, main, report_progress
-from slurm_cdgpc.agent.protocol import ProtocolError
 from slurm_cdgpc.errors import FatalError, InputError
+from slurm_cdgpc.wire.protocol import ProtocolError
 
 REPO = Path(__file__).resolve().parents[2]
 Record = tuple[str, int, int | None, int]

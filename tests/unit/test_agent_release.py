@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 
 from slurm_cdgpc.agent.node import NodeAgent
-from slurm_cdgpc.agent.protocol import HOLD_PATH, RELEASE_PATH, ExchangeRequest, Setpoint
 from slurm_cdgpc.agent.server import AgentHttpServer
 from slurm_cdgpc.config import SafeCap
 from slurm_cdgpc.gpu.simulated import ManualClock, simulated_gpus
 from slurm_cdgpc.transport.auth import AccessPolicy, HmacKey, HmacSigner, HmacVerifier
 from slurm_cdgpc.transport.http import HeadClient, HeadRefusedError, HeadUnavailableError
+from slurm_cdgpc.wire.protocol import HOLD_PATH, RELEASE_PATH, ExchangeRequest, Setpoint
 
 SECRET = b"k" * 32
 

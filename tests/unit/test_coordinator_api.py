@@ -15,13 +15,13 @@ from pathlib import Path
 
 import pytest
 
-from slurm_cdgpc.agent.protocol import ExchangeResponse
 from slurm_cdgpc.coordinator.api import HeadHttpServer
 from slurm_cdgpc.coordinator.daemon import Coordinator, CoordinatorSettings
 from slurm_cdgpc.errors import InputError
 from slurm_cdgpc.store import Store, make_engine, upgrade
 from slurm_cdgpc.transport.auth import AccessPolicy, HmacKey, HmacSigner, HmacVerifier
 from slurm_cdgpc.transport.http import HeadClient, HeadRefusedError, NodeFailure, NodeTarget
+from slurm_cdgpc.wire.protocol import ExchangeResponse
 
 
 class NoAgents:

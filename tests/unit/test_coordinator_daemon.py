@@ -18,7 +18,6 @@ import pytest
 from sqlalchemy import Engine
 
 from slurm_cdgpc.agent.node import NodeAgent
-from slurm_cdgpc.agent.protocol import ExchangeRequest, ExchangeResponse, GpuReport
 from slurm_cdgpc.config import SafeCap
 from slurm_cdgpc.control.empc import ControllerSettings, Decision, QueueState
 from slurm_cdgpc.coordinator.daemon import (
@@ -33,6 +32,7 @@ from slurm_cdgpc.gpu.catalog import CATALOG
 from slurm_cdgpc.gpu.simulated import ManualClock, SimulatedGpu, simulated_gpus
 from slurm_cdgpc.store import Store, StoreError, make_engine, upgrade
 from slurm_cdgpc.transport.http import NodeFailure, NodeTarget
+from slurm_cdgpc.wire.protocol import ExchangeRequest, ExchangeResponse, GpuReport
 
 T0_S = 1_767_225_600.0
 INTERVAL_S = 1.0

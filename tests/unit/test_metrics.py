@@ -20,7 +20,6 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
 from slurm_cdgpc.agent.node import NodeAgent
-from slurm_cdgpc.agent.protocol import ExchangeRequest, ExchangeResponse, Setpoint
 from slurm_cdgpc.agent.server import AgentHttpServer
 from slurm_cdgpc.config import SafeCap
 from slurm_cdgpc.coordinator.api import HeadHttpServer
@@ -30,6 +29,7 @@ from slurm_cdgpc.gpu.simulated import ManualClock, simulated_gpus
 from slurm_cdgpc.store import Store, make_engine, upgrade
 from slurm_cdgpc.transport.auth import AccessPolicy, HmacKey, HmacSigner, HmacVerifier
 from slurm_cdgpc.transport.http import NodeExchanger, NodeFailure, NodeTarget
+from slurm_cdgpc.wire.protocol import ExchangeRequest, ExchangeResponse, Setpoint
 
 T0_S = 1_767_225_600.0
 LEASE_S = 5.0

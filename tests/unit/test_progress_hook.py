@@ -23,10 +23,10 @@ import pytest
 
 from slurm_cdgpc.agent import progress as agent_progress
 from slurm_cdgpc.agent.progress import ProgressServer
-from slurm_cdgpc.agent.protocol import JOB_ID_RE, MAX_COUNT, ProgressLine
 from slurm_cdgpc.errors import InputError
 from slurm_cdgpc.integrations import HOOK_DIR, progress_hook
 from slurm_cdgpc.slurm import install, task_prolog
+from slurm_cdgpc.wire.protocol import JOB_ID_RE, MAX_COUNT, ProgressLine
 
 REPO = Path(__file__).resolve().parents[2]
 HOOK: Any = progress_hook()  # the module, loaded by path as the callbacks load it

@@ -21,7 +21,6 @@ import numpy.typing as npt
 import pytest
 from click.testing import CliRunner
 
-from slurm_cdgpc.agent.protocol import GpuReport
 from slurm_cdgpc.cli.main import cli
 from slurm_cdgpc.control.empc import Decision, Measurements
 from slurm_cdgpc.model.estimator import JobEstimator
@@ -32,6 +31,7 @@ from slurm_cdgpc.sim.policies import Cdgpc, make_policy
 from slurm_cdgpc.sim.reporting import ProgressMix
 from slurm_cdgpc.sim.traces import load_trace
 from slurm_cdgpc.sim.twin import HeadTwin, job_name
+from slurm_cdgpc.wire.protocol import GpuReport
 
 DATA = Path(__file__).resolve().parent.parent / "data"
 WINDOW = DATA / "traces" / "elasticflow_cluster04_window60.csv"

@@ -17,7 +17,6 @@ from pathlib import Path
 import pytest
 
 from slurm_cdgpc.agent.node import NodeAgent
-from slurm_cdgpc.agent.protocol import ExchangeRequest, ExchangeResponse, Setpoint
 from slurm_cdgpc.agent.server import AgentHttpServer
 from slurm_cdgpc.config import SafeCap
 from slurm_cdgpc.gpu.simulated import simulated_gpus
@@ -33,6 +32,7 @@ from slurm_cdgpc.transport.auth import (
 )
 from slurm_cdgpc.transport.evented import EventLoop
 from slurm_cdgpc.transport.http import MAX_REPLY_BYTES, NodeExchanger, NodeFailure, NodeTarget
+from slurm_cdgpc.wire.protocol import ExchangeRequest, ExchangeResponse, Setpoint
 
 KEY = HmacKey(b"k" * 32)
 CLOCK_MHZ = 1005  # an A100 graphics clock

@@ -4,9 +4,9 @@ import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from slurm_cdgpc.agent.protocol import ExchangeRequest, ExchangeResponse
 from slurm_cdgpc.transport.http import NodeFailure, NodeTarget
 from slurm_cdgpc.transport.routing import RoutingExchanger
+from slurm_cdgpc.wire.protocol import ExchangeRequest, ExchangeResponse
 
 
 @dataclass

@@ -16,7 +16,6 @@ from typing import Any
 
 import pytest
 
-from slurm_cdgpc.agent.protocol import ProtocolError
 from slurm_cdgpc.transport.auth import (
     AccessPolicy,
     HmacKey,
@@ -28,6 +27,7 @@ from slurm_cdgpc.transport.auth import (
 from slurm_cdgpc.transport.evented import EventedHttpServer, EventLoop
 from slurm_cdgpc.transport.http import MAX_REPLY_BYTES, _request
 from slurm_cdgpc.transport.server import MAX_HEADERS, JsonHandler
+from slurm_cdgpc.wire.protocol import ProtocolError
 
 WAIT_S = 10.0
 BIG_REPLY_BYTES = 8 << 20  # more than loopback's socket buffers take at once

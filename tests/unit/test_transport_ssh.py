@@ -18,18 +18,18 @@ from pathlib import Path
 import pytest
 
 from slurm_cdgpc.agent import forward
-from slurm_cdgpc.agent.protocol import (
+from slurm_cdgpc.config import Config, NodeConfig
+from slurm_cdgpc.errors import InputError
+from slurm_cdgpc.transport.auth import REPLY_HEADER, HmacKey, HmacSigner, HmacVerifier
+from slurm_cdgpc.transport.http import NodeFailure, NodeTarget
+from slurm_cdgpc.transport.ssh import REQUEST_HEADER, SshExchanger, open_envelope, ssh_url
+from slurm_cdgpc.wire.protocol import (
     ExchangeRequest,
     ExchangeResponse,
     MessageTooLargeError,
     ProtocolError,
     Setpoint,
 )
-from slurm_cdgpc.config import Config, NodeConfig
-from slurm_cdgpc.errors import InputError
-from slurm_cdgpc.transport.auth import REPLY_HEADER, HmacKey, HmacSigner, HmacVerifier
-from slurm_cdgpc.transport.http import NodeFailure, NodeTarget
-from slurm_cdgpc.transport.ssh import REQUEST_HEADER, SshExchanger, open_envelope, ssh_url
 
 REPO = Path(__file__).resolve().parents[2]
 REQUEST = ExchangeRequest(

@@ -540,7 +540,7 @@ def _gpu_report_fast(value: object) -> GpuReport | None:
     """`GpuReport.from_dict` for a report every field of which is plainly valid (floats as
     floats, integers as integers, in range); None for anything else, which the checked path
     then refuses or accepts with its exact rules. Accepts nothing the checked path refuses
-    (tests/unit/test_agent_protocol.py compares the two on every kind of wrong value)."""
+    (tests/unit/test_wire_protocol.py compares the two on every kind of wrong value)."""
     if type(value) is not dict or value.keys() != _GPU_REPORT_KEYS:
         return None
     v = value

@@ -10,7 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from slurm_cdgpc.agent.protocol import (
+from slurm_cdgpc.errors import InputError
+from slurm_cdgpc.wire.protocol import (
     MAX_MESSAGE_BYTES,
     ExchangeRequest,
     ExchangeResponse,
@@ -24,7 +25,6 @@ from slurm_cdgpc.agent.protocol import (
     Setpoint,
     _gpu_report_fast,
 )
-from slurm_cdgpc.errors import InputError
 
 REQUEST = ExchangeRequest(
     interval=42,
