@@ -91,8 +91,8 @@ from typing import Any, Final
 
 from slurm_cdgpc.config import LEASE_ACTIONS, OVERRIDE_ACTIONS, SafeCap
 from slurm_cdgpc.errors import CdgpcError, InputError, PowerLimitPermissionError
-from slurm_cdgpc.gpu.board import BoardDescription
 from slurm_cdgpc.gpu.device import GpuDevice, GpuReading, GpuSet, LockedClocks, lock_overridden
+from slurm_cdgpc.wire.board import BoardDescription
 from slurm_cdgpc.wire.protocol import (
     ExchangeRequest,
     ExchangeResponse,

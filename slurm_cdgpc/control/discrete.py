@@ -19,8 +19,8 @@ from numpy.typing import NDArray
 
 from slurm_cdgpc.control.dual import DualProblem
 from slurm_cdgpc.errors import InputError
-from slurm_cdgpc.gpu.device import ClockTable
 from slurm_cdgpc.model.families import FloatArray
+from slurm_cdgpc.wire.board import ClockTable
 
 IntArray = NDArray[np.int64]
 

@@ -24,7 +24,7 @@ from types import MappingProxyType
 from typing import Final
 
 from slurm_cdgpc.errors import InputError
-from slurm_cdgpc.gpu.device import ClockTable, PowerLimitRange
+from slurm_cdgpc.wire.board import ClockTable, PowerLimitRange
 
 
 @dataclass(frozen=True)

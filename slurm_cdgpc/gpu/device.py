@@ -17,14 +17,11 @@ from __future__ import annotations
 import enum
 import logging
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
-from slurm_cdgpc.errors import CdgpcError, GpuError, UnsupportedClockError
-
-if TYPE_CHECKING:
-    from slurm_cdgpc.gpu.board import BoardDescription
+from slurm_cdgpc.errors import CdgpcError, GpuError
+from slurm_cdgpc.wire.board import BoardDescription, ClockTable, PowerLimitRange
 
 logger = logging.getLogger(__name__)
 
@@ -45,66 +42,12 @@ class ThrottleReason(enum.IntFlag):
 
 
 @dataclass(frozen=True)
-class ClockTable:
-    """Supported clocks as the device lists them.
-
-    ``graphics_mhz[mem]`` is the descending list of graphics clocks allowed with memory clock
-    ``mem``; ``memory_mhz`` is descending too. HBM datacenter parts list one memory clock.
-    """
-
-    memory_mhz: tuple[int, ...]
-    graphics_mhz: Mapping[int, tuple[int, ...]]
-
-    def __post_init__(self) -> None:
-        if not self.memory_mhz:
-            raise CdgpcError("a clock table needs at least one memory clock")
-        for mem in self.memory_mhz:
-            if not self.graphics_mhz.get(mem):
-                raise CdgpcError(f"memory clock {mem} MHz has no graphics clocks")
-
-    @property
-    def max_memory_mhz(self) -> int:
-        return self.memory_mhz[0]
-
-    def graphics_for(self, memory_mhz: int | None = None) -> tuple[int, ...]:
-        """Graphics clocks (descending) allowed with ``memory_mhz`` (default: the highest)."""
-        mem = self.max_memory_mhz if memory_mhz is None else memory_mhz
-        try:
-            return self.graphics_mhz[mem]
-        except KeyError:
-            raise UnsupportedClockError(
-                f"memory clock {mem} MHz is not supported (supported: {_fmt(self.memory_mhz)})"
-            ) from None
-
-    def check(self, graphics_mhz: int, memory_mhz: int | None = None) -> None:
-        """Raise `UnsupportedClockError` unless the pair is in the table."""
-        allowed = self.graphics_for(memory_mhz)
-        if graphics_mhz not in allowed:
-            raise UnsupportedClockError(
-                f"graphics clock {graphics_mhz} MHz is not supported with memory clock "
-                f"{self.max_memory_mhz if memory_mhz is None else memory_mhz} MHz "
-                f"(supported: {allowed[-1]}..{allowed[0]} MHz, {len(allowed)} levels)"
-            )
-
-
-def _fmt(values: Sequence[int]) -> str:
-    return ", ".join(str(v) for v in values)
-
-
-@dataclass(frozen=True)
 class LockedClocks:
     """What we locked: graphics range and (on GDDR parts) the memory clock."""
 
     graphics_min_mhz: int
     graphics_max_mhz: int
     memory_mhz: int | None = None
-
-
-@dataclass(frozen=True)
-class PowerLimitRange:
-    min_w: float
-    max_w: float
-    default_w: float
 
 
 @dataclass(frozen=True)
@@ -179,8 +122,6 @@ class GpuDevice(ABC):
 
     def describe(self) -> BoardDescription:
         """This board as NVML reports it: what the head builds its clock grid and limits from."""
-        from slurm_cdgpc.gpu.board import BoardDescription  # noqa: PLC0415 - board imports us
-
         try:
             enforced_limit_w: float | None = self.read().enforced_limit_w
         except GpuError as e:

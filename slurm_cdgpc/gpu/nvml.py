@@ -41,15 +41,8 @@ from slurm_cdgpc.errors import (
     PowerLimitPermissionError,
     UnsupportedPowerLimitError,
 )
-from slurm_cdgpc.gpu.device import (
-    ClockTable,
-    GpuDevice,
-    GpuReading,
-    GpuSet,
-    LockedClocks,
-    PowerLimitRange,
-    ThrottleReason,
-)
+from slurm_cdgpc.gpu.device import GpuDevice, GpuReading, GpuSet, LockedClocks, ThrottleReason
+from slurm_cdgpc.wire.board import ClockTable, PowerLimitRange
 
 logger = logging.getLogger(__name__)
 

@@ -55,17 +55,9 @@ from slurm_cdgpc.errors import (
     PowerLimitPermissionError,
     UnsupportedPowerLimitError,
 )
-from slurm_cdgpc.gpu.board import BoardDescription, spec_from_board
+from slurm_cdgpc.gpu.board import spec_from_board
 from slurm_cdgpc.gpu.catalog import GpuSpec, catalog_spec
-from slurm_cdgpc.gpu.device import (
-    ClockTable,
-    GpuDevice,
-    GpuReading,
-    GpuSet,
-    LockedClocks,
-    PowerLimitRange,
-    ThrottleReason,
-)
+from slurm_cdgpc.gpu.device import GpuDevice, GpuReading, GpuSet, LockedClocks, ThrottleReason
 from slurm_cdgpc.gpu.plant import (
     NoiseModel,
     Plant,
@@ -75,6 +67,7 @@ from slurm_cdgpc.gpu.plant import (
     WorkloadProfile,
     workload_profile,
 )
+from slurm_cdgpc.wire.board import BoardDescription, ClockTable, PowerLimitRange
 
 logger = logging.getLogger(__name__)
 

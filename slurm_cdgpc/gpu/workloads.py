@@ -47,10 +47,10 @@ from typing import Any, Final
 
 from slurm_cdgpc.agent.progress import report_progress
 from slurm_cdgpc.errors import CdgpcError, InputError
-from slurm_cdgpc.gpu.board import BoardDescription
 from slurm_cdgpc.gpu.device import GpuReading, GpuSet
 from slurm_cdgpc.gpu.plant import WorkloadCalibration, WorkloadProfile, workload_profile
 from slurm_cdgpc.gpu.simulated import SimulatedGpu, node_gpu_kinds, simulated_gpus
+from slurm_cdgpc.wire.board import BoardDescription
 
 logger = logging.getLogger(__name__)
 

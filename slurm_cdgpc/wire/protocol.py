@@ -34,8 +34,8 @@ the GPU could not be read, or when one value was implausible, and ``error`` says
 latest progress each job reported (one entry per job and reporting uid), and the setpoints the
 agent ``refused`` (with the reason). See `ExchangeResponse`.
 
-This module imports only the standard library and `slurm_cdgpc.errors`: the progress client uses
-it inside training jobs.
+This module imports only the standard library, `slurm_cdgpc.errors` and, when a response carries
+boards, `slurm_cdgpc.wire.board`: the progress client uses it inside training jobs.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ from typing import TYPE_CHECKING, Any, Final, TypeGuard
 from slurm_cdgpc.errors import InputError
 
 if TYPE_CHECKING:
-    from slurm_cdgpc.gpu.board import BoardDescription
+    from slurm_cdgpc.wire.board import BoardDescription
 
 VERSION: Final = 1
 MAX_MESSAGE_BYTES: Final = 1024 * 1024
@@ -709,7 +709,8 @@ class ExchangeResponse:
 
 
 def _board(value: object, where: str) -> BoardDescription:
-    from slurm_cdgpc.gpu.board import BoardDescription  # noqa: PLC0415 (only when described)
+    # only when described: the progress client need not load hashlib
+    from slurm_cdgpc.wire.board import BoardDescription  # noqa: PLC0415
 
     try:
         return BoardDescription.from_dict(value, where)

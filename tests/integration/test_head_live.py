@@ -22,9 +22,9 @@ from typing import Any
 
 import pytest
 
-from slurm_cdgpc.gpu.board import BoardDescription
 from slurm_cdgpc.transport.auth import HmacKey, HmacSigner
 from slurm_cdgpc.transport.http import HeadClient
+from slurm_cdgpc.wire.board import BoardDescription
 from tests.integration.processes import daemon_env, spawn, write_hmac_key
 from tests.integration.processes import free_port as _free_port
 from tests.integration.processes import wait_for as _wait

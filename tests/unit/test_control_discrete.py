@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from slurm_cdgpc.control.discrete import ClockGrid, discretise
 from slurm_cdgpc.control.dual import DualProblem, solve_price
 from slurm_cdgpc.errors import InputError
-from slurm_cdgpc.gpu.device import ClockTable
+from slurm_cdgpc.wire.board import ClockTable
 from tests.unit.problems import build_problem
 
 HBM = ClockTable(memory_mhz=(1593,), graphics_mhz={1593: tuple(range(1410, 209, -15))})

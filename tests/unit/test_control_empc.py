@@ -13,8 +13,8 @@ from slurm_cdgpc.control.empc import (
     QueueState,
 )
 from slurm_cdgpc.errors import InputError
-from slurm_cdgpc.gpu.device import ClockTable
 from slurm_cdgpc.model.estimator import JobEstimator, JobStatics
+from slurm_cdgpc.wire.board import ClockTable
 
 A100 = ClockTable(memory_mhz=(1593,), graphics_mhz={1593: tuple(range(1410, 209, -15))})
 

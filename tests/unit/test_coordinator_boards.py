@@ -8,7 +8,8 @@ from pathlib import Path
 
 import numpy as np
 
-from slurm_cdgpc.gpu.board import BoardDescription, spec_from_board
+from slurm_cdgpc.gpu.board import spec_from_board
+from slurm_cdgpc.wire.board import BoardDescription
 from tests.unit.test_coordinator_daemon import A100, MakeCluster, make_cluster
 
 __all__ = ["make_cluster"]  # the fixture, imported to be found

@@ -13,11 +13,11 @@ from slurm_cdgpc.errors import InputError
 from slurm_cdgpc.gpu.board import (
     GENERIC_IDLE_SHARE,
     GENERIC_KNEE_SHARE,
-    BoardDescription,
     board_from_nvidia_smi_xml,
     spec_from_board,
 )
 from slurm_cdgpc.gpu.catalog import CATALOG, catalog_spec
+from slurm_cdgpc.wire.board import BoardDescription
 
 DATA = Path(__file__).resolve().parent.parent / "data" / "nvml"
 DUMPS = {

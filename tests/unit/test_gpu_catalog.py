@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from slurm_cdgpc.errors import InputError, UnsupportedClockError
-from slurm_cdgpc.gpu.board import BoardDescription
 from slurm_cdgpc.gpu.catalog import CATALOG, catalog_spec
+from slurm_cdgpc.wire.board import BoardDescription
 
 
 @pytest.mark.parametrize(

@@ -30,8 +30,9 @@ from slurm_cdgpc.errors import (
     UnsupportedClockError,
     UnsupportedPowerLimitError,
 )
-from slurm_cdgpc.gpu.device import LockedClocks, PowerLimitRange, ThrottleReason, lock_overridden
+from slurm_cdgpc.gpu.device import LockedClocks, ThrottleReason, lock_overridden
 from slurm_cdgpc.gpu.nvml import NvmlGpu, NvmlGpuSet, nvml_is_available, open_nvml_gpus, probe
+from slurm_cdgpc.wire.board import PowerLimitRange
 
 DATA = Path(__file__).resolve().parent.parent / "data" / "nvml"
 PACKAGE = Path(__file__).resolve().parent.parent.parent / "slurm_cdgpc"

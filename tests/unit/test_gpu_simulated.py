@@ -17,11 +17,12 @@ from slurm_cdgpc.errors import (
     UnsupportedClockError,
     UnsupportedPowerLimitError,
 )
-from slurm_cdgpc.gpu.board import BoardDescription, spec_from_board
+from slurm_cdgpc.gpu.board import spec_from_board
 from slurm_cdgpc.gpu.catalog import catalog_spec
 from slurm_cdgpc.gpu.device import LockedClocks, ThrottleReason, lock_overridden
 from slurm_cdgpc.gpu.plant import NoiseModel, workload_profile
 from slurm_cdgpc.gpu.simulated import ManualClock, SimulatedGpu, node_gpu_kinds, simulated_gpus
+from slurm_cdgpc.wire.board import BoardDescription
 
 QUIET = NoiseModel(power_rel=0.0, time_rel=0.0)
 
