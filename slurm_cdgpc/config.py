@@ -11,7 +11,7 @@ a typo must not silently fall back to a default. Other ``CDGPC_*`` variables (``
 ``CDGPC_CONFIG``, ``CDGPC_DATA_DIR``) are not settings and are left alone.
 
 This module imports only the standard library and `slurm_cdgpc.units`: the Prolog and Epilog
-read the head's URL from it and must start in milliseconds.
+read the head's and the local agent's URLs from it and must start in milliseconds.
 """
 
 from __future__ import annotations
@@ -211,6 +211,20 @@ class Config:
     retention: RetentionConfig = RetentionConfig()
     #: the file that was read (None: defaults and environment only)
     path: Path | None = None
+
+
+#: where a node reaches its own agent when the agent listens on every address
+_WILDCARDS = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}
+
+
+def agent_url(config: Config) -> str:
+    """Where this node's agent listens (``node.listen_address``, ``node.listen_port``), as seen
+    from this node."""
+    address = config.node.listen_address
+    host = _WILDCARDS.get(address, address)
+    if ":" in host:
+        host = f"[{host}]"
+    return f"http://{host}:{config.node.listen_port}"
 
 
 # -- value parsers: each returns the typed value or raises _BadValueError("must be ...") ------

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
-from slurm_cdgpc.config import Config
+from slurm_cdgpc.config import Config, agent_url
 from slurm_cdgpc.errors import CdgpcError
 from slurm_cdgpc.gpu.device import ThrottleReason
 from slurm_cdgpc.transport.credentials import signer_from_config, verifier_from_config
@@ -79,8 +79,6 @@ def _reachable(name: str, url: str, hint: str) -> Check:
 
 
 def _agent(config: Config) -> Check:
-    from slurm_cdgpc.agent.forward import agent_url  # noqa: PLC0415 (node-side only)
-
     return _reachable("agent", agent_url(config), "start cdgpc-noded (systemctl start cdgpc-noded)")
 
 

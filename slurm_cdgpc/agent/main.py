@@ -1,7 +1,8 @@
 """``cdgpc-noded [--config PATH] [--node-name NAME]``: the node agent.
 
-``cdgpc-noded exchange [--config PATH]`` is the node end of the SSH transport: the head runs it
-over ssh, it relays one exchange (JSON on stdin) to the running agent and prints the reply.
+``cdgpc-noded exchange [--config PATH]`` is the node end of the SSH transport
+(`slurm_cdgpc.transport.forward`): the head runs it over ssh, it relays one exchange (JSON on
+stdin) to the running agent and prints the reply.
 
 Start-up, in this order: load the config; open the GPUs (``node.backend``: ``nvml`` or
 ``simulated``); build the `NodeAgent`, which resets every GPU first if a crash left a state file;
@@ -67,7 +68,7 @@ SPOOL_FORWARD_PERIOD_S: Final = 30.0
 def main(argv: Sequence[str] | None = None) -> int:
     words = list(sys.argv[1:] if argv is None else argv)
     if words[:1] == ["exchange"]:  # the SSH transport: one exchange, JSON on stdin and stdout
-        from slurm_cdgpc.agent.forward import main as exchange_main  # noqa: PLC0415
+        from slurm_cdgpc.transport.forward import main as exchange_main  # noqa: PLC0415
 
         return exchange_main(words[1:])
     parser = argparse.ArgumentParser(

@@ -50,8 +50,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Final
 
-from slurm_cdgpc.agent.forward import agent_url
-from slurm_cdgpc.config import load_config
+from slurm_cdgpc.config import agent_url, load_config
 from slurm_cdgpc.errors import CdgpcError, InputError, SoftError
 from slurm_cdgpc.slurm.comment import (
     Deadline,

@@ -8,7 +8,7 @@ and concurrently, ::
 with the `ExchangeRequest` JSON on stdin, signed by the head as over HTTP (an ``Authorization:``
 line before the body), and reads the agent's `ExchangeResponse` JSON from stdout after its
 reply credential (an ``X-Cdgpc-Reply-Auth:`` line). On the node, ``cdgpc-noded exchange``
-(`slurm_cdgpc.agent.forward`) hands the request with the head's credential to the local agent,
+(`slurm_cdgpc.transport.forward`) hands the request with the head's credential to the local agent,
 which authenticates it exactly as an HTTP exchange, and relays the agent's signed answer; the
 head checks that answer as it checks one over HTTP, end to end, so nothing that answers on the
 agent's port instead of the agent can pass for it. SSH authenticates the head to the node (and
@@ -57,7 +57,7 @@ from slurm_cdgpc.wire.protocol import (
 logger = logging.getLogger(__name__)
 
 DEFAULT_SSH_PATH: Final = "/usr/bin/ssh"
-#: what the head runs on the node: ``cdgpc-noded exchange`` (`slurm_cdgpc.agent.forward`)
+#: what the head runs on the node: ``cdgpc-noded exchange`` (`slurm_cdgpc.transport.forward`)
 DEFAULT_REMOTE_COMMAND: Final = ("cdgpc-noded", "exchange")
 SSH_SCHEME: Final = "ssh"
 #: cap on what ssh may write to stderr (banners, warnings, one error line)

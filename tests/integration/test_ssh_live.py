@@ -132,7 +132,7 @@ def _forwarder(config: Path) -> list[str]:
         f"PYTHONPATH={REPO}",
         sys.executable,
         "-m",
-        "slurm_cdgpc.agent.forward",
+        "slurm_cdgpc.transport.forward",
         "--config",
         str(config),
     ]

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from slurm_cdgpc.agent import forward
-from slurm_cdgpc.config import Config, NodeConfig
+from slurm_cdgpc.config import Config, NodeConfig, agent_url
 from slurm_cdgpc.errors import InputError
+from slurm_cdgpc.transport import forward
 from slurm_cdgpc.transport.auth import REPLY_HEADER, HmacKey, HmacSigner, HmacVerifier
 from slurm_cdgpc.transport.http import NodeFailure, NodeTarget
 from slurm_cdgpc.transport.ssh import REQUEST_HEADER, SshExchanger, open_envelope, ssh_url
@@ -403,12 +403,12 @@ def test_forwarder_reads_the_heads_credential_before_the_request() -> None:
     ],
 )
 def test_forwarder_reaches_the_agent_where_it_listens(address: str, url: str) -> None:
-    assert forward.agent_url(Config(node=NodeConfig(listen_address=address))) == url
+    assert agent_url(Config(node=NodeConfig(listen_address=address))) == url
 
 
 def test_forwarder_fails_with_one_line_and_nothing_on_stdout(tmp_path: Path) -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "slurm_cdgpc.agent.forward", "--config", str(tmp_path / "none")],
+        [sys.executable, "-m", "slurm_cdgpc.transport.forward", "--config", str(tmp_path / "none")],
         input=b"not json",
         capture_output=True,
         timeout=30,

@@ -19,6 +19,9 @@ its JSON is written.
 
 On any failure it writes nothing to stdout, ``Error: <one line>`` to stderr, and exits non-zero
 (2: bad request or configuration, 1: the agent could not be reached or refused).
+
+It reaches the agent over HTTP only and imports nothing of `slurm_cdgpc.agent`
+(`tests/unit/test_import_graph.py`).
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import BinaryIO, Final
 
-from slurm_cdgpc.config import Config, load_config
+from slurm_cdgpc.config import Config, agent_url, load_config
 from slurm_cdgpc.errors import SoftError
 from slurm_cdgpc.service import serve
 from slurm_cdgpc.transport.auth import MAX_CREDENTIAL_CHARS, REPLY_HEADER
@@ -56,8 +59,6 @@ logger = logging.getLogger(__name__)
 DEFAULT_TIMEOUT_S: Final = 10.0
 #: the longest ``Authorization:`` line before the request (the credential's cap and the name)
 _MAX_CREDENTIAL_LINE: Final = MAX_CREDENTIAL_CHARS + 64
-#: where to reach an agent that listens on every address
-_WILDCARDS: Final = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}
 
 
 class AgentUnreachableError(SoftError):
@@ -112,15 +113,6 @@ def read_request(stream: BinaryIO, limit_bytes: int = MAX_MESSAGE_BYTES) -> Exch
     if len(data) > limit_bytes:
         raise MessageTooLargeError(f"request is larger than {limit_bytes} bytes")
     return ExchangeRequest.from_json(data)
-
-
-def agent_url(config: Config) -> str:
-    """Where this node's agent listens, as seen from this node."""
-    address = config.node.listen_address
-    host = _WILDCARDS.get(address, address)
-    if ":" in host:
-        host = f"[{host}]"
-    return f"http://{host}:{config.node.listen_port}"
 
 
 def relay(config: Config, credential: str, body: bytes, *, timeout_s: float) -> bytes:
