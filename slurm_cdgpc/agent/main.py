@@ -40,7 +40,7 @@ from types import FrameType
 from typing import Final
 
 from slurm_cdgpc.agent.node import NodeAgent
-from slurm_cdgpc.agent.progress import ProgressServer
+from slurm_cdgpc.agent.progress import ProgressServer, socket_reporter
 from slurm_cdgpc.agent.server import AgentHttpServer
 from slurm_cdgpc.config import Config, load_config
 from slurm_cdgpc.errors import CdgpcError, FatalError, InputError
@@ -100,7 +100,7 @@ def open_gpus(config: Config, node_name: str) -> GpuSet:
             # TYPE:N,TYPE:N gives its own counts; simulated_gpu_count is for one TYPE
             None if ":" in kinds or "," in kinds else node.simulated_gpu_count,
             seed=seed,
-            progress_socket=node.progress_socket,
+            report=socket_reporter(node.progress_socket),
         )
         faults_file = os.environ.get(SIMULATED_FAULTS_ENV, "").strip()
         if faults_file:

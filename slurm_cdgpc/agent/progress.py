@@ -107,6 +107,18 @@ def report_progress(
     return True
 
 
+def socket_reporter(path: Path) -> Callable[[str, int, int | None], bool]:
+    """``report(job_id, step, total)`` to the agent listening at ``path``: how the simulated
+    jobs of `slurm_cdgpc.gpu.workloads` report, as a training job would."""
+
+    def report(job_id: str, step: int, total: int | None) -> bool:
+        if not path.exists():
+            return False  # the agent is starting or stopping: report at the next poll
+        return report_progress(step, total, job_id=job_id, path=path)
+
+    return report
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """``cdgpc-progress STEP [TOTAL]``: report progress of ``$SLURM_JOB_ID`` to the node agent."""
     parser = argparse.ArgumentParser(

@@ -15,10 +15,11 @@ them, and a production agent must never read them from its config file):
     node's GPU type (`slurm_cdgpc.gpu.plant`) to every listed GPU, with the iteration time at top
     clocks replaced by ``iteration_time_s`` when given (a trace knows duration / iterations), and
     reports the job's progress (the slowest GPU's whole iterations: a synchronous job runs at the
-    pace of its slowest GPU) through the node's progress socket, exactly as a training job does
-    with ``cdgpc-progress``. When the job has done ``iterations`` its GPUs idle and the runner
-    writes ``<job_id>.exit``: the job's processes ended. Removing the launch file (the
-    replayer's Epilog) forgets the job, idling its GPUs if it was still running (cancelled).
+    pace of its slowest GPU) through the `Reporter` it is given: the agent's writes to the
+    node's progress socket, exactly as a training job does with ``cdgpc-progress``. When the job
+    has done ``iterations`` its GPUs idle and the runner writes ``<job_id>.exit``: the job's
+    processes ended. Removing the launch file (the replayer's Epilog) forgets the job, idling
+    its GPUs if it was still running (cancelled).
 ``CDGPC_SIMULATED_SPEED``
     simulated seconds per wall-clock second for the GPUs' work (default 1). Power is still
     watts; iterations, energy and Hopper's power averaging run on the accelerated clock. Leases,
@@ -28,6 +29,9 @@ them, and a production agent must never read them from its config file):
 The agent's threads and the runner's both use the GPUs: every public call of a `SharedSimulatedGpu`
 holds one lock per node (a `SimulatedGpu` advances its state lazily on every call, which is not
 safe from two threads at once).
+
+Like all of `slurm_cdgpc.gpu`, this module imports nothing above the GPU floor
+(`tests/unit/test_import_graph.py`): whoever builds the runner hands it the way to report.
 """
 
 from __future__ import annotations
@@ -45,7 +49,6 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Final
 
-from slurm_cdgpc.agent.progress import report_progress
 from slurm_cdgpc.errors import CdgpcError, InputError
 from slurm_cdgpc.gpu.device import GpuReading, GpuSet
 from slurm_cdgpc.gpu.plant import WorkloadCalibration, WorkloadProfile, workload_profile
@@ -60,6 +63,10 @@ SPEED_ENV: Final = "CDGPC_SIMULATED_SPEED"
 POLL_PERIOD_S: Final = 0.25
 LAUNCH_SUFFIX: Final = ".json"
 EXIT_SUFFIX: Final = ".exit"
+
+#: report(job_id, step, total): True once the node agent recorded it (until then the runner
+#: reports again at its next poll)
+Reporter = Callable[[str, int, int], bool]
 
 
 class AcceleratedClock:
@@ -190,23 +197,16 @@ class JobRunner:
         self,
         gpus: Sequence[SimulatedGpu],
         directory: Path,
-        progress_socket: Path | None,
+        report: Reporter,
         *,
         clock: Callable[[], float] = time.time,
-        report: Callable[[str, int, int], bool] | None = None,
     ) -> None:
         self.gpus = {g.index: g for g in gpus}
         self.directory = directory
-        self.progress_socket = progress_socket
         self._clock = clock
-        self._report = report or self._report_to_socket
+        self._report = report
         self._jobs: dict[str, _Running] = {}
         self._refused: set[str] = set()
-
-    def _report_to_socket(self, job_id: str, step: int, total: int) -> bool:
-        if self.progress_socket is None or not self.progress_socket.exists():
-            return False  # the agent is starting or stopping: report at the next poll
-        return report_progress(step, total, job_id=job_id, path=self.progress_socket)
 
     @property
     def running(self) -> dict[str, int]:
@@ -300,13 +300,13 @@ def simulated_node(
     count: int | None,
     *,
     seed: int,
-    progress_socket: Path | None,
+    report: Reporter,
     env: dict[str, str] | None = None,
 ) -> GpuSet:
     """The node's simulated GPUs, of the kinds ``spec_name`` names (`node_gpu_kinds`: one
     catalog type, ``TYPE:N,…`` mixes, recorded ``.json`` boards); with `JOBS_DIR_ENV` set, a
-    `JobRunner` thread runs jobs on them, and with `SPEED_ENV` set, they work on an
-    `AcceleratedClock`."""
+    `JobRunner` thread runs jobs on them and reports their progress with ``report``, and with
+    `SPEED_ENV` set, they work on an `AcceleratedClock`."""
     environ = dict(os.environ) if env is None else env
     speed_text = environ.get(SPEED_ENV, "").strip()
     jobs_dir = environ.get(JOBS_DIR_ENV, "").strip()
@@ -326,7 +326,7 @@ def simulated_node(
         directory = Path(jobs_dir)
         if not directory.is_dir():
             raise InputError(f"{JOBS_DIR_ENV}: {directory} is not a directory")
-        runner = JobRunner(devices, directory, progress_socket)
+        runner = JobRunner(devices, directory, report)
         threading.Thread(
             target=runner.run, args=(threading.Event(),), name="simulated-jobs", daemon=True
         ).start()

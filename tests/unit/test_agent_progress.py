@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from slurm_cdgpc.agent.progress import ProgressServer, main, report_progress
+from slurm_cdgpc.agent.progress import ProgressServer, main, report_progress, socket_reporter
 from slurm_cdgpc.errors import FatalError, InputError
 from slurm_cdgpc.wire.protocol import ProtocolError
 
@@ -114,6 +114,17 @@ def test_absent_agent_is_a_warning_not_a_failure(
 ) -> None:
     assert not report_progress(1, job_id="1", path=short_dir / "nothing.sock")
     assert "no node agent socket" in caplog.text
+
+
+def test_the_simulated_jobs_reporter_waits_for_the_socket(
+    server: tuple[ProgressServer, list[Record]], short_dir: Path
+) -> None:
+    srv, records = server
+    assert not socket_reporter(short_dir / "not-yet.sock")("7", 1, 10)
+    report = socket_reporter(srv.path)
+    assert report("7", 3, 10) and report("7", 4, 10)
+    assert not report("666", 5, 10)  # refused by the agent: sent again at the next poll
+    assert records == [("7", 3, 10, os.getuid()), ("7", 4, 10, os.getuid())]
 
 
 def test_helper_refuses_a_missing_job_id(monkeypatch: pytest.MonkeyPatch) -> None:

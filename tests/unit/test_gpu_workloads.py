@@ -32,7 +32,7 @@ def test_a_launched_job_runs_reports_progress_and_exits(tmp_path: Path) -> None:
     gpus = _node(clock)
     reports: list[tuple[str, int, int]] = []
     runner = JobRunner(
-        gpus, tmp_path, None, report=lambda j, step, total: reports.append((j, step, total)) or True
+        gpus, tmp_path, lambda j, step, total: reports.append((j, step, total)) or True
     )
     launch = Launch("1001", (1, 2), "resnet50", iterations=1000, iteration_time_s=0.5)
     write_atomically(tmp_path / "1001.json", launch.to_dict())
@@ -69,7 +69,7 @@ def test_removing_a_running_job_idles_its_gpus_and_a_bad_launch_is_refused(
 ) -> None:
     clock = ManualClock()
     gpus = _node(clock, 2)
-    runner = JobRunner(gpus, tmp_path, None, report=lambda *_: True)
+    runner = JobRunner(gpus, tmp_path, lambda *_: True)
     write_atomically(tmp_path / "7.json", Launch("7", (0,), "bert", 10**6).to_dict())
     write_atomically(tmp_path / "8.json", Launch("8", (0,), "bert", 10).to_dict())  # GPU taken
     write_atomically(tmp_path / "9.json", {"job_id": "9", "gpus": [5], "workload": "bert"})
@@ -97,7 +97,7 @@ def test_accelerated_clock_and_plain_nodes() -> None:
     with pytest.raises(InputError):
         AcceleratedClock(0.0)
     # without the demo's variables a simulated node is the plain backend, as before
-    plain = simulated_node("A40", 2, seed=1, progress_socket=None, env={})
+    plain = simulated_node("A40", 2, seed=1, report=lambda *_: True, env={})
     assert not any(isinstance(g, SharedSimulatedGpu) for g in plain)
     with pytest.raises(InputError, match="CDGPC_SIMULATED_SPEED"):
-        simulated_node("A40", 2, seed=1, progress_socket=None, env={"CDGPC_SIMULATED_SPEED": "x"})
+        simulated_node("A40", 2, seed=1, report=lambda *_: True, env={"CDGPC_SIMULATED_SPEED": "x"})
