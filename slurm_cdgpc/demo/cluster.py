@@ -34,7 +34,7 @@ from typing import Any, Final
 from slurm_cdgpc.config import Config, load_config
 from slurm_cdgpc.errors import CdgpcError, FatalError
 from slurm_cdgpc.gpu.workloads import JOBS_DIR_ENV, SPEED_ENV
-from slurm_cdgpc.transport.credentials import signer_from_config
+from slurm_cdgpc.transport.credentials import munge_works, signer_from_config
 from slurm_cdgpc.transport.http import HeadClient
 
 logger = logging.getLogger(__name__)
@@ -91,23 +91,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def munge_works(timeout_s: float = 3.0) -> bool:
-    """Whether a credential from ``munge -n`` decodes with ``unmunge`` (munged is up)."""
-    munge, unmunge = shutil.which("munge"), shutil.which("unmunge")
-    if munge is None or unmunge is None:
-        return False
-    try:
-        credential = subprocess.run(
-            [munge, "-n"], capture_output=True, timeout=timeout_s, check=True
-        ).stdout
-        subprocess.run(
-            [unmunge], input=credential, capture_output=True, timeout=timeout_s, check=True
-        )
-    except (OSError, subprocess.SubprocessError):
-        return False
-    return True
 
 
 def _die_with_parent() -> None:

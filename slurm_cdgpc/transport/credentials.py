@@ -3,10 +3,13 @@
 The HMAC key file must be root-only (`HmacKey.load` checks); MUNGE talks to the configured
 munged socket. Verifiers carry a replay cache sized by the allowed clock skew. A MUNGE signer
 accepts the head's signed answers from root or ``auth.slurm_user`` (the accounts the agents let
-send setpoints), and the agents' from root only.
+send setpoints), and the agents' from root only. `munge_works` says whether this machine's
+munged answers at all (the demo picks MUNGE when it does).
 """
 
 from __future__ import annotations
+
+import subprocess
 
 from slurm_cdgpc.config import Config
 from slurm_cdgpc.errors import InputError
@@ -48,3 +51,22 @@ def verifier_from_config(config: Config) -> Verifier:
     if auth.method == "hmac":
         return HmacVerifier(HmacKey.load(auth.hmac_key_file, owner_uid=0), replay_cache=cache)
     return MungeVerifier(socket=auth.munge_socket, replay_cache=cache)
+
+
+def munge_works(timeout_s: float = 3.0) -> bool:
+    """Whether a credential from ``munge -n`` decodes with ``unmunge`` (munged is up)."""
+    import shutil  # noqa: PLC0415 (the Prolog imports this module and never asks)
+
+    munge, unmunge = shutil.which("munge"), shutil.which("unmunge")
+    if munge is None or unmunge is None:
+        return False
+    try:
+        credential = subprocess.run(
+            [munge, "-n"], capture_output=True, timeout=timeout_s, check=True
+        ).stdout
+        subprocess.run(
+            [unmunge], input=credential, capture_output=True, timeout=timeout_s, check=True
+        )
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return True

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from slurm_cdgpc.demo.cluster import munge_works
+from slurm_cdgpc.transport.credentials import munge_works
 
 pytestmark = pytest.mark.live
 
