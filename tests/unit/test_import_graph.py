@@ -9,9 +9,10 @@ house") says why the layers are what they are.
 A module runs a program when it holds an absolute path ending in the program's name
 (``"/usr/bin/scontrol"``) anywhere, or the program's name in an argv place: the first item of a
 list or tuple display, or the first argument (its first word) of a ``subprocess``,
-``os.exec*``, ``os.spawn*``, ``os.posix_spawn*``, ``asyncio.create_subprocess_*`` or
-``shutil.which`` call. A name in such a place counts as the strings it may be bound to: a
-module constant, a parameter's default, a constant imported from another module.
+``os.system``, ``os.popen``, ``os.exec*``, ``os.spawn*``, ``os.posix_spawn*``,
+``asyncio.create_subprocess_*`` or ``shutil.which`` call. A name in such a place counts as the
+strings it may be bound to: a module constant, a parameter's default, a constant imported from
+another module.
 """
 
 from __future__ import annotations
@@ -384,6 +385,8 @@ _RUNNERS = frozenset(
         "subprocess.getoutput",
         "subprocess.getstatusoutput",
         "shutil.which",
+        "os.system",
+        "os.popen",
         "asyncio.create_subprocess_exec",
         "asyncio.create_subprocess_shell",
     }
@@ -591,6 +594,11 @@ PUT_BACK: tuple[tuple[str, str, str], ...] = (
         "import subprocess\nSCANCEL = 'scancel'\n"
         "def _cancel(job: str, cmd: str = SCANCEL) -> None:\n    subprocess.run([cmd, job])",
         "slurm_cdgpc.coordinator.reconcile runs scancel",
+    ),
+    (
+        "slurm_cdgpc/cli/admin.py",
+        "import os\n_ = os.system('sinfo -h')",
+        "slurm_cdgpc.cli.admin runs sinfo",
     ),
     (
         "slurm_cdgpc/sim/sweep.py",
