@@ -3,8 +3,8 @@
 Every module under ``slurm_cdgpc/`` is parsed with `ast`, and every import counts: at module
 level, inside functions, under ``TYPE_CHECKING``, relative ones resolved, and
 ``importlib.import_module``/``__import__`` of a constant name. Each rule is one row of a table
-below; a failure names the module, the import (or the program) and the rule. STYLE.md ("The
-house") says why the layers are what they are.
+below; a failure names the module, the import (or the program) and the rule. DESIGN.md ("Data
+flow") says why the layers are what they are.
 
 A module runs a program when it holds an absolute path ending in the program's name
 (``"/usr/bin/scontrol"``) anywhere, or the program's name in an argv place: the first item of a
