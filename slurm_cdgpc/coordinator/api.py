@@ -45,7 +45,7 @@ from urllib.parse import parse_qs, urlsplit
 
 from slurm_cdgpc.coordinator.daemon import Coordinator, IntervalReport, JobView
 from slurm_cdgpc.coordinator.metrics import CONTENT_TYPE
-from slurm_cdgpc.errors import CdgpcError, InputError
+from slurm_cdgpc.errors import CdgpcError, InputError, one_line
 from slurm_cdgpc.store import ACTIVE_STATES, BudgetChange, DecisionRecord, Job, Node, StoreError
 from slurm_cdgpc.transport.auth import (
     HEAD_RESPONDER,
@@ -602,7 +602,7 @@ class _Handler(JsonHandler):
         self.close_connection = True
         if self.command == "POST" and urlsplit(self.path).path == "/v1/jobs":
             self._count_registration(status)
-        self._send(status, {"error": " ".join(message.split())[:500]}, allow=allow)
+        self._send(status, {"error": one_line(message, 500)}, allow=allow)
 
     def _count_registration(self, status: HTTPStatus) -> None:
         elapsed_s = time.monotonic() - self._began_s

@@ -94,7 +94,7 @@ from typing import NamedTuple, NoReturn
 import numpy as np
 import numpy.typing as npt
 
-from slurm_cdgpc.errors import InputError
+from slurm_cdgpc.errors import InputError, one_line
 
 logger = logging.getLogger(__name__)
 
@@ -108,7 +108,7 @@ JOB_TYPES = ("strict", "soft", "best-effort", "")
 
 _MAX_TIME_S = 1e12  # ~31,700 years: bounds every time and span, so sums of two stay finite
 _MAX_COUNT = 2**31 - 1  # GPUs of one job
-_SHOWN_CHARS = 40  # longest cell quoted in an error message
+_SHOWN_CHARS = 43  # longest cell quoted in an error message (40 and "...")
 _CHRONUS_S_PER_UNIT = 60.0  # Chronus traces are in minutes
 _CHRONUS_JOB_TYPES = {"strict": "strict", "soft": "soft", "best": "best-effort"}
 _CDGPC_JOB_TYPES = {"strict": "strict", "soft": "soft", "best-effort": "best-effort", "": ""}
@@ -258,10 +258,8 @@ def cdgpc(path: str | os.PathLike[str]) -> Trace:
 
 
 def _quote(text: str) -> str:
-    """``text`` in quotes for an error message: escaped, cut short, always one line."""
-    if len(text) > _SHOWN_CHARS:
-        text = text[:_SHOWN_CHARS] + "..."
-    return repr(text)
+    """``text`` in quotes for an error message: cut short, always one printable line."""
+    return f"'{one_line(text, _SHOWN_CHARS, empty='')}'"
 
 
 def _read_text(path: Path) -> tuple[str, str]:

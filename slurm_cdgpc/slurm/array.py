@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Final
 
-from slurm_cdgpc.errors import FatalError, SoftError
+from slurm_cdgpc.errors import FatalError, SoftError, one_line
 
 SBATCH: Final = "sbatch"
 SQUEUE: Final = "squeue"
@@ -46,11 +46,6 @@ class SbatchError(FatalError):
 
 class ArrayPollError(SoftError):
     """``squeue`` could not say whether a job array still runs."""
-
-
-def _first_line(text: str) -> str:
-    lines = [line.strip() for line in text.splitlines() if line.strip()]
-    return lines[0][:300] if lines else "no message"
 
 
 def array_script(
@@ -89,7 +84,9 @@ def submit_array(
     except (OSError, subprocess.TimeoutExpired) as e:
         raise SbatchError(f"{sbatch} failed: {e}") from e
     if result.returncode != 0:
-        raise SbatchError(f"{sbatch} exited {result.returncode}: {_first_line(result.stderr)}")
+        raise SbatchError(
+            f"{sbatch} exited {result.returncode}: {one_line(result.stderr, keep='first')}"
+        )
     job_id = result.stdout.strip().split(";")[0]  # --parsable: ID or ID;CLUSTER
     if not _JOB_ID.fullmatch(job_id):
         raise SbatchError(f"{sbatch} printed {result.stdout.strip()[:80]!r}, not a job id")
@@ -110,7 +107,9 @@ def array_active(
     if result.returncode != 0:
         if "invalid job id" in result.stderr.lower():
             return False  # purged from slurmctld's memory: long finished
-        raise ArrayPollError(f"{squeue} exited {result.returncode}: {_first_line(result.stderr)}")
+        raise ArrayPollError(
+            f"{squeue} exited {result.returncode}: {one_line(result.stderr, keep='first')}"
+        )
     states = {line.strip() for line in result.stdout.splitlines() if line.strip()}
     return bool(states - FINISHED_STATES)
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta, timezone, tzinfo
 from typing import Final
 
-from slurm_cdgpc.errors import InputError
+from slurm_cdgpc.errors import InputError, one_line
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ _ISO: Final = re.compile(
 )
 _COUNT: Final = re.compile(r"[0-9]{1,16}")
 _UNIT_S: Final = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
-_CLIP_CHARS: Final = 40
+_CLIP_CHARS: Final = 43  # 40 and "...", as job_submit.lua shows them
 
 
 @dataclass(frozen=True)
@@ -90,8 +90,7 @@ class Deadline:
 
 
 def _clip(value: str) -> str:
-    shown = "".join(c if c.isprintable() else "?" for c in value[:_CLIP_CHARS])
-    return shown + ("..." if len(value) > _CLIP_CHARS else "")
+    return one_line(value, _CLIP_CHARS, empty="")
 
 
 def _bad_deadline(value: str) -> InputError:

@@ -47,7 +47,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final, TypeGuard
 
-from slurm_cdgpc.errors import InputError
+from slurm_cdgpc.errors import InputError, one_line
 
 if TYPE_CHECKING:
     from slurm_cdgpc.gpu.board import BoardDescription
@@ -85,8 +85,7 @@ class MessageTooLargeError(ProtocolError):
 
 
 def _got(value: object) -> str:
-    text = repr(value)
-    return f"got {text if len(text) <= 60 else text[:57] + '...'}"
+    return f"got {one_line(repr(value), 60)}"
 
 
 def _fields(
