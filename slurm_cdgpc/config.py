@@ -10,8 +10,8 @@ Unknown sections and keys are errors, in the file and in ``CDGPC_<SECTION>_*`` v
 a typo must not silently fall back to a default. Other ``CDGPC_*`` variables (``CDGPC_DEBUG``,
 ``CDGPC_CONFIG``, ``CDGPC_DATA_DIR``) are not settings and are left alone.
 
-This module imports only the standard library and `slurm_cdgpc.units`: the Prolog and Epilog
-read the head's URL from it and must start in milliseconds.
+This module imports only the standard library, `slurm_cdgpc.units` and `slurm_cdgpc.wire.names`:
+the Prolog and Epilog read the head's URL from it and must start in milliseconds.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from urllib.parse import urlsplit
 
 from slurm_cdgpc.errors import InputError
 from slurm_cdgpc.units import parse_duration_s, parse_power_w
+from slurm_cdgpc.wire.names import ACCOUNT, NODE_NAME
 
 logger = logging.getLogger(__name__)
 
@@ -356,15 +357,12 @@ def _absolute_path(value: object) -> Path:
     raise _BadValueError(f"must be an absolute path, {_got(value)}")
 
 
-_HOSTNAME = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?$")
-
-
 def _listen_address(value: object) -> str:
     if isinstance(value, str):
         try:
             return str(ipaddress.ip_address(value))
         except ValueError:
-            if _HOSTNAME.match(value):
+            if NODE_NAME.fullmatch(value):
                 return value
     raise _BadValueError(f"must be an IP address or host name like 0.0.0.0, {_got(value)}")
 
@@ -395,11 +393,8 @@ def _store_url(value: object) -> str:
     )
 
 
-_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]*\$?$")
-
-
 def _account_name(value: object) -> str:
-    if isinstance(value, str) and _NAME.match(value) and len(value) <= 64:
+    if isinstance(value, str) and ACCOUNT.fullmatch(value):
         return value
     raise _BadValueError(f"must be a user or group name, {_got(value)}")
 

@@ -8,7 +8,6 @@
 
 from __future__ import annotations
 
-import re
 import shlex
 import subprocess
 import time
@@ -17,6 +16,7 @@ from pathlib import Path
 from typing import Final
 
 from slurm_cdgpc.errors import FatalError, SoftError, one_line
+from slurm_cdgpc.wire.names import JOB_ID
 
 SBATCH: Final = "sbatch"
 SQUEUE: Final = "squeue"
@@ -37,7 +37,6 @@ FINISHED_STATES: Final = frozenset(
 )
 #: consecutive failed polls `wait_for_array` tolerates (a busy slurmctld times out now and then)
 MAX_POLL_FAILURES: Final = 5
-_JOB_ID: Final = re.compile(r"[0-9]+")
 
 
 class SbatchError(FatalError):
@@ -88,7 +87,7 @@ def submit_array(
             f"{sbatch} exited {result.returncode}: {one_line(result.stderr, keep='first')}"
         )
     job_id = result.stdout.strip().split(";")[0]  # --parsable: ID or ID;CLUSTER
-    if not _JOB_ID.fullmatch(job_id):
+    if not JOB_ID.fullmatch(job_id):
         raise SbatchError(f"{sbatch} printed {result.stdout.strip()[:80]!r}, not a job id")
     return job_id
 
