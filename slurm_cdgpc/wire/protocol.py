@@ -34,8 +34,8 @@ the GPU could not be read, or when one value was implausible, and ``error`` says
 latest progress each job reported (one entry per job and reporting uid), and the setpoints the
 agent ``refused`` (with the reason). See `ExchangeResponse`.
 
-This module imports only the standard library and `slurm_cdgpc.errors`: the progress client uses
-it inside training jobs.
+This module imports only the standard library, `slurm_cdgpc.errors` and the id grammars of
+`slurm_cdgpc.wire.names`: the progress client uses it inside training jobs.
 """
 
 from __future__ import annotations
@@ -49,7 +49,6 @@ from typing import TYPE_CHECKING, Any, Final, TypeGuard
 
 from slurm_cdgpc.errors import InputError, one_line
 from slurm_cdgpc.wire import names
-from slurm_cdgpc.wire.names import JOB_ID
 
 if TYPE_CHECKING:
     from slurm_cdgpc.gpu.board import BoardDescription
@@ -299,7 +298,7 @@ class Setpoint:
                 and (memory is None or (type(memory) is int and 1 <= memory <= MAX_CLOCK_MHZ))
                 and (limit is None or (type(limit) is float and 0.0 < limit <= MAX_POWER_LIMIT_W))
                 and type(job) is str
-                and JOB_ID.fullmatch(job)
+                and names.JOB_ID.fullmatch(job)
             ):
                 return cls(gpu, job, graphics, memory, limit)
         return cls._checked(value, where)
@@ -562,7 +561,7 @@ def _gpu_report_fast(value: object) -> GpuReport | None:
     if not (_is_text(v["uuid"]) and _is_text(v["name"]) and (error is None or _is_text(error))):
         return None
     job = v["job_id"]
-    if job is not None and not (type(job) is str and JOB_ID.fullmatch(job)):
+    if job is not None and not (type(job) is str and names.JOB_ID.fullmatch(job)):
         return None
     board = v["board"]
     if board is not None and not (type(board) is str and _DIGEST_RE.fullmatch(board)):

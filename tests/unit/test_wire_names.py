@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from slurm_cdgpc.errors import InputError
 from slurm_cdgpc.slurm.env import read_hook_env
+from slurm_cdgpc.slurm.spool import Spool, SpoolRecord
 from slurm_cdgpc.wire import names
 from slurm_cdgpc.wire.protocol import ProtocolError, job_id
 
@@ -16,9 +19,13 @@ NOT_JOB_IDS = ["", "0", "0123", "01_2", "123_04", "123+01", "12345678901", "1_12
 
 
 @pytest.mark.parametrize("text", JOB_IDS)
-def test_slurms_job_ids_are_accepted_everywhere(text: str) -> None:
+def test_slurms_job_ids_are_accepted_everywhere(text: str, tmp_path: Path) -> None:
     assert names.job_id(text) == job_id(text) == text
     assert read_hook_env({"SLURM_JOB_ID": text, "SLURM_JOB_USER": "alice"}).job_id == text
+    spool = Spool(tmp_path)
+    spool.spool("deregister", text)
+    [path] = spool.pending()  # the spool's file names take every job id
+    assert SpoolRecord.from_json(path.read_bytes()).job_id == text
 
 
 @pytest.mark.parametrize("text", NOT_JOB_IDS)
