@@ -5,8 +5,10 @@
 --
 -- The grammar is the one of slurm_cdgpc/slurm/comment.py (the Prolog's parser; keep them equal):
 --   tokens separated by commas or ASCII whitespace; `deadline=` ISO 8601
---   YYYY-MM-DD[THH:MM[:SS[.ffffff]]][Z|+HH|+HHMM|+HH:MM] (no zone: local time), `+N[.F]{s,m,h,d}`
---   (from submit), or epoch seconds; `iters=N`; keys case-insensitive; anything else left alone.
+--   YYYY-MM-DD[THH:MM[:SS[.ffffff]]][Z|+HH|+HHMM|+HH:MM] (no zone: local time), `+` a span
+--   (from submit; the span of slurm_cdgpc/units.py: one or more N[.F]{ms,s,m,min,h,d}, any case,
+--   e.g. +6h, +90m, +1h30m), or epoch seconds; `iters=N`; keys case-insensitive; anything else
+--   left alone.
 -- A malformed value refuses the job with one line, e.g.
 --   cdgpc: cannot read deadline 'tomorow': use 2026-12-01T12:00 or +6h
 -- A deadline in the past or after the time limit is accepted with a warning.
@@ -15,14 +17,26 @@ local HINT = "use 2026-12-01T12:00 or +6h"
 local MAX_EPOCH = 253402300799
 local MAX_RELATIVE = 3650 * 86400
 local MAX_ITERS = 9007199254740992
-local UNIT = { s = 1, m = 60, h = 3600, d = 86400 }
+local UNIT = { ms = 0.001, s = 1, m = 60, min = 60, h = 3600, d = 86400 }
 
 local function clip(value)
-	local shown = value:sub(1, 40):gsub("[%c\128-\255]", "?")
-	if #value > 40 then
-		shown = shown .. "..."
+	if #value > 43 then
+		value = value:sub(1, 40) .. "..."
 	end
-	return shown
+	return (value:gsub("[%c\128-\255]", "?"))
+end
+
+-- seconds of a span like 90s, 1.5h, 1h30m or 250ms, or nil
+local function parse_span(text)
+	local seconds, rest = 0, text
+	repeat
+		local int, frac, unit, after = rest:match("^(%d+)(%.?%d*)[ \t]*(%a+)(.*)$")
+		if not int or frac == "." or not UNIT[unit:lower()] then
+			return nil
+		end
+		seconds, rest = seconds + tonumber(int .. frac) * UNIT[unit:lower()], after
+	until rest == ""
+	return seconds
 end
 
 local function bad_deadline(value)
@@ -75,12 +89,8 @@ end
 
 -- returns absolute epoch seconds, or relative seconds with is_relative = true, or nil, message
 local function parse_deadline(value)
-	local int, dot, frac, unit = value:match("^%+(%d+)(%.?)(%d*)([smhdSMHD])$")
-	if int then
-		if #int > 9 or (dot == "." and (#frac < 1 or #frac > 6)) then
-			return bad_deadline(value)
-		end
-		local seconds = tonumber(int .. dot .. frac) * UNIT[unit:lower()]
+	local seconds = value:sub(1, 1) == "+" and parse_span(value:sub(2))
+	if seconds then
 		if seconds > MAX_RELATIVE then
 			return nil, "deadline '" .. clip(value) .. "' is more than 3650 days away"
 		end
@@ -160,7 +170,7 @@ local function parse_comment(text)
 				end
 				local n = tonumber(value)
 				if n < 1 or n > MAX_ITERS then
-					return nil, "iters must be between 1 and " .. MAX_ITERS .. ", got " .. value
+					return nil, "iters must be between 1 and " .. string.format("%.0f", MAX_ITERS) .. ", got " .. value
 				end
 				request.iters = n
 			end

@@ -10,8 +10,9 @@ Unknown sections and keys are errors, in the file and in ``CDGPC_<SECTION>_*`` v
 a typo must not silently fall back to a default. Other ``CDGPC_*`` variables (``CDGPC_DEBUG``,
 ``CDGPC_CONFIG``, ``CDGPC_DATA_DIR``) are not settings and are left alone.
 
-This module imports only the standard library and `slurm_cdgpc.units`: the Prolog and Epilog
-read the head's and the local agent's URLs from it and must start in milliseconds.
+This module imports only the standard library, `slurm_cdgpc.units` and `slurm_cdgpc.wire.names`:
+the Prolog and Epilog read the head's and the local agent's URLs from it and must start in
+milliseconds.
 """
 
 from __future__ import annotations
@@ -25,13 +26,14 @@ import re
 import stat
 import tomllib
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import Field, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
 from slurm_cdgpc.errors import InputError
 from slurm_cdgpc.units import parse_duration_s, parse_power_w
+from slurm_cdgpc.wire.names import ACCOUNT, NODE_NAME
 
 logger = logging.getLogger(__name__)
 
@@ -51,180 +53,6 @@ OVERRIDE_ACTIONS = ("reapply", "yield")
 
 class ConfigError(InputError):
     """A configuration value is missing, malformed or out of range (one line, names the key)."""
-
-
-# -- the typed configuration -------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class HeadConfig:
-    """[head]: where ``cdgpcd`` listens and the URL that nodes, Prolog and admins use."""
-
-    listen_address: str = "0.0.0.0"
-    listen_port: int = 8463
-    url: str = "http://localhost:8463"
-    #: how long the active head's leader lock lasts unrenewed (None: see `leader_lease`)
-    leader_lease_s: float | None = None
-    #: reconcile with ``squeue --json`` (finish jobs Slurm no longer runs, adopt unregistered
-    #: running ones), every ``reconcile_interval_s`` but never more often than every 2 intervals
-    reconcile: bool = True
-    reconcile_interval_s: float = 30.0
-
-    def leader_lease(self, interval_s: float, agent_lease_s: float) -> float:
-        """The leader lease in force: as configured, else 1.5 control intervals (renewed at
-        least once an interval, with room for a slow one), kept under the agents' lease so that
-        a standby takes over before they fall to the safe cap."""
-        if self.leader_lease_s is not None:
-            return self.leader_lease_s
-        return min(1.5 * interval_s, (interval_s + agent_lease_s) / 2)
-
-
-@dataclass(frozen=True)
-class StoreConfig:
-    """[store]: the SQLAlchemy URL of the database (SQLite file or PostgreSQL)."""
-
-    url: str = "sqlite:////var/lib/cdgpc/cdgpc.db"
-
-
-@dataclass(frozen=True)
-class ControlConfig:
-    """[control]: the controller solved every interval (DESIGN.md, "Control core").
-
-    These defaults are the controller's (`slurm_cdgpc.control.empc.ControllerSettings`): cdgpcd
-    and the simulator's ``cdgpc`` policy run with them.
-    """
-
-    interval_s: float = 30.0
-    dual_mode: str = "newton"
-    #: ε₀: fraction of the budget held back for a hard cap
-    guard_band: float = 0.002
-    #: c: the guard band is max(ε₀, c/√N) for N controlled jobs
-    guard_per_sqrt_job: float = 0.03
-    #: η: gain of the model-error offset estimate
-    offset_gain: float = 0.3
-    model_family: str = "bent"
-    power_forgetting: float = 0.95
-    time_forgetting: float = 0.98
-    #: deadline pressure of jobs without a deadline
-    default_pressure: float = 0.5
-    #: lowest core clock the controller may choose, as a fraction of the top clock
-    min_clock_fraction: float = 0.6
-    #: below the floor when nothing at or above it fits the budget
-    floor_fallback: bool = True
-    #: jobs that cannot make their deadline even at top clocks weigh as jobs without one
-    triage: bool = True
-    #: pressure on the node predicted to empty first while jobs wait and GPUs are free (0: off)
-    drain_pressure: float = 1.0
-    #: a job that does not say its total work has at most its Slurm time limit of it, at top
-    #: clocks: its pressure comes from that bound, capped at 1 (off: pressure 1 at any slack)
-    work_from_time_limit: bool = True
-    #: ... sharpened to this quantile of the share of their limit that ended jobs used (1: off)
-    limit_share_quantile: float = 0.9
-    #: κ: budget held back, in standard errors, when the plan moves to less-known clocks
-    exploration_sigmas: float = 1.0
-    #: the guard rail: each controlled GPU's power limit at its planned power times (1 + this),
-    #: so the firmware clips a model's under-prediction within a second (0: off)
-    power_limit_margin: float = 0.0
-    #: decide and record, but apply nothing
-    shadow: bool = False
-
-
-@dataclass(frozen=True)
-class BudgetConfig:
-    """[budget]: the budget to start with when the store holds none (None: uncapped)."""
-
-    initial_w: float | None = None
-
-
-@dataclass(frozen=True)
-class SafeCap:
-    """What a node falls back to when its lease lapses: exactly one of the two is set."""
-
-    clock_fraction: float | None = 0.6
-    power_w: float | None = None
-
-    def __str__(self) -> str:
-        if self.power_w is not None:
-            return f"{self.power_w:g}W per GPU"
-        return f"{self.clock_fraction:g} of the top clock"
-
-
-@dataclass(frozen=True)
-class LeaseConfig:
-    """[lease]: how long a setpoint stays valid and what an agent does when it lapses."""
-
-    duration_s: float = 90.0
-    safe_cap: SafeCap = SafeCap()
-    #: ``cap``: apply the safe cap; ``reset``: restore default clocks; ``keep``: keep the last ones
-    on_lapse: str = "cap"
-
-
-@dataclass(frozen=True)
-class AuthConfig:
-    """[auth]: how components prove who they are, and who may change what."""
-
-    method: str = "munge"
-    hmac_key_file: Path = Path("/etc/cdgpc/hmac.key")
-    munge_socket: Path = Path("/run/munge/munge.socket.2")
-    max_clock_skew_s: float = 10.0
-    #: method = hmac: whether key holders may change the budget (HMAC proves no user identity)
-    hmac_is_admin: bool = False
-    admin_users: tuple[str, ...] = ("root",)
-    admin_groups: tuple[str, ...] = ()
-    slurm_user: str = "slurm"
-
-
-@dataclass(frozen=True)
-class NodeConfig:
-    """[node]: the node agent ``cdgpc-noded``."""
-
-    backend: str = "nvml"
-    simulated_gpu_type: str = "A100-SXM4-80GB"
-    simulated_gpu_count: int = 8
-    state_file: Path = Path("/var/lib/cdgpc/node-state.json")
-    progress_socket: Path = Path("/run/cdgpc/progress.sock")
-    #: the TaskProlog puts the automatic progress hook (slurm_cdgpc/hook) on jobs' PYTHONPATH
-    progress_hook: bool = True
-    #: another process changed our lock: ``reapply`` ours, or ``yield`` the GPU to it
-    on_override: str = "reapply"
-    transport: str = "http"
-    listen_address: str = "0.0.0.0"
-    listen_port: int = 8464
-
-
-@dataclass(frozen=True)
-class RetentionConfig:
-    """[retention]: how long raw measurements are kept (budget changes and decisions stay)."""
-
-    measurements_s: float = 30 * 86400.0
-
-
-@dataclass(frozen=True)
-class Config:
-    head: HeadConfig = HeadConfig()
-    store: StoreConfig = StoreConfig()
-    control: ControlConfig = ControlConfig()
-    budget: BudgetConfig = BudgetConfig()
-    lease: LeaseConfig = LeaseConfig()
-    auth: AuthConfig = AuthConfig()
-    node: NodeConfig = NodeConfig()
-    retention: RetentionConfig = RetentionConfig()
-    #: the file that was read (None: defaults and environment only)
-    path: Path | None = None
-
-
-#: where a node reaches its own agent when the agent listens on every address
-_WILDCARDS = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}
-
-
-def agent_url(config: Config) -> str:
-    """Where this node's agent listens (``node.listen_address``, ``node.listen_port``), as seen
-    from this node."""
-    address = config.node.listen_address
-    host = _WILDCARDS.get(address, address)
-    if ":" in host:
-        host = f"[{host}]"
-    return f"http://{host}:{config.node.listen_port}"
 
 
 # -- value parsers: each returns the typed value or raises _BadValueError("must be ...") ------
@@ -370,15 +198,12 @@ def _absolute_path(value: object) -> Path:
     raise _BadValueError(f"must be an absolute path, {_got(value)}")
 
 
-_HOSTNAME = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?$")
-
-
 def _listen_address(value: object) -> str:
     if isinstance(value, str):
         try:
             return str(ipaddress.ip_address(value))
         except ValueError:
-            if _HOSTNAME.match(value):
+            if NODE_NAME.fullmatch(value):
                 return value
     raise _BadValueError(f"must be an IP address or host name like 0.0.0.0, {_got(value)}")
 
@@ -409,11 +234,8 @@ def _store_url(value: object) -> str:
     )
 
 
-_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]*\$?$")
-
-
 def _account_name(value: object) -> str:
-    if isinstance(value, str) and _NAME.match(value) and len(value) <= 64:
+    if isinstance(value, str) and ACCOUNT.fullmatch(value):
         return value
     raise _BadValueError(f"must be a user or group name, {_got(value)}")
 
@@ -458,7 +280,187 @@ def _safe_cap(value: object) -> SafeCap:
     return SafeCap(clock_fraction=fraction, power_w=None)
 
 
-# -- the schema: section → TOML key → (dataclass field, parser) --------------------------------
+def _setting(default: Any, parse: Parser) -> Any:
+    """A field of a config section, the one description of its key: its default and the parser
+    of a value given in the file, the environment or on the command line (`_SCHEMA`)."""
+    return field(default=default, metadata={"parse": parse})
+
+
+# -- the typed configuration -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class HeadConfig:
+    """[head]: where ``cdgpcd`` listens and the URL that nodes, Prolog and admins use."""
+
+    listen_address: str = _setting("0.0.0.0", _listen_address)
+    listen_port: int = _setting(8463, _integer(1, 65535))
+    url: str = _setting("http://localhost:8463", _http_url)
+    #: how long the active head's leader lock lasts unrenewed (None: see `leader_lease`)
+    leader_lease_s: float | None = _setting(None, _optional(_duration))
+    #: reconcile with ``squeue --json`` (finish jobs Slurm no longer runs, adopt unregistered
+    #: running ones), every ``reconcile_interval_s`` but never more often than every 2 intervals
+    reconcile: bool = _setting(True, _boolean)
+    reconcile_interval_s: float = _setting(30.0, _duration)
+
+    def leader_lease(self, interval_s: float, agent_lease_s: float) -> float:
+        """The leader lease in force: as configured, else 1.5 control intervals (renewed at
+        least once an interval, with room for a slow one), kept under the agents' lease so that
+        a standby takes over before they fall to the safe cap."""
+        if self.leader_lease_s is not None:
+            return self.leader_lease_s
+        return min(1.5 * interval_s, (interval_s + agent_lease_s) / 2)
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    """[store]: the SQLAlchemy URL of the database (SQLite file or PostgreSQL)."""
+
+    url: str = _setting("sqlite:////var/lib/cdgpc/cdgpc.db", _store_url)
+
+
+@dataclass(frozen=True)
+class ControlConfig:
+    """[control]: the controller solved every interval (DESIGN.md, "Control core").
+
+    These defaults are the controller's (`slurm_cdgpc.control.empc.ControllerSettings`): cdgpcd
+    and the simulator's ``cdgpc`` policy run with them.
+    """
+
+    interval_s: float = _setting(30.0, _duration)
+    dual_mode: str = _setting("newton", _choice(*DUAL_MODES))
+    #: ε₀: fraction of the budget held back for a hard cap
+    guard_band: float = _setting(0.002, _in_range(0.0, 0.5, hi_open=True))
+    #: c: the guard band is max(ε₀, c/√N) for N controlled jobs
+    guard_per_sqrt_job: float = _setting(0.03, _in_range(0.0, 0.5, hi_open=True))
+    #: η: gain of the model-error offset estimate
+    offset_gain: float = _setting(0.3, _in_range(0.0, 1.0))
+    model_family: str = _setting("bent", _choice(*MODEL_FAMILIES))
+    power_forgetting: float = _setting(0.95, _in_range(0.0, 1.0, lo_open=True))
+    time_forgetting: float = _setting(0.98, _in_range(0.0, 1.0, lo_open=True))
+    #: deadline pressure of jobs without a deadline
+    default_pressure: float = _setting(0.5, _positive)
+    #: lowest core clock the controller may choose, as a fraction of the top clock
+    min_clock_fraction: float = _setting(0.6, _in_range(0.0, 1.0, hi_open=True))
+    #: below the floor when nothing at or above it fits the budget
+    floor_fallback: bool = _setting(True, _boolean)
+    #: jobs that cannot make their deadline even at top clocks weigh as jobs without one
+    triage: bool = _setting(True, _boolean)
+    #: pressure on the node predicted to empty first while jobs wait and GPUs are free (0: off)
+    drain_pressure: float = _setting(1.0, _non_negative)
+    #: a job that does not say its total work has at most its Slurm time limit of it, at top
+    #: clocks: its pressure comes from that bound, capped at 1 (off: pressure 1 at any slack)
+    work_from_time_limit: bool = _setting(True, _boolean)
+    #: ... sharpened to this quantile of the share of their limit that ended jobs used (1: off)
+    limit_share_quantile: float = _setting(0.9, _in_range(0.0, 1.0, lo_open=True))
+    #: κ: budget held back, in standard errors, when the plan moves to less-known clocks
+    exploration_sigmas: float = _setting(1.0, _non_negative)
+    #: the guard rail: each controlled GPU's power limit at its planned power times (1 + this),
+    #: so the firmware clips a model's under-prediction within a second (0: off)
+    power_limit_margin: float = _setting(0.0, _non_negative)
+    #: decide and record, but apply nothing
+    shadow: bool = _setting(False, _boolean)
+
+
+@dataclass(frozen=True)
+class BudgetConfig:
+    """[budget]: the budget to start with when the store holds none (None: uncapped)."""
+
+    initial_w: float | None = _setting(None, _optional(_power))
+
+
+@dataclass(frozen=True)
+class SafeCap:
+    """What a node falls back to when its lease lapses: exactly one of the two is set."""
+
+    clock_fraction: float | None = 0.6
+    power_w: float | None = None
+
+    def __str__(self) -> str:
+        if self.power_w is not None:
+            return f"{self.power_w:g}W per GPU"
+        return f"{self.clock_fraction:g} of the top clock"
+
+
+@dataclass(frozen=True)
+class LeaseConfig:
+    """[lease]: how long a setpoint stays valid and what an agent does when it lapses."""
+
+    duration_s: float = _setting(90.0, _duration)
+    safe_cap: SafeCap = _setting(SafeCap(), _safe_cap)
+    #: ``cap``: apply the safe cap; ``reset``: restore default clocks; ``keep``: keep the last ones
+    on_lapse: str = _setting("cap", _choice(*LEASE_ACTIONS))
+
+
+@dataclass(frozen=True)
+class AuthConfig:
+    """[auth]: how components prove who they are, and who may change what."""
+
+    method: str = _setting("munge", _choice("munge", "hmac"))
+    hmac_key_file: Path = _setting(Path("/etc/cdgpc/hmac.key"), _absolute_path)
+    munge_socket: Path = _setting(Path("/run/munge/munge.socket.2"), _absolute_path)
+    max_clock_skew_s: float = _setting(10.0, _duration)
+    #: method = hmac: whether key holders may change the budget (HMAC proves no user identity)
+    hmac_is_admin: bool = _setting(False, _boolean)
+    admin_users: tuple[str, ...] = _setting(("root",), _names)
+    admin_groups: tuple[str, ...] = _setting((), _names)
+    slurm_user: str = _setting("slurm", _account_name)
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    """[node]: the node agent ``cdgpc-noded``."""
+
+    backend: str = _setting("nvml", _choice("nvml", "simulated"))
+    simulated_gpu_type: str = _setting("A100-SXM4-80GB", _text)
+    simulated_gpu_count: int = _setting(8, _integer(1, 64))
+    state_file: Path = _setting(Path("/var/lib/cdgpc/node-state.json"), _absolute_path)
+    progress_socket: Path = _setting(Path("/run/cdgpc/progress.sock"), _absolute_path)
+    #: the TaskProlog puts the automatic progress hook (slurm_cdgpc/hook) on jobs' PYTHONPATH
+    progress_hook: bool = _setting(True, _boolean)
+    #: another process changed our lock: ``reapply`` ours, or ``yield`` the GPU to it
+    on_override: str = _setting("reapply", _choice(*OVERRIDE_ACTIONS))
+    transport: str = _setting("http", _choice("http", "ssh"))
+    listen_address: str = _setting("0.0.0.0", _listen_address)
+    listen_port: int = _setting(8464, _integer(1, 65535))
+
+
+@dataclass(frozen=True)
+class RetentionConfig:
+    """[retention]: how long raw measurements are kept (budget changes and decisions stay)."""
+
+    measurements_s: float = _setting(30 * 86400.0, _duration)
+
+
+@dataclass(frozen=True)
+class Config:
+    head: HeadConfig = HeadConfig()
+    store: StoreConfig = StoreConfig()
+    control: ControlConfig = ControlConfig()
+    budget: BudgetConfig = BudgetConfig()
+    lease: LeaseConfig = LeaseConfig()
+    auth: AuthConfig = AuthConfig()
+    node: NodeConfig = NodeConfig()
+    retention: RetentionConfig = RetentionConfig()
+    #: the file that was read (None: defaults and environment only)
+    path: Path | None = None
+
+
+#: where a node reaches its own agent when the agent listens on every address
+_WILDCARDS = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}
+
+
+def agent_url(config: Config) -> str:
+    """Where this node's agent listens (``node.listen_address``, ``node.listen_port``), as seen
+    from this node."""
+    address = config.node.listen_address
+    host = _WILDCARDS.get(address, address)
+    if ":" in host:
+        host = f"[{host}]"
+    return f"http://{host}:{config.node.listen_port}"
+
+
+# -- the schema: section → TOML key → (dataclass field, parser), read off the dataclasses ------
 
 
 @dataclass(frozen=True)
@@ -467,80 +469,19 @@ class _Key:
     parse: Parser
 
 
+def _toml_key(f: Field[Any]) -> str:
+    """A setting's TOML key: its field's name less the unit (``interval_s`` is ``interval``)."""
+    return re.sub(r"_(s|w)$", "", f.name)
+
+
+def _keys(section: type[Any]) -> dict[str, _Key]:
+    return {_toml_key(f): _Key(f.name, f.metadata["parse"]) for f in fields(section)}
+
+
 _SCHEMA: dict[str, tuple[type[Any], dict[str, _Key]]] = {
-    "head": (
-        HeadConfig,
-        {
-            "listen_address": _Key("listen_address", _listen_address),
-            "listen_port": _Key("listen_port", _integer(1, 65535)),
-            "url": _Key("url", _http_url),
-            "leader_lease": _Key("leader_lease_s", _optional(_duration)),
-            "reconcile": _Key("reconcile", _boolean),
-            "reconcile_interval": _Key("reconcile_interval_s", _duration),
-        },
-    ),
-    "store": (StoreConfig, {"url": _Key("url", _store_url)}),
-    "control": (
-        ControlConfig,
-        {
-            "interval": _Key("interval_s", _duration),
-            "dual_mode": _Key("dual_mode", _choice(*DUAL_MODES)),
-            "guard_band": _Key("guard_band", _in_range(0.0, 0.5, hi_open=True)),
-            "guard_per_sqrt_job": _Key("guard_per_sqrt_job", _in_range(0.0, 0.5, hi_open=True)),
-            "offset_gain": _Key("offset_gain", _in_range(0.0, 1.0)),
-            "model_family": _Key("model_family", _choice(*MODEL_FAMILIES)),
-            "power_forgetting": _Key("power_forgetting", _in_range(0.0, 1.0, lo_open=True)),
-            "time_forgetting": _Key("time_forgetting", _in_range(0.0, 1.0, lo_open=True)),
-            "default_pressure": _Key("default_pressure", _positive),
-            "min_clock_fraction": _Key("min_clock_fraction", _in_range(0.0, 1.0, hi_open=True)),
-            "floor_fallback": _Key("floor_fallback", _boolean),
-            "triage": _Key("triage", _boolean),
-            "drain_pressure": _Key("drain_pressure", _non_negative),
-            "work_from_time_limit": _Key("work_from_time_limit", _boolean),
-            "limit_share_quantile": _Key("limit_share_quantile", _in_range(0.0, 1.0, lo_open=True)),
-            "exploration_sigmas": _Key("exploration_sigmas", _non_negative),
-            "power_limit_margin": _Key("power_limit_margin", _non_negative),
-            "shadow": _Key("shadow", _boolean),
-        },
-    ),
-    "budget": (BudgetConfig, {"initial": _Key("initial_w", _optional(_power))}),
-    "lease": (
-        LeaseConfig,
-        {
-            "duration": _Key("duration_s", _duration),
-            "safe_cap": _Key("safe_cap", _safe_cap),
-            "on_lapse": _Key("on_lapse", _choice(*LEASE_ACTIONS)),
-        },
-    ),
-    "auth": (
-        AuthConfig,
-        {
-            "method": _Key("method", _choice("munge", "hmac")),
-            "hmac_key_file": _Key("hmac_key_file", _absolute_path),
-            "munge_socket": _Key("munge_socket", _absolute_path),
-            "max_clock_skew": _Key("max_clock_skew_s", _duration),
-            "hmac_is_admin": _Key("hmac_is_admin", _boolean),
-            "admin_users": _Key("admin_users", _names),
-            "admin_groups": _Key("admin_groups", _names),
-            "slurm_user": _Key("slurm_user", _account_name),
-        },
-    ),
-    "node": (
-        NodeConfig,
-        {
-            "backend": _Key("backend", _choice("nvml", "simulated")),
-            "simulated_gpu_type": _Key("simulated_gpu_type", _text),
-            "simulated_gpu_count": _Key("simulated_gpu_count", _integer(1, 64)),
-            "state_file": _Key("state_file", _absolute_path),
-            "progress_socket": _Key("progress_socket", _absolute_path),
-            "progress_hook": _Key("progress_hook", _boolean),
-            "on_override": _Key("on_override", _choice(*OVERRIDE_ACTIONS)),
-            "transport": _Key("transport", _choice("http", "ssh")),
-            "listen_address": _Key("listen_address", _listen_address),
-            "listen_port": _Key("listen_port", _integer(1, 65535)),
-        },
-    ),
-    "retention": (RetentionConfig, {"measurements": _Key("measurements_s", _duration)}),
+    name: (type(default), _keys(type(default)))
+    for name, default in vars(Config()).items()
+    if name != "path"
 }
 
 
@@ -551,6 +492,23 @@ _REMOVED: dict[tuple[str, str], str] = {
         '"No horizon"); delete the line'
     ),
 }
+
+
+def configured(section: str, name: str) -> Any:
+    """A field of another settings class that is the setting ``section.name`` of `Config`, with
+    its default: `configured_values` reads every such field from a loaded `Config`."""
+    return field(
+        default=getattr(getattr(Config, section), name), metadata={"config": (section, name)}
+    )
+
+
+def configured_values(cls: type[Any], config: Config) -> dict[str, Any]:
+    """The `configured` fields of the dataclass ``cls``, as ``config`` has them."""
+    return {
+        f.name: getattr(getattr(config, f.metadata["config"][0]), f.metadata["config"][1])
+        for f in fields(cls)
+        if "config" in f.metadata
+    }
 
 
 def known_keys() -> dict[str, tuple[str, ...]]:

@@ -1,14 +1,24 @@
-"""Reading and printing the quantities people type: power (``450kW``) and durations (``90s``)."""
+"""Reading and printing the quantities people type: power (``450kW``) and durations (``90s``).
+
+The one duration grammar: a span is one or more parts ``<digits>[.<digits>] <unit>``, units
+``ms s m min h d`` in any case (``90s``, ``1.5h``, ``1h30m``, ``250ms``). ``daemon/job_submit.lua``
+mirrors it. Standard library only: the Prolog imports this.
+"""
 
 from __future__ import annotations
 
 import math
 import re
+from typing import Final
 
 from slurm_cdgpc.errors import InputError
 
 _POWER_UNITS = {"w": 1.0, "kw": 1e3, "mw": 1e6}
-_DURATION_UNITS = {"ms": 1e-3, "s": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0, "d": 86400.0}
+_SPAN_UNITS: Final = {"ms": 1e-3, "s": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0, "d": 86400.0}
+_DECIMAL: Final = r"[0-9]+(?:\.[0-9]+)?"
+_SPAN_PART: Final = re.compile(rf"({_DECIMAL})[ \t]*(ms|min|[smhd])", re.IGNORECASE)
+SPAN: Final = re.compile(rf"(?:{_SPAN_PART.pattern})+", re.IGNORECASE)
+_SECONDS: Final = re.compile(_DECIMAL)
 _NUMBER = r"([0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?"
 _QUANTITY = re.compile(rf"^\s*(?P<num>{_NUMBER})\s*(?P<unit>[a-zA-Z]*)\s*$")
 
@@ -28,13 +38,20 @@ def parse_power_w(text: str) -> float:
     return watts
 
 
+def span_s(text: str) -> float | None:
+    """The seconds of a span (``90s``, ``1.5h``, ``1h30m``, ``250ms``); None if ``text`` is none."""
+    if SPAN.fullmatch(text) is None:
+        return None
+    return sum(float(n) * _SPAN_UNITS[unit.lower()] for n, unit in _SPAN_PART.findall(text))
+
+
 def parse_duration_s(text: str) -> float:
-    """``90s``, ``5m``, ``1.5h``, ``2d``, ``250ms`` → seconds (a bare number is seconds)."""
-    value, unit = _split(text, "duration")
-    scale = _DURATION_UNITS.get(unit.lower() if unit else "s")
-    if scale is None:
+    """A span (``90s``, ``5m``, ``1.5h``, ``1h30m``, ``2d``, ``250ms``) or a bare number of
+    seconds (``60``) → seconds, which must be positive."""
+    stripped = text.strip()
+    seconds = float(stripped) if _SECONDS.fullmatch(stripped) else span_s(stripped)
+    if seconds is None:
         raise InputError(f"cannot read duration {text!r}: use e.g. 90s, 5m, 1.5h or 2d")
-    seconds = value * scale
     if not seconds > 0 or not math.isfinite(seconds):
         raise InputError(f"duration must be positive, got {text!r}")
     return seconds

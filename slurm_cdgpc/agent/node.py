@@ -90,7 +90,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from slurm_cdgpc.config import LEASE_ACTIONS, OVERRIDE_ACTIONS, SafeCap
-from slurm_cdgpc.errors import CdgpcError, InputError, PowerLimitPermissionError
+from slurm_cdgpc.errors import CdgpcError, InputError, PowerLimitPermissionError, one_line
 from slurm_cdgpc.gpu.device import GpuDevice, GpuReading, GpuSet, LockedClocks, lock_overridden
 from slurm_cdgpc.wire.board import BoardDescription
 from slurm_cdgpc.wire.protocol import (
@@ -139,10 +139,9 @@ OVERRIDE_READS: Final = 2
 _YIELDED: Final = "another process holds its clocks (node.on_override = yield)"
 
 
-def _one_line(text: object) -> str:
-    line = " ".join(str(text).split())
-    line = "".join(c if c.isprintable() and c.isascii() else "?" for c in line)
-    return (line or "error")[:_MAX_REASON_CHARS]
+def _reason(text: object, limit: int = _MAX_REASON_CHARS) -> str:
+    """A refusal's or a reading's reason: the protocol carries printable ASCII only."""
+    return one_line(text, limit, empty="error", ascii_only=True)
 
 
 def safe_clock_mhz(device: GpuDevice, safe_cap: SafeCap) -> int:
@@ -241,7 +240,7 @@ class NodeAgent:
             try:
                 boards[dev.index] = dev.describe()
             except CdgpcError as e:
-                logger.warning("GPU %d: cannot describe its board: %s", dev.index, _one_line(e))
+                logger.warning("GPU %d: cannot describe its board: %s", dev.index, _reason(e))
         if boards != self._boards:
             for index, board in sorted(boards.items()):
                 if self._boards.get(index) != board:
@@ -276,7 +275,7 @@ class NodeAgent:
             "stale state file %s found (a previous agent did not stop cleanly): "
             "resetting every GPU to default clocks first; it recorded: %s",
             self.state_file,
-            _one_line(text)[:200],
+            _reason(text, 200),
         )
         failed: list[tuple[GpuDevice, CdgpcError]] = self.gpus.reset_all()
         # only the limits the file records go back to the default: a limit this agent did not
@@ -291,7 +290,7 @@ class NodeAgent:
                 dev.reset_power_limit()
             except PowerLimitPermissionError as e:
                 # no right to reset a limit is no right to have set one: none of ours remains
-                logger.info("GPU %d: power limit not reset: %s", dev.index, _one_line(e))
+                logger.info("GPU %d: power limit not reset: %s", dev.index, _reason(e))
             except CdgpcError as e:
                 failed.append((dev, e))
         for dev, error in failed:
@@ -357,7 +356,7 @@ class NodeAgent:
                     table.check(sp.graphics_mhz, sp.memory_mhz)
                     lowest = table.graphics_for(sp.memory_mhz)[-1]
                 except CdgpcError as e:
-                    refused.append(Refusal(sp.gpu, _one_line(e)))
+                    refused.append(Refusal(sp.gpu, _reason(e)))
                     continue
                 devices[sp.gpu] = device
                 wanted[sp.gpu] = LockedClocks(lowest, sp.graphics_mhz, sp.memory_mhz)
@@ -524,7 +523,7 @@ class NodeAgent:
             device.set_locked_clocks(graphics_mhz, memory_mhz)
             return True
         except CdgpcError as e:
-            refused.append(Refusal(device.index, _one_line(e)))
+            refused.append(Refusal(device.index, _reason(e)))
         if device.locked != previous:  # half-applied: put the previous lock back
             try:
                 if previous is None:
@@ -578,7 +577,7 @@ class NodeAgent:
             "GPU %d: %s: %s; the clock lock stands (logged once for this GPU)",
             device.index,
             what,
-            _one_line(error),
+            _reason(error),
         )
 
     def _device(self, index: int) -> GpuDevice | None:
@@ -613,7 +612,7 @@ class NodeAgent:
                 throttle=None,
                 locked=lock,
                 job_id=job,
-                error=_one_line(f"read failed: {e}"),
+                error=_reason(f"read failed: {e}"),
                 board=digest,
             )
         if locked is not None:
@@ -786,7 +785,7 @@ class NodeAgent:
                 try:
                     lock = self._safe_cap_lock(device)
                 except CdgpcError as e:
-                    refused.append(Refusal(gpu, _one_line(e)))
+                    refused.append(Refusal(gpu, _reason(e)))
                     continue
                 if lock is None:  # already at or below the safe cap: kept
                     self._jobs[gpu] = job_id

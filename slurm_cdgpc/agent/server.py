@@ -42,7 +42,7 @@ from typing import Any, Final
 
 from slurm_cdgpc.agent.metrics import CONTENT_TYPE, AgentMetrics
 from slurm_cdgpc.agent.node import NodeAgent, StaleEpochError, WrongNodeError
-from slurm_cdgpc.errors import CdgpcError
+from slurm_cdgpc.errors import CdgpcError, one_line
 from slurm_cdgpc.transport.auth import (
     REPLY_HEADER,
     AccessPolicy,
@@ -331,7 +331,7 @@ class _Handler(JsonHandler):
         self.close_connection = True
         if self.command == "POST" and self.path == EXCHANGE_PATH:
             self.server.metrics.exchange_refused(status.value)
-        self._send(status, {"error": " ".join(message.split())[:500]}, allow=allow)
+        self._send(status, {"error": one_line(message, 500)}, allow=allow)
 
     def _send(self, status: HTTPStatus, data: object, *, allow: str | None = None) -> None:
         self._send_bytes(status, dump_json(data), allow=allow)

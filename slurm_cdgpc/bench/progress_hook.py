@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from slurm_cdgpc.agent.progress import SOCKET_ENV, ProgressServer
-from slurm_cdgpc.errors import FatalError
+from slurm_cdgpc.errors import FatalError, one_line
 from slurm_cdgpc.integrations import HOOK_DIR, progress_hook
 
 JOB_ID: Final = "1"
@@ -123,7 +123,7 @@ def _train(env: dict[str, str], steps: int, warmup: int, width: int, batch: int)
     argv = [sys.executable, "-c", TRAIN, str(steps), str(warmup), str(width), str(batch)]
     done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600, check=False)
     if done.returncode != 0:
-        tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        tail = one_line(done.stderr, keep="last", empty="no output")
         raise FatalError(f"the training run exited with {done.returncode}: {tail}")
     return json.loads(done.stdout)
 

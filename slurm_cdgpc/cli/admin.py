@@ -12,7 +12,6 @@ Shell completion is click's own: ``eval "$(_CDGPC_ADMIN_COMPLETE=bash_source cdg
 from __future__ import annotations
 
 import datetime as dt
-import re
 import time
 from pathlib import Path
 from typing import Any
@@ -23,9 +22,10 @@ from slurm_cdgpc.cli.output import echo_json, format_table
 from slurm_cdgpc.config import Config, load_config
 from slurm_cdgpc.doctor import run_checks
 from slurm_cdgpc.errors import InputError
+from slurm_cdgpc.slurm.comment import parse_deadline
 from slurm_cdgpc.transport.credentials import signer_from_config
 from slurm_cdgpc.transport.http import HeadClient
-from slurm_cdgpc.units import format_power, parse_duration_s, parse_power_w
+from slurm_cdgpc.units import format_power, parse_power_w, span_s
 
 _config_option = click.option(
     "--config",
@@ -47,24 +47,15 @@ def _client(config: Config) -> HeadClient:
 
 
 def parse_time_s(text: str, now_s: float | None = None) -> float:
-    """``+2h`` (from now), epoch seconds, or an ISO 8601 time (local time if no zone)."""
+    """``+2h`` (from now), epoch seconds, or an ISO 8601 time (local time if no zone): the forms
+    of a job's deadline (`slurm_cdgpc.slurm.comment.parse_deadline`)."""
     now = time.time() if now_s is None else now_s
-    text = text.strip()
-    if text.startswith("+"):
-        return now + parse_duration_s(text[1:])
     try:
-        return float(text)
-    except ValueError:
-        pass
-    try:
-        when = dt.datetime.fromisoformat(text)
-    except ValueError:
+        return parse_deadline(text.strip()).resolve(now)
+    except InputError:
         raise InputError(
             f"cannot read time {text!r}: use +2h, epoch seconds or 2026-07-01T08:00"
         ) from None
-    if when.tzinfo is None:
-        when = when.astimezone()
-    return when.timestamp()
 
 
 def _when(epoch_s: float | None) -> str:
@@ -262,15 +253,11 @@ def db_upgrade(config_path: Path | None) -> None:
         click.echo(f"schema up to date at version {version}")
 
 
-_AGO = re.compile(r"[0-9]+(\.[0-9]+)?\s*[smhd]")
-
-
 def parse_since_s(text: str, now_s: float | None = None) -> float:
-    """``2h`` (that long ago), epoch seconds, or an ISO 8601 time."""
+    """``2h`` (that long ago: a span, `slurm_cdgpc.units`), epoch seconds, or an ISO 8601 time."""
     now = time.time() if now_s is None else now_s
-    if _AGO.fullmatch(text.strip()):
-        return now - parse_duration_s(text.strip())
-    return parse_time_s(text, now)
+    ago_s = span_s(text.strip())
+    return parse_time_s(text, now) if ago_s is None else now - ago_s
 
 
 @click.command()

@@ -11,7 +11,7 @@ import click
 
 from slurm_cdgpc import __version__
 from slurm_cdgpc.cli import admin, bench, demo, model, simulate
-from slurm_cdgpc.errors import CdgpcError
+from slurm_cdgpc.errors import CdgpcError, one_line
 
 
 class _Cli(click.Group):
@@ -21,8 +21,9 @@ class _Cli(click.Group):
         except CdgpcError as e:
             if os.environ.get("CDGPC_DEBUG") == "1":
                 raise
-            lines = str(e).strip().splitlines() or [type(e).__name__]
-            raise click.ClickException(lines[0]) from None
+            raise click.ClickException(
+                one_line(e, 1000, keep="first", empty=type(e).__name__)
+            ) from None
 
 
 @click.group(cls=_Cli, context_settings={"help_option_names": ["-h", "--help"]})

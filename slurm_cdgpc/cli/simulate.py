@@ -13,7 +13,7 @@ import click
 from slurm_cdgpc.cli.output import echo_json, format_table, format_value
 from slurm_cdgpc.cli.sweep import BACKENDS, run_sweep, run_sweep_cell
 from slurm_cdgpc.config import ControlConfig, load_config
-from slurm_cdgpc.errors import CdgpcError, InputError
+from slurm_cdgpc.errors import CdgpcError, InputError, one_line
 from slurm_cdgpc.sim.cluster import SimulationResult, Simulator
 from slurm_cdgpc.sim.fleet import default_fleet, parse_budget_w, parse_fleet
 from slurm_cdgpc.sim.metrics import PolicyRun, compute_metrics, run_policies
@@ -258,8 +258,9 @@ def simulate(
     except CdgpcError as e:
         if os.environ.get("CDGPC_DEBUG") == "1":
             raise
-        lines = str(e).strip().splitlines() or [type(e).__name__]
-        raise click.ClickException(lines[0]) from None
+        raise click.ClickException(
+            one_line(e, 1000, keep="first", empty=type(e).__name__)
+        ) from None
 
 
 def _one_seed(text: str) -> int:

@@ -45,7 +45,7 @@ from urllib.parse import parse_qs, urlsplit
 
 from slurm_cdgpc.coordinator.daemon import Coordinator, IntervalReport, JobView
 from slurm_cdgpc.coordinator.metrics import CONTENT_TYPE
-from slurm_cdgpc.errors import CdgpcError, InputError
+from slurm_cdgpc.errors import CdgpcError, InputError, one_line
 from slurm_cdgpc.store import ACTIVE_STATES, BudgetChange, DecisionRecord, Job, Node, StoreError
 from slurm_cdgpc.transport.auth import (
     HEAD_RESPONDER,
@@ -62,11 +62,11 @@ from slurm_cdgpc.transport.auth import (
 )
 from slurm_cdgpc.transport.evented import EventedHttpServer
 from slurm_cdgpc.transport.server import JsonHandler
+from slurm_cdgpc.wire import names
 from slurm_cdgpc.wire.protocol import (
     ProtocolError,
     check_node_name,
     dump_json,
-    job_id,
     load_json,
 )
 
@@ -80,7 +80,6 @@ _JOB_PATH: Final = re.compile(r"/v1/jobs/(?P<job_id>[^/?]+)")
 _URL: Final = re.compile(
     r"(https?://[A-Za-z0-9.\-\[\]:]+(/[\x21-\x7e]*)?|ssh://[A-Za-z0-9.\-]+(:[0-9]+)?)"
 )
-_ACCOUNT: Final = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,62}\$?")
 
 
 class _HttpError(Exception):
@@ -252,14 +251,8 @@ def _gpu_list(value: object) -> list[int]:
 def _checked(check: Callable[[object, str], str], value: object, name: str) -> str:
     try:
         return check(value, name)
-    except ProtocolError as e:
+    except InputError as e:
         raise _bad(str(e)) from None
-
-
-def _node_name(value: object, name: str) -> str:
-    if not isinstance(value, str):
-        raise ProtocolError(f"{name}: must be a host name, got {value!r:.60}")
-    return check_node_name(value)
 
 
 # -- JSON views --------------------------------------------------------------------------------
@@ -352,7 +345,7 @@ def status_dict(coordinator: Coordinator) -> dict[str, object]:
 
 def _who(principal: Principal) -> str:
     """The store's ``set_by`` for a principal: the user name, else ``uid<N>``."""
-    if principal.user is not None and _ACCOUNT.fullmatch(principal.user):
+    if principal.user is not None and names.ACCOUNT.fullmatch(principal.user):
         return principal.user
     return f"uid{principal.uid}"
 
@@ -411,7 +404,7 @@ class _Handler(JsonHandler):
         match = _JOB_PATH.fullmatch(path)
         if match is not None:
             self._allow(method, "DELETE")
-            job = _checked(job_id, match["job_id"], "job id")
+            job = _checked(names.job_id, match["job_id"], "job id")
             principal = self._authenticate(method, b"", Operation.NODE)
             finished = c.deregister_job(job)
             if finished is None:
@@ -443,7 +436,7 @@ class _Handler(JsonHandler):
         else:
             self._authenticate(method, body, Operation.NODE)
             d = _object(body, ("node", "url"), ("gpu_type",))
-            name = _checked(_node_name, d["node"], "node")
+            name = _checked(names.node_name, d["node"], "node")
             url = _agent_url(d["url"])
             gpu_type = None if d.get("gpu_type") is None else _text(d["gpu_type"], "gpu_type")
             self._send(HTTPStatus.OK, node_dict(c.register_node(name, url, gpu_type)))
@@ -496,9 +489,9 @@ class _Handler(JsonHandler):
             ("job_id", "user", "node", "gpus"),
             ("gpu_type", "deadline_s", "iterations_total", "time_limit_s", "start_s"),
         )
-        job = _checked(job_id, d["job_id"], "job_id")
-        user = _text(d["user"], "user", _ACCOUNT, 64)
-        node = _checked(_node_name, d["node"], "node")
+        job = _checked(names.job_id, d["job_id"], "job_id")
+        user = _checked(names.account, d["user"], "user")
+        node = _checked(names.node_name, d["node"], "node")
         gpus = _gpu_list(d["gpus"])
         gpu_type = None if d.get("gpu_type") is None else _text(d["gpu_type"], "gpu_type", limit=64)
         deadline_s = _optional_number(d.get("deadline_s"), "deadline_s")
@@ -602,7 +595,7 @@ class _Handler(JsonHandler):
         self.close_connection = True
         if self.command == "POST" and urlsplit(self.path).path == "/v1/jobs":
             self._count_registration(status)
-        self._send(status, {"error": " ".join(message.split())[:500]}, allow=allow)
+        self._send(status, {"error": one_line(message, 500)}, allow=allow)
 
     def _count_registration(self, status: HTTPStatus) -> None:
         elapsed_s = time.monotonic() - self._began_s

@@ -73,7 +73,7 @@ from typing import TYPE_CHECKING, Final, Protocol
 
 import numpy as np
 
-from slurm_cdgpc.config import Config, ControlConfig
+from slurm_cdgpc.config import Config, configured, configured_values
 from slurm_cdgpc.control.discrete import ClockGrid
 from slurm_cdgpc.control.dual import StepStatus
 from slurm_cdgpc.control.empc import (
@@ -150,15 +150,15 @@ class Leadership(Protocol):
 
 @dataclass(frozen=True)
 class CoordinatorSettings:
-    interval_s: float = 30.0
-    lease_s: float = 90.0
-    shadow: bool = False
-    retention_s: float = 30 * 86400.0
-    initial_budget_w: float | None = None
+    interval_s: float = configured("control", "interval_s")
+    lease_s: float = configured("lease", "duration_s")
+    shadow: bool = configured("control", "shadow")
+    retention_s: float = configured("retention", "measurements_s")
+    initial_budget_w: float | None = configured("budget", "initial_w")
     #: agents of nodes first seen in a registration listen here (``node.transport = http``)
-    agent_port: int = 8464
+    agent_port: int = configured("node", "listen_port")
     #: how the head reaches agents of nodes first seen in a registration: http or ssh
-    node_transport: str = "http"
+    node_transport: str = configured("node", "transport")
     #: Slurm's queue (whether jobs wait for GPUs: the drain's input) counts this long after it
     #: was read; older, the drain is off until the next read
     queue_stale_s: float = 180.0
@@ -168,27 +168,21 @@ class CoordinatorSettings:
     #: (it stays counted at its power limit meanwhile)
     startup_intervals: int = 1
     #: the guard rail: each controlled GPU's power limit at its planned power times (1 + this)
-    #: (``control.power_limit_margin``; 0: off, the boards keep their default limits)
-    power_limit_margin: float = ControlConfig.power_limit_margin
+    #: (0: off, the boards keep their default limits)
+    power_limit_margin: float = configured("control", "power_limit_margin")
     controller: ControllerSettings = field(default_factory=lambda: shipped().controller)
     estimator: EstimatorSettings = field(default_factory=lambda: shipped().estimator)
 
     @classmethod
     def from_config(cls, config: Config) -> CoordinatorSettings:
+        """The `configured` settings as ``config`` has them, and those derived from it."""
         c = config.control
         tuning = Tuning.from_config(c)
         return cls(
-            interval_s=c.interval_s,
-            lease_s=config.lease.duration_s,
-            shadow=c.shadow,
-            retention_s=config.retention.measurements_s,
-            initial_budget_w=config.budget.initial_w,
-            agent_port=config.node.listen_port,
-            node_transport=config.node.transport,
+            **configured_values(cls, config),
             # three reconcile periods (`coordinator.main`: at least two control intervals)
             queue_stale_s=3 * max(config.head.reconcile_interval_s, 2 * c.interval_s),
             replan_gap_s=c.interval_s / 6,
-            power_limit_margin=c.power_limit_margin,
             controller=tuning.controller,
             estimator=tuning.estimator,
         )

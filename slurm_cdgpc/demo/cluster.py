@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from slurm_cdgpc.config import Config, load_config
-from slurm_cdgpc.errors import CdgpcError, FatalError
+from slurm_cdgpc.errors import CdgpcError, FatalError, one_line
 from slurm_cdgpc.gpu.workloads import JOBS_DIR_ENV, SPEED_ENV
 from slurm_cdgpc.transport.credentials import munge_works, signer_from_config
 from slurm_cdgpc.transport.http import HeadClient
@@ -271,7 +271,7 @@ class LocalCluster:
             if process.popen.poll() is not None:
                 raise FatalError(
                     f"{process.name} exited with status {process.popen.returncode} "
-                    f"({_last_line(process.tail())})"
+                    f"({one_line(process.tail(), keep='last', empty='no log output')})"
                 )
             try:
                 if check():
@@ -289,7 +289,8 @@ class LocalCluster:
         for p in self.processes:
             if p.popen.poll() is not None:
                 raise FatalError(
-                    f"{p.name} exited with status {p.popen.returncode} ({_last_line(p.tail())})"
+                    f"{p.name} exited with status {p.popen.returncode} "
+                    f"({one_line(p.tail(), keep='last', empty='no log output')})"
                 )
 
     @property
@@ -323,8 +324,3 @@ class LocalCluster:
 
 def _listening(process: Process) -> Callable[[], bool]:
     return lambda: "listening on" in process.tail()
-
-
-def _last_line(text: str) -> str:
-    lines = [line for line in text.strip().splitlines() if line.strip()]
-    return lines[-1].strip() if lines else "no log output"

@@ -52,18 +52,21 @@ def progress_line(job_id: str, step: int, total: int | None = None) -> bytes:
     """What the agent reads: ``ProgressLine(job_id, step, total).to_json()`` and a newline.
 
     The format is duplicated from slurm_cdgpc.wire.protocol because the job's Python has no
-    slurm_cdgpc (a unit test keeps the two equal); a job id is digits and ``_``, no escaping.
+    slurm_cdgpc (a unit test keeps the two equal); a job id is digits, ``_`` or ``+``: no escaping.
     """
     text = "null" if total is None else str(int(total))
     return f'{{"job_id":"{job_id}","step":{int(step)},"total":{text}}}\n'.encode("ascii")
 
 
 def valid_job_id(text: str) -> bool:
-    """``123`` or ``123_4``, as `slurm_cdgpc.wire.protocol.JOB_ID_RE` says."""
-    parts = text.split("_")
-    if len(parts) > 2 or not all(0 < len(p) <= 10 and _DIGITS.issuperset(p) for p in parts):
-        return False
-    return parts[0][0] != "0"
+    """``123``, ``123_4`` or ``123+1``, as `slurm_cdgpc.wire.names.JOB_ID` says."""
+    job, sep, part = text.partition("_") if "_" in text else text.partition("+")
+    return _number(job) and job != "0" and (not sep or _number(part))
+
+
+def _number(text: str) -> bool:
+    """``0``, or 1 to 10 digits without a leading zero."""
+    return 0 < len(text) <= 10 and _DIGITS.issuperset(text) and (text == "0" or text[0] != "0")
 
 
 def job_id_of(env: Mapping[str, str]) -> str | None:

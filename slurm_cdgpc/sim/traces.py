@@ -54,8 +54,10 @@ Optional: ``deadline, comment, gpu_type, job_type, model_name, iterations``. Oth
   cluster's zone.
 * ``duration_s = end - start``. A job whose ``start`` or ``end`` is empty, ``Unknown`` or ``None``
   never ran or has not finished and is skipped, as is a job with ``num_gpu`` 0.
-* ``deadline``: empty (none), a time as above, or ``+`` a span after submission: ``+6h``,
-  ``+90m``, ``+1h30m``, ``+3600s``, ``+2d`` (units s, m, h, d; m is minutes).
+* ``deadline``: empty (none), or a deadline as ``sbatch --comment=deadline=`` takes it
+  (`slurm_cdgpc.slurm.comment.parse_deadline`): an ISO 8601 time (without an offset: local
+  time), epoch seconds, or ``+`` a span after submission: ``+6h``, ``+90m``, ``+1h30m``,
+  ``+3600s``, ``+2d`` (m is minutes).
 * ``comment``: the job's Slurm comment with ``key=value`` items, as users give them to
   ``sbatch --comment=deadline=2026-12-01T12:00,iters=5000``. ``deadline`` (same forms) and
   ``iters`` are read where the ``deadline`` / ``iterations`` columns are absent or empty. An item
@@ -94,7 +96,9 @@ from typing import NamedTuple, NoReturn
 import numpy as np
 import numpy.typing as npt
 
-from slurm_cdgpc.errors import InputError
+from slurm_cdgpc.errors import InputError, one_line
+from slurm_cdgpc.slurm.comment import parse_deadline
+from slurm_cdgpc.units import span_s
 
 logger = logging.getLogger(__name__)
 
@@ -108,20 +112,17 @@ JOB_TYPES = ("strict", "soft", "best-effort", "")
 
 _MAX_TIME_S = 1e12  # ~31,700 years: bounds every time and span, so sums of two stay finite
 _MAX_COUNT = 2**31 - 1  # GPUs of one job
-_SHOWN_CHARS = 40  # longest cell quoted in an error message
+_SHOWN_CHARS = 43  # longest cell quoted in an error message (40 and "...")
 _CHRONUS_S_PER_UNIT = 60.0  # Chronus traces are in minutes
 _CHRONUS_JOB_TYPES = {"strict": "strict", "soft": "soft", "best": "best-effort"}
 _CDGPC_JOB_TYPES = {"strict": "strict", "soft": "soft", "best-effort": "best-effort", "": ""}
 _CDGPC_JOB_TYPES["best"] = "best-effort"
 _NO_TIME = frozenset({"", "unknown", "none"})  # sacct's words for a start or end that is not there
 _SACCT_FIELDS = ("JobID", "Submit", "Start", "End", "AllocTRES", "Comment")
-_SPAN_UNIT_S = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 
 _LINE_BREAK = re.compile(r"\r\n|\r|\n")
 _LINE_BREAK_BYTES = re.compile(rb"\r\n|\r|\n")
 _EPOCH = re.compile(r"[0-9]+(?:\.[0-9]+)?")
-_SPAN = re.compile(r"\+(?:[0-9]+(?:\.[0-9]+)?[smhd])+")
-_SPAN_PART = re.compile(r"([0-9]+(?:\.[0-9]+)?)([smhd])")
 _COMMENT_ITEM = re.compile(r"(?<![\w-])(deadline|iters)\s*=([^,]*)", re.IGNORECASE)
 
 
@@ -258,10 +259,8 @@ def cdgpc(path: str | os.PathLike[str]) -> Trace:
 
 
 def _quote(text: str) -> str:
-    """``text`` in quotes for an error message: escaped, cut short, always one line."""
-    if len(text) > _SHOWN_CHARS:
-        text = text[:_SHOWN_CHARS] + "..."
-    return repr(text)
+    """``text`` in quotes for an error message: cut short, always one printable line."""
+    return f"'{one_line(text, _SHOWN_CHARS, empty='')}'"
 
 
 def _read_text(path: Path) -> tuple[str, str]:
@@ -939,14 +938,12 @@ def _value(table: _Table, i: int, column: str, key: str, cell: str, submit_s: fl
     """A deadline (absolute, or ``+6h`` after ``submit_s``) or an iteration count."""
     if key == "iters":
         return table.number(i, column, cell, low=0.0, high=_MAX_TIME_S)
-    if not cell.startswith("+"):
-        return table.time(i, column, cell)
-    if not _SPAN.fullmatch(cell):
+    if cell.startswith("+") and span_s(cell[1:]) is None:
         table.fail(i, column, f"cannot read {_quote(cell)} as a span like +6h, +90m or +1h30m")
-    span_s = sum(float(n) * _SPAN_UNIT_S[unit] for n, unit in _SPAN_PART.findall(cell))
-    if span_s > _MAX_TIME_S:
-        table.fail(i, column, f"{_quote(cell)} is too far ahead")
-    return submit_s + span_s
+    try:
+        return parse_deadline(cell).resolve(submit_s)
+    except InputError as e:
+        table.fail(i, column, str(e))
 
 
 _PARSERS: dict[str, Callable[[str, str], Trace]] = {

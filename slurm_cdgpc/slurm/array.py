@@ -8,7 +8,6 @@
 
 from __future__ import annotations
 
-import re
 import shlex
 import subprocess
 import time
@@ -16,7 +15,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Final
 
-from slurm_cdgpc.errors import FatalError, SoftError
+from slurm_cdgpc.errors import FatalError, SoftError, one_line
+from slurm_cdgpc.wire.names import JOB_ID
 
 SBATCH: Final = "sbatch"
 SQUEUE: Final = "squeue"
@@ -37,7 +37,6 @@ FINISHED_STATES: Final = frozenset(
 )
 #: consecutive failed polls `wait_for_array` tolerates (a busy slurmctld times out now and then)
 MAX_POLL_FAILURES: Final = 5
-_JOB_ID: Final = re.compile(r"[0-9]+")
 
 
 class SbatchError(FatalError):
@@ -46,11 +45,6 @@ class SbatchError(FatalError):
 
 class ArrayPollError(SoftError):
     """``squeue`` could not say whether a job array still runs."""
-
-
-def _first_line(text: str) -> str:
-    lines = [line.strip() for line in text.splitlines() if line.strip()]
-    return lines[0][:300] if lines else "no message"
 
 
 def array_script(
@@ -89,9 +83,11 @@ def submit_array(
     except (OSError, subprocess.TimeoutExpired) as e:
         raise SbatchError(f"{sbatch} failed: {e}") from e
     if result.returncode != 0:
-        raise SbatchError(f"{sbatch} exited {result.returncode}: {_first_line(result.stderr)}")
+        raise SbatchError(
+            f"{sbatch} exited {result.returncode}: {one_line(result.stderr, keep='first')}"
+        )
     job_id = result.stdout.strip().split(";")[0]  # --parsable: ID or ID;CLUSTER
-    if not _JOB_ID.fullmatch(job_id):
+    if not JOB_ID.fullmatch(job_id):
         raise SbatchError(f"{sbatch} printed {result.stdout.strip()[:80]!r}, not a job id")
     return job_id
 
@@ -110,7 +106,9 @@ def array_active(
     if result.returncode != 0:
         if "invalid job id" in result.stderr.lower():
             return False  # purged from slurmctld's memory: long finished
-        raise ArrayPollError(f"{squeue} exited {result.returncode}: {_first_line(result.stderr)}")
+        raise ArrayPollError(
+            f"{squeue} exited {result.returncode}: {one_line(result.stderr, keep='first')}"
+        )
     states = {line.strip() for line in result.stdout.splitlines() if line.strip()}
     return bool(states - FINISHED_STATES)
 

@@ -1,12 +1,15 @@
 """The one parser of what a user asks in ``sbatch --comment``: a deadline and an iteration count.
 
+`parse_deadline` is the one deadline grammar: the simulator's traces and ``cdgpc-admin`` read times
+with it too.
+
 Grammar (the same in ``job_submit.lua``, which refuses a malformed deadline at submit time)::
 
     comment  := token ((',' | ASCII whitespace)+ token)*
     token    := 'deadline=' deadline | 'iters=' count | anything else (left alone)
     deadline := ISO 8601   YYYY-MM-DD[THH:MM[:SS[.ffffff]]][Z | ±HH[[:]MM]]
                            (no zone: local time of the machine that parses, the head's zone)
-              | relative   '+' number ('s' | 'm' | 'h' | 'd')     from the job's submit time
+              | relative   '+' span (6h, 90m, 1h30m: `slurm_cdgpc.units`)  after the submit time
               | epoch      digits                                 seconds since 1970 UTC
     count    := digits (1 .. 2**53)
 
@@ -29,7 +32,8 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta, timezone, tzinfo
 from typing import Final
 
-from slurm_cdgpc.errors import InputError
+from slurm_cdgpc.errors import InputError, one_line
+from slurm_cdgpc.units import span_s
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +46,6 @@ MAX_EPOCH_S: Final = 253_402_300_799
 MAX_RELATIVE_S: Final = 3650 * 86400.0
 
 _SEPARATORS: Final = re.compile(r"[,\t\n\v\f\r ]+")
-_RELATIVE: Final = re.compile(r"\+([0-9]{1,9}(?:\.[0-9]{1,6})?)([smhdSMHD])")
 _EPOCH: Final = re.compile(r"[0-9]{1,12}")
 _ISO: Final = re.compile(
     r"(?P<y>[0-9]{4})-(?P<mo>[0-9]{2})-(?P<d>[0-9]{2})"
@@ -50,8 +53,7 @@ _ISO: Final = re.compile(
     r"(?P<zone>Z|[+-][0-9]{2}(?::?[0-9]{2})?)?"
 )
 _COUNT: Final = re.compile(r"[0-9]{1,16}")
-_UNIT_S: Final = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
-_CLIP_CHARS: Final = 40
+_CLIP_CHARS: Final = 43  # 40 and "...", as job_submit.lua shows them
 
 
 @dataclass(frozen=True)
@@ -90,8 +92,7 @@ class Deadline:
 
 
 def _clip(value: str) -> str:
-    shown = "".join(c if c.isprintable() else "?" for c in value[:_CLIP_CHARS])
-    return shown + ("..." if len(value) > _CLIP_CHARS else "")
+    return one_line(value, _CLIP_CHARS, empty="")
 
 
 def _bad_deadline(value: str) -> InputError:
@@ -100,9 +101,8 @@ def _bad_deadline(value: str) -> InputError:
 
 def parse_deadline(value: str, *, tz: tzinfo | None = None) -> DeadlineSpec:
     """One ``deadline=`` value; ``tz`` is the zone of an ISO time without one (default: local)."""
-    relative = _RELATIVE.fullmatch(value)
-    if relative is not None:
-        seconds = float(relative[1]) * _UNIT_S[relative[2].lower()]
+    seconds = span_s(value[1:]) if value.startswith("+") else None
+    if seconds is not None:
         if seconds > MAX_RELATIVE_S:
             raise InputError(f"deadline '{_clip(value)}' is more than 3650 days away")
         return DeadlineSpec(value, relative_s=seconds)

@@ -23,11 +23,11 @@ from dataclasses import dataclass
 from typing import Final
 
 from slurm_cdgpc.errors import InputError
+from slurm_cdgpc.wire import names
 
 logger = logging.getLogger(__name__)
 
 MAX_GPU_INDEX: Final = 1023
-_JOB_ID: Final = re.compile(r"[1-9][0-9]{0,9}")
 _GPU_ITEM: Final = re.compile(r"([0-9]{1,4})(?:-([0-9]{1,4}))?")
 
 
@@ -94,9 +94,9 @@ def read_hook_env(
     environ: Mapping[str, str], *, hostname: Callable[[], str] = socket.gethostname
 ) -> HookEnv:
     """The job as slurmd describes it; `InputError` (one line) when it is not a job's hook."""
-    job_id = environ.get("SLURM_JOB_ID") or environ.get("SLURM_JOBID") or ""
-    if _JOB_ID.fullmatch(job_id) is None:
-        raise InputError(f"SLURM_JOB_ID is not a job id: {job_id[:20]!r}")
+    job_id = names.job_id(
+        environ.get("SLURM_JOB_ID") or environ.get("SLURM_JOBID") or "", "SLURM_JOB_ID"
+    )
     node = hook_node(environ, hostname=hostname)
     gpus_text = environ.get("SLURM_JOB_GPUS")
     if gpus_text is None:

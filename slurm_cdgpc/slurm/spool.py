@@ -30,6 +30,7 @@ from typing import Any, Final, Protocol
 
 from slurm_cdgpc.errors import InputError, SoftError
 from slurm_cdgpc.transport.http import HeadRefusedError, HeadUnavailableError
+from slurm_cdgpc.wire.names import JOB_ID
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +38,9 @@ DEFAULT_SPOOL_DIR: Final = Path("/var/spool/cdgpc")
 MAX_RECORDS: Final = 10_000
 MAX_RECORD_BYTES: Final = 64 * 1024
 OPS: Final = ("register", "deregister")
-_NAME: Final = re.compile(r"[0-9]{20}-[0-9a-f]{8}-(register|deregister)-[0-9_]{1,24}\.json")
+_NAME: Final = re.compile(
+    rf"[0-9]{{20}}-[0-9a-f]{{8}}-(register|deregister)-{JOB_ID.pattern}\.json"
+)
 _LOCK_NAME: Final = ".lock"
 
 

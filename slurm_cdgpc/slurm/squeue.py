@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
-from slurm_cdgpc.errors import InputError, SoftError
+from slurm_cdgpc.errors import InputError, SoftError, one_line
 from slurm_cdgpc.slurm.env import parse_gpu_indices
 
 logger = logging.getLogger(__name__)
@@ -248,6 +248,6 @@ def read_jobs(*, squeue: Path = SQUEUE, timeout_s: float = DEFAULT_TIMEOUT_S) ->
     except (OSError, subprocess.TimeoutExpired) as e:
         raise SqueueError(f"squeue --json failed: {e}") from e
     if result.returncode != 0:
-        message = " ".join(result.stderr.decode("utf-8", "replace").split())[:300]
+        message = one_line(result.stderr.decode("utf-8", "replace"))
         raise SqueueError(f"squeue --json exited {result.returncode}: {message}")
     return parse_squeue_json(result.stdout)

@@ -22,7 +22,7 @@ from sqlalchemy import Connection, Engine, create_engine, event
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError, DBAPIError, NoSuchModuleError, SQLAlchemyError
 
-from slurm_cdgpc.errors import InputError, SoftError
+from slurm_cdgpc.errors import InputError, SoftError, one_line
 
 logger = logging.getLogger(__name__)
 
@@ -140,5 +140,4 @@ def describe(error: SQLAlchemyError) -> str:
     cause: BaseException = error
     if isinstance(error, DBAPIError) and error.orig is not None:
         cause = error.orig
-    lines = [line.strip() for line in str(cause).splitlines() if line.strip()]
-    return f"{type(cause).__name__}: {lines[0] if lines else 'no message'}"
+    return f"{type(cause).__name__}: {one_line(cause, keep='first')}"

@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import re
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
@@ -74,15 +73,12 @@ from slurm_cdgpc.store.schema import (
     NodeRow,
     SetpointRow,
 )
+from slurm_cdgpc.wire import names
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-#: Slurm job ids: ``123``, ``123_4`` (array task), ``123+1`` (heterogeneous job component)
-_JOB_ID = re.compile(r"^[0-9]{1,20}([_+][0-9]{1,10})?$")
-_ACCOUNT = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,62}\$?$")
-_NODE = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9._-]{0,253}[A-Za-z0-9])?$")
 #: keys per ``IN (…)`` list (SQLite allows 32766 parameters); a power of two, see `_chunks`
 _CHUNK = 1024
 _MAX_REASON = 1000
@@ -191,7 +187,7 @@ class Store:
         """Record a budget change, effective now or at ``effective_at_s`` (may be in the future)."""
         if not (math.isfinite(budget_w) and budget_w > 0):
             raise InputError(f"budget must be a positive number of watts, got {budget_w!r}")
-        _check_account(user)
+        names.account(user)
         if len(reason) > _MAX_REASON:
             raise InputError(f"reason is longer than {_MAX_REASON} characters")
         now = self._clock()
@@ -286,8 +282,8 @@ class Store:
         checked: list[tuple[int, JobRegistration, list[dict[str, Any]], float]] = []
         for i, r in enumerate(registrations):
             try:
-                _check_job_id(r.job_id)
-                _check_account(r.user)
+                names.job_id(r.job_id)
+                names.account(r.user)
                 new_gpus = _gpu_rows(r.job_id, r.gpus)
                 if r.deadline_s is not None:
                     _finite(r.deadline_s, "deadline")
@@ -375,7 +371,7 @@ class Store:
         return self._update_job(job_id, finish)
 
     def _update_job(self, job_id: str, change: Callable[[JobRow], None]) -> Job | None:
-        _check_job_id(job_id)
+        names.job_id(job_id)
         with self._begin(write=True) as session:
             row = session.scalars(
                 select(JobRow).where(JobRow.job_id == job_id).with_for_update()
@@ -425,7 +421,7 @@ class Store:
         last_seen_s: float | None = None,
     ) -> Node:
         """Add or update a node (an agent announced itself)."""
-        _check_node(name)
+        names.node_name(name)
         if transport not in TRANSPORTS:
             raise InputError(f"transport must be one of {', '.join(TRANSPORTS)}, got {transport!r}")
         if gpu_count < 0:
@@ -466,7 +462,7 @@ class Store:
         rows = []
         for node in nodes:
             try:
-                _check_node(node.name)
+                names.node_name(node.name)
                 if node.transport not in TRANSPORTS:
                     raise InputError(f"transport must be one of {', '.join(TRANSPORTS)}")
                 if node.gpu_count < 0:
@@ -751,25 +747,10 @@ def _optional(value: float | None) -> float | None:
     return None if value is None or math.isnan(value) else float(value)
 
 
-def _check_job_id(job_id: str) -> None:
-    if not _JOB_ID.match(job_id):
-        raise InputError(f"not a Slurm job id: {job_id!r} (e.g. 1234 or 1234_7)")
-
-
-def _check_account(user: str) -> None:
-    if not _ACCOUNT.match(user):
-        raise InputError(f"not a user name: {user!r}")
-
-
-def _check_node(name: str) -> None:
-    if not _NODE.match(name):
-        raise InputError(f"not a node name: {name!r}")
-
-
 def _gpu_rows(job_id: str, gpus: Mapping[str, Iterable[int]]) -> list[dict[str, Any]]:
     rows = []
     for node, indices in gpus.items():
-        _check_node(node)
+        names.node_name(node)
         for index in sorted(set(indices)):
             if not 0 <= index < 1024:
                 raise InputError(f"GPU index on {node} must be in [0, 1024), got {index!r}")

@@ -69,7 +69,7 @@ class JobRow(Base):
         Index("ix_jobs_state", "state"),
     )
 
-    #: Slurm's job id as text: ``123``, ``123_4`` (array task), ``123+1`` (heterogeneous part)
+    #: Slurm's job id as text (`slurm_cdgpc.wire.names.JOB_ID`)
     job_id: Mapped[str] = mapped_column(String(64), primary_key=True)
     user_name: Mapped[str] = mapped_column(String(64))
     state: Mapped[str] = mapped_column(String(16))

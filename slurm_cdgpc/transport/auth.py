@@ -65,7 +65,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Final, Protocol
 
-from slurm_cdgpc.errors import FatalError, InputError, SoftError
+from slurm_cdgpc.errors import FatalError, InputError, SoftError, one_line
+from slurm_cdgpc.wire.names import NODE_NAME
 
 logger = logging.getLogger(__name__)
 
@@ -114,7 +115,8 @@ _HMAC_REPLY_RE: Final = re.compile(
 )
 _EPOCH_RE: Final = re.compile(r"[0-9]{1,19}")  # leader epochs are milliseconds: 13 digits now
 _STATUS_RE: Final = re.compile(r"[1-5][0-9][0-9]")
-_RESPONDER_RE: Final = re.compile(r"@?[A-Za-z0-9][A-Za-z0-9._-]{0,254}")
+#: a node's name or the head's
+_RESPONDER_RE: Final = re.compile(rf"{re.escape(HEAD_RESPONDER)}|{NODE_NAME.pattern}")
 _MAX_EPOCH: Final = 2**63 - 1
 
 # unmunge exit status = munge_err_t. These mean "the credential is bad"; any other status means
@@ -739,9 +741,8 @@ class _ChildResult:
 
     def reason(self) -> str:
         """The child's first stderr line, trimmed, for a one-line error."""
-        lines = self.stderr.decode("ascii", "replace").strip().splitlines()
-        text = lines[0] if lines else f"exit status {self.returncode}"
-        return text[:200]
+        stderr = self.stderr.decode("ascii", "replace")
+        return one_line(stderr, 200, keep="first", empty=f"exit status {self.returncode}")
 
 
 def _run_bounded(

@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from typing import Any, BinaryIO, Final, NamedTuple, TypeVar
 from urllib.parse import urlencode, urlsplit
 
-from slurm_cdgpc.errors import CdgpcError, InputError, SoftError
+from slurm_cdgpc.errors import CdgpcError, InputError, SoftError, one_line
 from slurm_cdgpc.transport.auth import HEAD_RESPONDER, AuthError, Reply, SignedRequest, Signer
 from slurm_cdgpc.wire.protocol import (
     ExchangeRequest,
@@ -71,6 +71,7 @@ MAX_IN_FLIGHT: Final = 1024
 _CONNECTING: Final = frozenset({errno.EINPROGRESS, errno.EAGAIN, errno.EALREADY, 0})
 _CONTENT_LENGTH_RE: Final = re.compile(rb"\r\ncontent-length:[ \t]*([0-9]{1,12})[ \t]*\r", re.I)
 _REPLY_HEADER: Final = b"x-cdgpc-reply-auth"  # `slurm_cdgpc.transport.auth.REPLY_HEADER`
+_NO_REASON: Final = "no reason given"
 
 
 class HeadUnavailableError(SoftError):
@@ -336,7 +337,7 @@ def _read_reply(reply: BinaryIO) -> _Reply:
         version, _, rest = line.decode("latin-1").rstrip("\r\n").partition(" ")
         code = rest[:3]
         if not version.startswith("HTTP/1.") or len(code) != 3 or not code.isdigit():
-            raise http.client.BadStatusLine(_one_line(line.decode("latin-1"), 100))
+            raise http.client.BadStatusLine(one_line(line.decode("latin-1"), 100))
         headers = _read_reply_headers(reply)
         if not 100 <= int(code) < 200:  # an interim reply (100 Continue) is skipped
             break
@@ -376,19 +377,15 @@ def _read_reply_headers(reply: BinaryIO) -> dict[bytes, bytes]:
     raise http.client.HTTPException(f"reply has more than {_MAX_HEADERS} headers")
 
 
-def _one_line(text: str, limit: int = 300) -> str:
-    return " ".join(text.split())[:limit] or "no reason given"
-
-
 def error_text(data: bytes) -> str:
     """The one-line message of an error answer (its JSON ``error``, else its text)."""
     try:
         decoded = load_json(data)
     except ProtocolError:
-        return _one_line(data.decode("utf-8", "replace"))
+        return one_line(data.decode("utf-8", "replace"), empty=_NO_REASON)
     if isinstance(decoded, dict) and isinstance(decoded.get("error"), str):
-        return _one_line(decoded["error"])
-    return _one_line(data.decode("utf-8", "replace"))
+        return one_line(decoded["error"], empty=_NO_REASON)
+    return one_line(data.decode("utf-8", "replace"), empty=_NO_REASON)
 
 
 class NodeExchanger:
@@ -445,7 +442,7 @@ class NodeExchanger:
             try:
                 endpoint = _parse_endpoint(target.url)
             except CdgpcError as e:
-                results[node] = NodeFailure(_one_line(f"{target.url}: {e}"))
+                results[node] = NodeFailure(one_line(f"{target.url}: {e}"))
                 continue
             if endpoint.scheme == "http":
                 plain[node] = (target, endpoint)
@@ -483,7 +480,7 @@ class NodeExchanger:
             target, endpoint = targets[node]
             found = addresses[(endpoint.host, endpoint.port)]
             if isinstance(found, str):
-                results[node] = NodeFailure(_one_line(f"{target.url}: {found}"))
+                results[node] = NodeFailure(one_line(f"{target.url}: {found}"))
             else:
                 calls.append(_Call(node, target.url, message, found, nonce, target.request.epoch))
         checks: dict[str, Future[ExchangeResponse | NodeFailure]] = {}
@@ -524,7 +521,7 @@ class NodeExchanger:
             try:
                 return self.signer.sign_request("POST", paths[node], bodies[node])
             except CdgpcError as e:
-                return NodeFailure(_one_line(f"{targets[node][0].url}: {e}"))
+                return NodeFailure(one_line(f"{targets[node][0].url}: {e}"))
 
         if self._sign_inline:
             credentials = {node: sign(node) for node in targets}
@@ -569,9 +566,9 @@ class NodeExchanger:
                 until_s=deadline,
             )
         except (OSError, http.client.HTTPException) as e:
-            return NodeFailure(_one_line(f"{target.url}: {type(e).__name__}: {e}"))
+            return NodeFailure(one_line(f"{target.url}: {type(e).__name__}: {e}"))
         except CdgpcError as e:
-            return NodeFailure(_one_line(f"{target.url}: {e}"))
+            return NodeFailure(one_line(f"{target.url}: {e}"))
         assert nonce is not None  # signed by self.signer
         return exchange_answer(self.signer, node, target.url, nonce, target.request.epoch, *reply)
 
@@ -600,13 +597,13 @@ def exchange_answer(
         signer.verify_reply(credential, Reply.to(nonce, node, epoch, status, data))
     except AuthError as e:
         logger.warning("node %s: answer refused (nothing of it is used): %s", node, e)
-        return NodeFailure(_one_line(f"{where}: reply refused: {e}"))
+        return NodeFailure(one_line(f"{where}: reply refused: {e}"))
     except CdgpcError as e:  # unmunge could not run: as if the node had not answered
-        return NodeFailure(_one_line(f"{where}: reply not checked: {e}"))
+        return NodeFailure(one_line(f"{where}: reply not checked: {e}"))
     try:
         response = ExchangeResponse.from_json(data)
     except ProtocolError as e:
-        return NodeFailure(_one_line(f"{where}: bad reply: {e}"))
+        return NodeFailure(one_line(f"{where}: bad reply: {e}"))
     if response.node != node:
         logger.warning("node %s answers as %r (check its --node-name)", node, response.node)
     return response
@@ -886,11 +883,11 @@ def _parse(call: _Call) -> _Outcome:
     except (OSError, http.client.HTTPException) as e:
         return _failure(call, e)
     except CdgpcError as e:
-        return NodeFailure(_one_line(f"{call.url}: {e}"))
+        return NodeFailure(one_line(f"{call.url}: {e}"))
 
 
 def _failure(call: _Call, error: BaseException) -> NodeFailure:
-    return NodeFailure(_one_line(f"{call.url}: {type(error).__name__}: {error}"))
+    return NodeFailure(one_line(f"{call.url}: {type(error).__name__}: {error}"))
 
 
 class HeadClient:
@@ -940,7 +937,7 @@ class HeadClient:
             )
         except (OSError, http.client.HTTPException) as e:
             raise HeadUnavailableError(
-                f"cannot reach {self.peer} at {self.url}: {_one_line(str(e) or type(e).__name__)}"
+                f"cannot reach {self.peer} at {self.url}: {one_line(str(e) or type(e).__name__)}"
             ) from e
         status, data, credential = reply
         if self.signer is not None and nonce is not None:
@@ -950,7 +947,7 @@ class HeadClient:
             except CdgpcError as e:
                 said = f"; it said {status}: {error_text(data)}" if status >= 400 else ""
                 raise HeadUnavailableError(
-                    _one_line(f"{self.peer} at {self.url}: answer refused: {e}{said}")
+                    one_line(f"{self.peer} at {self.url}: answer refused: {e}{said}")
                 ) from e
         if status >= 400:
             raise HeadRefusedError(status, f"{self.peer} refused ({status}): {error_text(data)}")

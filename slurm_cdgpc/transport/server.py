@@ -29,6 +29,7 @@ from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler
 from typing import Any, Final, Protocol
 
+from slurm_cdgpc.errors import one_line
 from slurm_cdgpc.transport.auth import AccessPolicy, Verifier
 
 logger = logging.getLogger(__name__)
@@ -167,7 +168,7 @@ class JsonHandler(BaseHTTPRequestHandler):
         same one-line JSON as every other error, not the standard library's HTML page."""
         status = HTTPStatus(code)
         self.close_connection = True
-        text = " ".join((message or status.phrase).split())
+        text = one_line(message or status.phrase, 500)
         self._send_bytes(status, json.dumps({"error": text}).encode())
 
     def _route(self, method: str) -> None:

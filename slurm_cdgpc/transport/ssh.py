@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from typing import Final
 from urllib.parse import urlsplit
 
-from slurm_cdgpc.errors import CdgpcError, InputError
+from slurm_cdgpc.errors import CdgpcError, InputError, one_line
 from slurm_cdgpc.transport.auth import MAX_CREDENTIAL_CHARS, REPLY_HEADER, Signer
 from slurm_cdgpc.transport.http import EXCHANGE_PATH, NodeFailure, NodeTarget, exchange_answer
 from slurm_cdgpc.wire.protocol import (
@@ -70,6 +70,7 @@ REQUEST_HEADER: Final = "Authorization"
 
 _OPTION_RE: Final = re.compile(r"[A-Za-z][A-Za-z0-9]*=[\x20-\x7e]*")
 _KILL_WAIT_S: Final = 2.0
+_NO_MESSAGE: Final = "no error message"
 _CHUNK_BYTES: Final = 65536
 
 
@@ -130,18 +131,13 @@ def _check_option(option: str) -> str:
     return option
 
 
-def _one_line(text: str, limit: int = 300) -> str:
-    return " ".join(text.split())[:limit]
-
-
 def _stderr_reason(stderr: bytes) -> str:
     """The forwarder's ``Error: ...`` line if there is one, else ssh's last line."""
-    lines = [line.strip() for line in stderr.decode("utf-8", "replace").splitlines()]
-    lines = [line for line in lines if line]
-    for line in lines:
-        if line.startswith("Error:"):
-            return _one_line(line[len("Error:") :])
-    return _one_line(lines[-1]) if lines else ""
+    text = stderr.decode("utf-8", "replace")
+    for line in text.splitlines():
+        if line.strip().startswith("Error:"):
+            return one_line(line.strip()[len("Error:") :], empty=_NO_MESSAGE)
+    return one_line(text, keep="last", empty=_NO_MESSAGE)
 
 
 @dataclass(frozen=True)
@@ -234,18 +230,18 @@ class SshExchanger:
             argv = self.argv(node, target.url)
         except InputError as e:
             logger.warning("node %r: not exchanged over ssh: %s", node, e)
-            return NodeFailure(_one_line(f"ssh: refused: {e}"))
+            return NodeFailure(one_line(f"ssh: refused: {e}"))
         host = argv[-2]
         body = target.request.to_json()
         try:
             signed = self.signer.sign_request("POST", EXCHANGE_PATH, body)
         except CdgpcError as e:
-            return NodeFailure(_one_line(f"{host}: {e}"))
+            return NodeFailure(one_line(f"{host}: {e}"))
         finished = self._run(argv, envelope(REQUEST_HEADER, signed.credential, body))
         if isinstance(finished, NodeFailure):
             return finished
         if finished.returncode != 0:
-            reason = _stderr_reason(finished.stderr) or "no error message"
+            reason = _stderr_reason(finished.stderr)
             what = (
                 "ssh failed"
                 if finished.returncode == SSH_FAILED_STATUS
@@ -254,12 +250,12 @@ class SshExchanger:
             return NodeFailure(f"{host}: {what} (exit {finished.returncode}): {reason}")
         if finished.stderr:
             logger.debug(
-                "%s: ssh stderr: %s", host, _one_line(finished.stderr.decode("utf-8", "replace"))
+                "%s: ssh stderr: %s", host, one_line(finished.stderr.decode("utf-8", "replace"))
             )
         try:
             credential, data = open_envelope(finished.stdout, REPLY_HEADER)
         except ProtocolError as e:
-            return NodeFailure(_one_line(f"{host} over ssh: bad reply: {e}"))
+            return NodeFailure(one_line(f"{host} over ssh: bad reply: {e}"))
         where = f"{host} over ssh"
         epoch = target.request.epoch
         return exchange_answer(self.signer, node, where, signed.nonce, epoch, 200, data, credential)
@@ -277,7 +273,7 @@ class SshExchanger:
                 start_new_session=True,  # its own process group: a timeout kills ProxyCommands too
             )
         except OSError as e:
-            return NodeFailure(_one_line(f"{host}: cannot run {argv[0]}: {e.strerror or e}"))
+            return NodeFailure(one_line(f"{host}: cannot run {argv[0]}: {e.strerror or e}"))
         try:
             return self._talk(proc, host, request)
         finally:

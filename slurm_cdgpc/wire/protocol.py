@@ -34,8 +34,9 @@ the GPU could not be read, or when one value was implausible, and ``error`` says
 latest progress each job reported (one entry per job and reporting uid), and the setpoints the
 agent ``refused`` (with the reason). See `ExchangeResponse`.
 
-This module imports only the standard library, `slurm_cdgpc.errors` and, when a response carries
-boards, `slurm_cdgpc.wire.board`: the progress client uses it inside training jobs.
+This module imports only the standard library, `slurm_cdgpc.errors`, the id grammars of
+`slurm_cdgpc.wire.names` and, when a response carries boards, `slurm_cdgpc.wire.board`: the
+progress client uses it inside training jobs.
 """
 
 from __future__ import annotations
@@ -47,7 +48,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final, TypeGuard
 
-from slurm_cdgpc.errors import InputError
+from slurm_cdgpc.errors import InputError, one_line
+from slurm_cdgpc.wire import names
 
 if TYPE_CHECKING:
     from slurm_cdgpc.wire.board import BoardDescription
@@ -68,10 +70,6 @@ MAX_TEXT_CHARS: Final = 512
 MAX_UID: Final = 0xFFFFFFFE
 MAX_THROTTLE: Final = 2**64 - 1
 
-#: A Slurm job id: ``123``, or an array task ``123_4``.
-JOB_ID_RE: Final = re.compile(r"[1-9][0-9]{0,9}(?:_[0-9]{1,10})?")
-_NODE_RE: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,254}")
-
 
 class ProtocolError(InputError):
     """A message that is not valid JSON of the expected schema (one line, names the field)."""
@@ -85,8 +83,7 @@ class MessageTooLargeError(ProtocolError):
 
 
 def _got(value: object) -> str:
-    text = repr(value)
-    return f"got {text if len(text) <= 60 else text[:57] + '...'}"
+    return f"got {one_line(repr(value), 60)}"
 
 
 def _fields(
@@ -149,11 +146,17 @@ def _opt_text(value: object, where: str) -> str | None:
     return None if value is None else _text(value, where)
 
 
+def _name(parse: Callable[[object, str], str], value: object, where: str) -> str:
+    """A name parsed by ``parse`` (`slurm_cdgpc.wire.names`), its refusal a `ProtocolError`."""
+    try:
+        return parse(value, where)
+    except InputError as e:
+        raise ProtocolError(str(e)) from None
+
+
 def job_id(value: object, where: str = "job_id") -> str:
-    """A Slurm job id (``123`` or ``123_4``), else `ProtocolError`."""
-    if isinstance(value, str) and JOB_ID_RE.fullmatch(value):
-        return value
-    raise ProtocolError(f"{where}: must be a Slurm job id like 123 or 123_4, {_got(value)}")
+    """A Slurm job id (`slurm_cdgpc.wire.names.JOB_ID`), else `ProtocolError`."""
+    return _name(names.job_id, value, where)
 
 
 def _opt_job_id(value: object, where: str) -> str | None:
@@ -296,7 +299,7 @@ class Setpoint:
                 and (memory is None or (type(memory) is int and 1 <= memory <= MAX_CLOCK_MHZ))
                 and (limit is None or (type(limit) is float and 0.0 < limit <= MAX_POWER_LIMIT_W))
                 and type(job) is str
-                and JOB_ID_RE.fullmatch(job)
+                and names.JOB_ID.fullmatch(job)
             ):
                 return cls(gpu, job, graphics, memory, limit)
         return cls._checked(value, where)
@@ -363,9 +366,7 @@ class ExchangeRequest:
         if not isinstance(describe, bool):
             raise ProtocolError(f"describe: must be true or false, {_got(describe)}")
         version = _version(d)
-        node = d["node"]
-        if not (isinstance(node, str) and _NODE_RE.fullmatch(node)):
-            raise ProtocolError(f"node: must be a host name, {_got(node)}")
+        node = _name(names.node_name, d["node"], "node")
         setpoints = tuple(
             Setpoint.from_dict(item, f"setpoints[{i}]")
             for i, item in enumerate(_list(d["setpoints"], "setpoints", MAX_GPUS))
@@ -561,7 +562,7 @@ def _gpu_report_fast(value: object) -> GpuReport | None:
     if not (_is_text(v["uuid"]) and _is_text(v["name"]) and (error is None or _is_text(error))):
         return None
     job = v["job_id"]
-    if job is not None and not (type(job) is str and JOB_ID_RE.fullmatch(job)):
+    if job is not None and not (type(job) is str and names.JOB_ID.fullmatch(job)):
         return None
     board = v["board"]
     if board is not None and not (type(board) is str and _DIGEST_RE.fullmatch(board)):
@@ -692,9 +693,7 @@ class ExchangeResponse:
             ("boards",),
         )
         version = _version(d)
-        node = d["node"]
-        if not (isinstance(node, str) and _NODE_RE.fullmatch(node)):
-            raise ProtocolError(f"node: must be a host name, {_got(node)}")
+        node = _name(names.node_name, d["node"], "node")
         return cls(
             version=version,
             node=node,
@@ -719,8 +718,8 @@ def _board(value: object, where: str) -> BoardDescription:
 
 
 def check_node_name(name: str) -> str:
-    """A host name usable as ``node`` in a response, else `ProtocolError`."""
-    if isinstance(name, str) and _NODE_RE.fullmatch(name):
+    """A host name usable as ``node`` in a response (`names.NODE_NAME`), else `ProtocolError`."""
+    if isinstance(name, str) and names.NODE_NAME.fullmatch(name):
         return name
     raise ProtocolError(f"node name must be a host name, {_got(name)}")
 

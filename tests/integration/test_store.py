@@ -159,7 +159,7 @@ def test_batches_of_every_size_run_a_handful_of_statement_shapes(
         done = 0
         for size in range(1, 101):
             batch = [
-                JobRegistration(str(done + i), "alice", {f"n{(done + i) % 7}": [i % 8]})
+                JobRegistration(str(done + i + 1), "alice", {f"n{(done + i) % 7}": [i % 8]})
                 for i in range(size)
             ]
             batch.append(JobRegistration("99999", "alice", {"n0": [size % 8]}))  # an update
@@ -724,7 +724,7 @@ def test_sqlite_checkpoints_when_told_and_commits_leave_it_until_the_log_is_larg
             assert conn.exec_driver_sql("PRAGMA wal_autocheckpoint").scalar() == 10_000
         size = path.stat().st_size
         for i in range(300):  # well past SQLite's default of 1,000 pages of log
-            store.register_job(str(i), "alice", {f"n{i}": list(range(8))})
+            store.register_job(str(i + 1), "alice", {f"n{i}": list(range(8))})
         assert path.stat().st_size == size  # every page is still in the log
         store.checkpoint()
         assert path.stat().st_size > size  # now in the database

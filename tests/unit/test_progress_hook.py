@@ -26,7 +26,8 @@ from slurm_cdgpc.agent.progress import ProgressServer
 from slurm_cdgpc.errors import InputError
 from slurm_cdgpc.integrations import HOOK_DIR, progress_hook
 from slurm_cdgpc.slurm import install, task_prolog
-from slurm_cdgpc.wire.protocol import JOB_ID_RE, MAX_COUNT, ProgressLine
+from slurm_cdgpc.wire.names import JOB_ID
+from slurm_cdgpc.wire.protocol import MAX_COUNT, ProgressLine
 
 REPO = Path(__file__).resolve().parents[2]
 HOOK: Any = progress_hook()  # the module, loaded by path as the callbacks load it
@@ -146,8 +147,10 @@ def test_the_line_is_the_wire_contract() -> None:
 
 def test_job_ids_follow_the_protocols_grammar() -> None:
     for text in ["1", "123_4", "9999999999", "9999999999_1234567890", "0", "01", "12_", "_1",
-                 "1_2_3", "12345678901", "1a", "١٢", "", " 1", "1_01"]:  # fmt: skip
-        assert HOOK.valid_job_id(text) == bool(JOB_ID_RE.fullmatch(text)), text
+                 "1_2_3", "12345678901", "1a", "١٢", "", " 1", "1_01", "123+1", "123+0",
+                 "123_0", "123+01", "1+2+3", "1_2+3", "1+2_3", "+1", "1+", "0123",
+                 "1_12345678901"]:  # fmt: skip
+        assert HOOK.valid_job_id(text) == bool(JOB_ID.fullmatch(text)), text
 
 
 def test_switches_and_ranks() -> None:

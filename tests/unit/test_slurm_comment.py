@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import shutil
+import subprocess
 from datetime import UTC, datetime, timedelta, timezone
+from pathlib import Path
 
 import pytest
 from hypothesis import given
@@ -36,6 +39,9 @@ UTC_PLUS_2 = timezone(timedelta(hours=2))
         ("deadline=+6h", SUBMIT_S + 6 * 3600),
         ("DEADLINE=+2d", SUBMIT_S + 2 * 86400),
         ("deadline=+1.5H", SUBMIT_S + 5400),
+        ("deadline=+1h30m", SUBMIT_S + 5400),  # a span of slurm_cdgpc.units, as in sacct traces
+        ("deadline=+2d12h", SUBMIT_S + 2.5 * 86400),
+        ("deadline=+250ms", SUBMIT_S + 0.25),
         ("deadline=1893456000", 1_893_456_000.0),
     ],
 )
@@ -64,6 +70,9 @@ def test_other_text_is_left_alone_and_separators_mix() -> None:
         ("deadline=2026-12-01T12:00+25:00", "cannot read deadline"),
         ("deadline=+6", "cannot read deadline '+6'"),
         ("deadline=+5.h", "cannot read deadline"),
+        ("deadline=+1h30", "cannot read deadline '+1h30'"),
+        ("deadline=+1hm", "cannot read deadline"),
+        ("deadline=+3650d1s", "more than 3650 days away"),
         ("deadline=+4000d", "more than 3650 days away"),
         ("deadline=99999999999999", "cannot read deadline"),
         ("deadline=+1h deadline=+2h", "given twice"),
@@ -114,3 +123,47 @@ def test_fuzz_deadline_alphabet(value: str) -> None:
     else:
         assert (spec.absolute_s is None) != (spec.relative_s is None)
         assert 0 <= spec.resolve(SUBMIT_S) < 1e12
+
+
+LUA = shutil.which("lua5.1") or shutil.which("lua")
+JOB_SUBMIT = Path(__file__).resolve().parents[2] / "daemon" / "job_submit.lua"
+#: runs job_submit.lua's slurm_job_submit on each line of stdin: "ok" or "refused<TAB>message"
+LUA_DRIVER = """
+local said
+slurm = { SUCCESS = 0, ERROR = -1, NO_VAL = 4294967294, INFINITE = 4294967295,
+          log_user = function(fmt, ...) said = said or string.format(fmt, ...) end }
+dofile(arg[1])
+for line in io.lines() do
+  said = nil
+  local rc = slurm_job_submit({ comment = line }, {}, 0)
+  print(rc == 0 and "ok" or ("refused\t" .. said))
+end
+"""
+COMMENTS = [
+    *("deadline=+6h", "deadline=+1h30m", "my run | deadline=+2h30m,iters=20000", "deadline=+1.5H"),
+    *("deadline=+250ms", "deadline=+5min", "deadline=+6", "deadline=+5.h", "deadline=+1h30"),
+    *("deadline=+1hm", "deadline=+", "deadline=+4000d", "deadline=+3650d1s", "deadline=tomorow"),
+    *("deadline=2026-12-01T12:00Z", "deadline=1893456000", "deadline=99999999999999", "iters=0"),
+    *("iters=many", "deadline=+1h deadline=+2h", "deadline=" + "x" * 43, "deadline=" + "x" * 44),
+]
+
+
+@pytest.mark.skipif(LUA is None, reason="no Lua interpreter (apt-get install lua5.1)")
+def test_job_submit_lua_accepts_and_refuses_what_the_prolog_does(tmp_path: Path) -> None:
+    driver = tmp_path / "driver.lua"
+    driver.write_text(LUA_DRIVER)
+    assert LUA is not None
+    lua = subprocess.run(
+        [LUA, str(driver), str(JOB_SUBMIT)],
+        input="\n".join(COMMENTS) + "\n",
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.splitlines()
+    for comment, answer in zip(COMMENTS, lua, strict=True):
+        try:
+            parse_comment(comment)
+            expected = "ok"
+        except InputError as e:
+            expected = f"refused\tcdgpc: {e}"
+        assert answer == expected, comment

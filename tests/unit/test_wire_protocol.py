@@ -277,7 +277,7 @@ def test_fuzzed_requests_raise_only_input_errors(data: bytes) -> None:
         st.builds(
             Setpoint,
             gpu=st.integers(0, 1023),
-            job_id=st.from_regex(r"\A[1-9][0-9]{0,5}(_[0-9]{1,3})?\Z"),
+            job_id=st.from_regex(r"\A[1-9][0-9]{0,5}([_+](0|[1-9][0-9]{0,2}))?\Z"),
             graphics_mhz=st.integers(1, 100_000),
             memory_mhz=st.none() | st.integers(1, 100_000),
             power_limit_w=st.none() | st.floats(1e-3, 1e5, allow_nan=False),

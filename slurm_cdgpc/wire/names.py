@@ -1,0 +1,45 @@
+"""The one grammar of each name the head and the nodes exchange: job id, node name, account.
+
+Job ids are what Slurm writes: ``SLURM_JOB_ID`` ``123`` (32 bits: at most 10 digits, from 1), an
+array task ``123_4`` or a heterogeneous job's component ``123+1``; no part has a leading zero.
+Standard library (and `slurm_cdgpc.errors`) only: the Prolog and jobs' progress client use it.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Final
+
+from slurm_cdgpc.errors import InputError, one_line
+
+_NUMBER: Final = r"(?:0|[1-9][0-9]{0,9})"
+JOB_ID: Final = re.compile(rf"[1-9][0-9]{{0,9}}(?:[_+]{_NUMBER})?")
+#: a host name as Slurm and DNS write it: 1..255 characters, letters or digits at both ends
+NODE_NAME: Final = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9._-]{0,253}[A-Za-z0-9])?")
+#: a user or group name (a Samba machine account ends in ``$``): 1..64 characters
+ACCOUNT: Final = re.compile(r"[A-Za-z0-9_](?:[A-Za-z0-9._-]{0,63}|[A-Za-z0-9._-]{0,62}\$)")
+
+
+def _got(value: object) -> str:
+    return f"got {one_line(repr(value), 60)}"
+
+
+def job_id(value: object, where: str = "job_id") -> str:
+    """``value`` if it is a Slurm job id, else `InputError` naming ``where``."""
+    if isinstance(value, str) and JOB_ID.fullmatch(value):
+        return value
+    raise InputError(f"{where}: must be a Slurm job id like 123 or 123_4, {_got(value)}")
+
+
+def node_name(value: object, where: str = "node") -> str:
+    """``value`` if it is a node's host name, else `InputError` naming ``where``."""
+    if isinstance(value, str) and NODE_NAME.fullmatch(value):
+        return value
+    raise InputError(f"{where}: must be a host name, {_got(value)}")
+
+
+def account(value: object, where: str = "user") -> str:
+    """``value`` if it is a user or group name, else `InputError` naming ``where``."""
+    if isinstance(value, str) and ACCOUNT.fullmatch(value):
+        return value
+    raise InputError(f"{where}: must be a user or group name, {_got(value)}")
