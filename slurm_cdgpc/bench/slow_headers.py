@@ -163,7 +163,7 @@ def trickle(
             timed_from = len(held)
         held.append(attack.tick())
         next_tick = max(next_tick + period_s, time.monotonic())  # late: no burst to catch up
-        time.sleep(next_tick - time.monotonic())
+        time.sleep(max(0.0, next_tick - time.monotonic()))
     wall_s = time.monotonic() - start
     attack.close()
     timed = held[timed_from:] or held

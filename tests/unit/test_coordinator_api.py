@@ -252,11 +252,11 @@ def test_admin_commands_talk_to_the_head(api: Api, tmp_path: Path) -> None:
     from slurm_cdgpc.cli import admin  # noqa: PLC0415
 
     key_file = tmp_path / "hmac.key"
-    key_file.write_bytes(secrets.token_bytes(32))
+    key_file.write_text(secrets.token_hex(32) + "\n")  # as `openssl rand -hex 32 > key` writes it
     key_file.chmod(0o600)
     if key_file.stat().st_uid != 0:
         pytest.skip("the HMAC key must be owned by root: run as root")
-    key = HmacKey(key_file.read_bytes())
+    key = HmacKey.load(key_file)  # read as the CLI reads it
     api.server.verifier = HmacVerifier(key)
     api.server.signer = HmacSigner(key)
     api.server.policy = AccessPolicy(hmac_is_admin=True)
