@@ -1033,13 +1033,8 @@ class Coordinator:
         snapshot = self.store.load_models(self.settings.estimator.family, job_ids)
         if not len(snapshot):
             return
-        estimator = self.running.estimator
         rows = [self.running.jobs.index(self._info(j)) for j in snapshot.job_ids]
-        for bank, state in ((estimator.power, snapshot.power), (estimator.time, snapshot.time)):
-            bank.theta[rows] = state.theta
-            bank.cov[rows] = state.cov
-            bank.err_var[rows] = state.err_var
-            bank.count[rows] = state.count
+        self.running.estimator.restore(snapshot.power, snapshot.time, rows)
         logger.info("restored the models of job(s) %s", ", ".join(snapshot.job_ids))
 
     def _info(self, job_id: str) -> JobInfo:
