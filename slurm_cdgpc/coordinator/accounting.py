@@ -24,7 +24,9 @@ from slurm_cdgpc.store import Job, Setpoint, Store
 class PowerLedger:
     """Power outside the plan, the plans in force and their record (the loop's thread)."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, mode: str, shadow: bool) -> None:
+        self._mode = mode  # the controller's objective and whether decisions are applied,
+        self._shadow = shadow  # as each decision's record says
         self._planned_w: dict[str, float] = {}  # last decision's planned power per job
         #: the plan in force over the interval the node reports describe: the decision before
         #: the last (the agents read before they apply), what their power is judged against
@@ -100,16 +102,13 @@ class PowerLedger:
         budget_w: float | None,
         decision: Decision,
         jobs: Sequence[JobInfo],
-        *,
-        mode: str,
-        shadow: bool,
     ) -> None:
         """Record interval ``k``'s decision for ``jobs`` with its setpoints (inside the
         interval's store transaction); what their GPUs draw is filled in at the next."""
         record = store.record_decision(
             interval_index=k,
             status=decision.status.value,
-            mode=mode,
+            mode=self._mode,
             price=decision.price,
             budget_w=math.inf if budget_w is None else budget_w,
             effective_budget_w=decision.effective_budget_w,
@@ -124,7 +123,7 @@ class PowerLedger:
                 )
                 for i, j in enumerate(jobs)
             ],
-            shadow=shadow,
+            shadow=self._shadow,
             time_s=now_s,
         )
         self._last_decision = (record.id, tuple(g for j in jobs for g in j.gpus))

@@ -106,10 +106,8 @@ from slurm_cdgpc.store import (
 from slurm_cdgpc.store.leader import LeadershipLostError
 from slurm_cdgpc.transport.http import NodeFailure, NodeTarget
 from slurm_cdgpc.wire.protocol import (
-    ExchangeRequest,
     ExchangeResponse,
     ProgressReport,
-    ProtocolError,
 )
 from slurm_cdgpc.wire.protocol import Setpoint as AgentSetpoint
 
@@ -197,6 +195,22 @@ def _full_grid(specs: Mapping[str, GpuSpec]) -> ClockGrid:
     return ClockGrid.from_tables([(n, s.clocks) for n, s in specs.items()], min_fraction=0.0)
 
 
+def _wait(stop: threading.Event, replan: threading.Event, next_s: float, earliest_s: float) -> bool:
+    """Until ``next_s``, or a registration's wake-up (``replan``) from ``earliest_s`` on; True
+    if woken out of cycle."""
+    while not stop.is_set():
+        now_s = time.monotonic()
+        if now_s >= next_s:
+            return False
+        if replan.is_set():
+            if now_s >= earliest_s:
+                return True
+            stop.wait(min(earliest_s, next_s) - now_s)
+            continue
+        replan.wait(next_s - now_s)
+    return False
+
+
 @dataclass(frozen=True)
 class _Plan:
     """Step 3's output: the budget, the power outside the plan, the decision, its setpoints."""
@@ -252,7 +266,7 @@ class Coordinator:
         self.roster = Roster(store, self.running, self.controller, self.settings.estimator.family)
         self.locks = GpuLocks(store)
         self.progress = ProgressGate()
-        self.ledger = PowerLedger()
+        self.ledger = PowerLedger(mode=self.settings.controller.mode, shadow=self.settings.shadow)
         self._replan = threading.Event()  # a job registered: plan for it out of cycle
         self.registrations = Registrations(
             store,
@@ -327,21 +341,6 @@ class Coordinator:
             started_at_s=started_at_s,
         )
         return self.registrations.register_job(registration)
-
-    def reconcile(self, slurm_running: Collection[str], grace_s: float) -> list[str]:
-        """Deregister active jobs that Slurm no longer runs: their Epilog never reached us (a
-        node crashed, the head was away and the spool was lost). A job registered less than
-        ``grace_s`` ago is left alone: squeue may not list it yet. Returns the ids removed."""
-        now_s = self._clock()
-        gone = [
-            job.job_id
-            for job in self.store.jobs(ACTIVE_STATES)
-            if job.job_id not in slurm_running and now_s - job.registered_at_s > grace_s
-        ]
-        for job_id in gone:
-            logger.warning("job %s: no longer running in Slurm; deregistered", job_id)
-            self.deregister_job(job_id)
-        return gone
 
     def deregister_job(self, job_id: str) -> Job | None:
         """The job ended: its GPUs are released at the next exchange. None if unknown."""
@@ -418,23 +417,8 @@ class Coordinator:
                     "interval overran by %.2f s; %d tick(s) skipped", now_s - next_s, missed
                 )
                 next_s += missed * period_s
-            if self._wait(stop, next_s, began_s + self.settings.replan_gap_s):
+            if _wait(stop, self._replan, next_s, began_s + self.settings.replan_gap_s):
                 next_s = time.monotonic()  # planned out of cycle: a full period from here
-
-    def _wait(self, stop: threading.Event, next_s: float, earliest_s: float) -> bool:
-        """Until ``next_s``, or a registration's wake-up from ``earliest_s`` on; True if woken
-        out of cycle."""
-        while not stop.is_set():
-            now_s = time.monotonic()
-            if now_s >= next_s:
-                return False
-            if self._replan.is_set():
-                if now_s >= earliest_s:
-                    return True
-                stop.wait(min(earliest_s, next_s) - now_s)
-                continue
-            self._replan.wait(next_s - now_s)
-        return False
 
     def run_interval(self) -> IntervalReport:
         """One interval, each stage's output handed to the next: reconcile → measure → learn
@@ -556,7 +540,13 @@ class Coordinator:
         interval's measure)."""
         if self.leader is not None:
             self.leader.confirm()  # renewed before every push; a failure pushes nothing
-        targets = self._targets(k, now_s, setpoints)
+        epoch = 0 if self.leader is None else self.leader.epoch
+        releases = None if self.settings.shadow else self.locks.releases
+        targets, unsent = self.nodes.requests(
+            k, now_s + self.settings.lease_s, epoch, setpoints, releases
+        )
+        if unsent:
+            self.metrics.exchange_failures.labels("request").inc(unsent)
         if not targets:
             return _Exchanged({}, {}, ())
         with self.metrics.exchange_seconds.time():
@@ -581,30 +571,6 @@ class Coordinator:
         self._sampled = (k, samples)
         return _Exchanged(responses, samples, progress)
 
-    def _targets(
-        self, k: int, now_s: float, setpoints: Mapping[str, list[AgentSetpoint]]
-    ) -> dict[str, NodeTarget]:
-        """Each node's request: its setpoints, its releases (none in shadow mode), a lease."""
-        lease_s = now_s + self.settings.lease_s
-        epoch = 0 if self.leader is None else self.leader.epoch
-        targets: dict[str, NodeTarget] = {}
-        for name, node in self.nodes.items():
-            points = tuple(setpoints.get(name, ()))
-            taken = {p.gpu for p in points}
-            release: tuple[int, ...] = ()
-            if not self.settings.shadow:
-                release = tuple(sorted(self.locks.releases(name) - taken))
-            try:
-                request = ExchangeRequest(
-                    k, lease_s, points, release, epoch=epoch, node=name, describe=node.describe
-                )
-            except ProtocolError as e:  # no agent could take it: counted as unreachable
-                logger.error("node %s: no exchange possible: %s", name, e)
-                self.metrics.exchange_failures.labels("request").inc()
-                continue
-            targets[name] = NodeTarget(node.url, request)
-        return targets
-
     def _persist(self, k: int, now_s: float, plan: _Plan, exchanged: _Exchanged) -> IntervalReport:
         """5. Record the interval in one store transaction that renews the leader lock (a head
         fenced off meanwhile writes nothing), then report it."""
@@ -621,16 +587,7 @@ class Coordinator:
                 self.progress.record(self.store, exchanged.progress)
                 self.ledger.fill_measured(self.store, power_by_gpu)
                 if decision is not None:
-                    self.ledger.record(
-                        self.store,
-                        k,
-                        now_s,
-                        plan.budget_w,
-                        decision,
-                        jobs,
-                        mode=self.settings.controller.mode,
-                        shadow=self.settings.shadow,
-                    )
+                    self.ledger.record(self.store, k, now_s, plan.budget_w, decision, jobs)
                     self.store.save_models(
                         ModelSnapshot.of([j.job_id for j in jobs], self.running.estimator),
                         at_s=now_s,

@@ -30,8 +30,9 @@ from slurm_cdgpc.gpu.board import spec_from_board
 from slurm_cdgpc.gpu.catalog import CATALOG, GpuSpec, catalog_spec
 from slurm_cdgpc.gpu.device import ThrottleReason
 from slurm_cdgpc.store import Node, Store
-from slurm_cdgpc.transport.http import NodeFailure
-from slurm_cdgpc.wire.protocol import ExchangeRequest, ExchangeResponse, GpuReport
+from slurm_cdgpc.transport.http import NodeFailure, NodeTarget
+from slurm_cdgpc.wire.protocol import ExchangeRequest, ExchangeResponse, GpuReport, ProtocolError
+from slurm_cdgpc.wire.protocol import Setpoint as AgentSetpoint
 
 logger = logging.getLogger(__name__)
 
@@ -217,7 +218,34 @@ class NodeBook(Mapping[str, NodeState]):
             )
         return views
 
-    # -- an exchange's answers -----------------------------------------------------------------
+    # -- an exchange ---------------------------------------------------------------------------
+
+    def requests(
+        self,
+        k: int,
+        lease_s: float,
+        epoch: int,
+        setpoints: Mapping[str, Sequence[AgentSetpoint]],
+        releases: Callable[[str], frozenset[int]] | None,
+    ) -> tuple[dict[str, NodeTarget], int]:
+        """Exchange ``k``'s request to each node, naming it: its setpoints, the releases queued
+        for its other GPUs (none without ``releases``: shadow mode), a lease until ``lease_s``.
+        Returns them, and how many nodes no request could be built for (no agent could take
+        one: they count as unreachable)."""
+        targets: dict[str, NodeTarget] = {}
+        for name, node in self._nodes.items():
+            points = tuple(setpoints.get(name, ()))
+            taken = {p.gpu for p in points}
+            release = () if releases is None else tuple(sorted(releases(name) - taken))
+            try:
+                request = ExchangeRequest(
+                    k, lease_s, points, release, epoch=epoch, node=name, describe=node.describe
+                )
+            except ProtocolError as e:  # no agent could take it: counted as unreachable
+                logger.error("node %s: no exchange possible: %s", name, e)
+                continue
+            targets[name] = NodeTarget(node.url, request)
+        return targets, len(self._nodes) - len(targets)
 
     def lost(self, name: str, reason: str) -> None:
         """The exchange with ``name`` failed: it is unreachable, and its reports are gone."""

@@ -22,6 +22,7 @@ from slurm_cdgpc.config import SafeCap
 from slurm_cdgpc.control.empc import ControllerSettings, Decision, QueueState
 from slurm_cdgpc.coordinator.daemon import Coordinator, CoordinatorSettings
 from slurm_cdgpc.coordinator.jobs import GpuRef, GpuSample
+from slurm_cdgpc.coordinator.reconcile import deregister_gone
 from slurm_cdgpc.coordinator.report import IntervalReport, JobView
 from slurm_cdgpc.gpu.catalog import CATALOG
 from slurm_cdgpc.gpu.simulated import ManualClock, SimulatedGpu, simulated_gpus
@@ -350,7 +351,7 @@ def test_reconcile_drops_jobs_slurm_no_longer_runs(make_cluster: MakeCluster) ->
     cluster.clock.advance(100.0)
     _register(cluster, "13", "n2", 0)  # just started: squeue may not list it yet
     # Slurm runs 12 only; 11's Epilog never arrived
-    assert cluster.head.reconcile({"12"}, grace_s=30.0) == ["11"]
+    assert deregister_gone(cluster.head, {"12"}, grace_s=30.0) == ["11"]
     assert cluster.store.job("11").state == "finished"
     assert cluster.store.job("12").state != "finished"
     assert cluster.store.job("13").state != "finished"
