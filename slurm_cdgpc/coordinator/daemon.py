@@ -367,11 +367,6 @@ class Coordinator:
         )
         return change
 
-    @property
-    def samples(self) -> Mapping[str, list[GpuSample]]:
-        """Per job, the samples of the last exchange that may teach its model."""
-        return self._sampled[1]
-
     def observe_queue(self, waiting: bool | None) -> None:
         """Whether jobs wait for GPUs in Slurm, from the reconcile (any thread); None: Slurm
         could not be read."""
@@ -420,6 +415,11 @@ class Coordinator:
             if _wait(stop, self._replan, next_s, began_s + self.settings.replan_gap_s):
                 next_s = time.monotonic()  # planned out of cycle: a full period from here
 
+    @property
+    def samples(self) -> Mapping[str, list[GpuSample]]:
+        """Per job, the samples of the last exchange that may teach its model."""
+        return self._sampled[1]
+
     def run_interval(self) -> IntervalReport:
         """One interval, each stage's output handed to the next: reconcile → measure → learn
         and solve → exchange → persist."""
@@ -446,9 +446,9 @@ class Coordinator:
             self.progress.ended(job.job_id)
         known = self.roster.known
         self.progress.keep(known)
-        held_out = self.locks.held_out(known)
+        held_out = self.locks.keep(known)
         for info in self.roster.plan(k, held_out, self.nodes):
-            self.locks.keep(info.gpus)  # a GPU that gets a setpoint is not released
+            self.locks.cancel_release(info.gpus)  # a GPU that gets a setpoint is not released
         return held_out
 
     def _measure(self) -> Measurements:

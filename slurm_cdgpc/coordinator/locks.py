@@ -62,14 +62,14 @@ class GpuLocks:
         for g in gpus:
             self._releases.setdefault(g.node, set()).add(g.gpu_index)
 
-    def keep(self, refs: Iterable[GpuRef]) -> None:
+    def cancel_release(self, refs: Iterable[GpuRef]) -> None:
         """GPUs that get a setpoint: not released."""
         for ref in refs:
             self._releases.get(ref.node, set()).discard(ref.index)
 
-    def held_out(self, active: Collection[str]) -> set[str]:
-        """Forget the jobs no longer active; returns the jobs kept out of the optimisation
-        because one of their GPUs refuses its setpoint."""
+    def keep(self, active: Collection[str]) -> set[str]:
+        """Forget the refusals of jobs no longer ``active``; returns the jobs held out of the
+        optimisation because one of their GPUs refuses its setpoint."""
         self._refusing = {g: p for g, p in self._refusing.items() if p.job_id in active}
         held_out = {p.job_id for p in self._refusing.values()}
         self._squeezed &= held_out

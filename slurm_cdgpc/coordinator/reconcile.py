@@ -6,7 +6,7 @@ runs a Prolog without ours, or jobs were already running when the site installed
 Every reconcile period the head reads ``squeue --json`` and
 
 - **finishes** jobs it holds as active that Slurm no longer runs, so their GPUs are released
-  and their power stops being reserved (`Coordinator.reconcile`);
+  and their power stops being reserved (`deregister_gone`);
 - **updates** the time limit and start of the jobs it holds when Slurm's differ (a limit the
   Prolog could not read, or one changed with ``scontrol update``): they bound the work of a
   job that does not say its own (`ControllerSettings.work_from_time_limit`);
