@@ -150,7 +150,7 @@ def serve_head(options: HeadOptions, conn: Connection, stop: Event, parent_pid: 
         wait_for_stop(stop, parent_pid)
         cpu_s = time.process_time() - cpu0
         jobs = len(coordinator.store.jobs(ACTIVE_STATES)) - STORE_PROBES
-        group = coordinator._registrations  # the group commit (the probes' batches included)
+        group = coordinator.registrations.group_commit  # the probes' batches included
         conn.send(
             (
                 "done",

@@ -43,8 +43,9 @@ from http import HTTPStatus
 from typing import Any, Final
 from urllib.parse import parse_qs, urlsplit
 
-from slurm_cdgpc.coordinator.daemon import Coordinator, IntervalReport, JobView
+from slurm_cdgpc.coordinator.daemon import Coordinator
 from slurm_cdgpc.coordinator.metrics import CONTENT_TYPE
+from slurm_cdgpc.coordinator.report import IntervalReport, JobView
 from slurm_cdgpc.errors import CdgpcError, InputError, one_line
 from slurm_cdgpc.store import ACTIVE_STATES, BudgetChange, DecisionRecord, Job, Node, StoreError
 from slurm_cdgpc.transport.auth import (
@@ -143,13 +144,13 @@ class HeadHttpServer(EventedHttpServer):
     def turn_ended(self) -> None:
         if self._commit_handed_over:
             return  # a worker is about to commit what is queued
-        if not self.coordinator.commit_queued_registrations(wait=False):
+        if not self.coordinator.registrations.commit_queued(wait=False):
             self._commit_handed_over = True
             self.loop.run_in_worker(self._commit_waiting)
 
     def _commit_waiting(self) -> None:
         self._commit_handed_over = False
-        self.coordinator.commit_queued_registrations(wait=True)
+        self.coordinator.registrations.commit_queued(wait=True)
 
     def job_views(self) -> dict[str, JobView]:
         """The last interval's job views by id, built once per interval: a lookup per job, not a
@@ -453,9 +454,8 @@ class _Handler(JsonHandler):
             views = self.server.job_views()
             return {"jobs": [job_dict(j, views) for j in c.store.jobs(ACTIVE_STATES)]}
         if path == "/v1/nodes":
-            return {
-                "nodes": [{**node_dict(n), "gpus": c.gpu_views(n.name)} for n in c.store.nodes()]
-            }
+            gpus = c.nodes.gpu_views
+            return {"nodes": [{**node_dict(n), "gpus": gpus(n.name)} for n in c.store.nodes()]}
         if path == "/v1/budget":
             now_s = c.now_s()
             current = c.store.current_budget(now_s)
@@ -518,7 +518,7 @@ class _Handler(JsonHandler):
                 self.server.loop.run_in_worker(lambda: answer(outcome))
 
         try:
-            self.server.coordinator.register_job_later(
+            self.server.coordinator.registrations.register_job_later(
                 committed,
                 job,
                 user,

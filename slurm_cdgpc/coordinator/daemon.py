@@ -56,22 +56,20 @@ answered yet. A job on a node whose GPU type is still unknown is accepted and wa
 at the limit, until the node reports: the Prolog never has to retry.
 
 Thread safety: the API threads only write the store (`register_job`, `deregister_job`,
-`set_budget`, `register_node`) and read the last `IntervalReport`, which is replaced whole at the
-end of each interval; everything else belongs to the loop's thread.
+`set_budget`, `register_node`, and the batches of `Registrations`), read the last
+`IntervalReport`, which is replaced whole at the end of each interval, and read the nodes' GPU
+views; everything else belongs to the loop's thread.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-import pwd
 import threading
 import time
-from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Final, Protocol
-
-import numpy as np
 
 from slurm_cdgpc.config import Config, configured, configured_values
 from slurm_cdgpc.control.discrete import ClockGrid
@@ -84,12 +82,17 @@ from slurm_cdgpc.control.empc import (
     QueueState,
 )
 from slurm_cdgpc.control.tuning import Tuning, shipped
-from slurm_cdgpc.coordinator.jobs import GpuRef, GpuSample, JobInfo, RunningJobs
+from slurm_cdgpc.coordinator.accounting import PowerLedger
+from slurm_cdgpc.coordinator.jobs import GpuRef, GpuSample, RunningJobs
+from slurm_cdgpc.coordinator.locks import GpuLocks
 from slurm_cdgpc.coordinator.metrics import HeadMetrics
-from slurm_cdgpc.errors import CdgpcError, InputError
-from slurm_cdgpc.gpu.board import spec_from_board
-from slurm_cdgpc.gpu.catalog import CATALOG, GpuSpec, catalog_spec
-from slurm_cdgpc.gpu.device import ThrottleReason
+from slurm_cdgpc.coordinator.nodes import NodeBook
+from slurm_cdgpc.coordinator.progress import ProgressGate
+from slurm_cdgpc.coordinator.registrations import Registration, Registrations
+from slurm_cdgpc.coordinator.report import IntervalReport, job_views
+from slurm_cdgpc.coordinator.roster import Roster
+from slurm_cdgpc.errors import CdgpcError
+from slurm_cdgpc.gpu.catalog import CATALOG, GpuSpec
 from slurm_cdgpc.model.estimator import EstimatorSettings, JobEstimator
 from slurm_cdgpc.store import (
     ACTIVE_STATES,
@@ -99,20 +102,12 @@ from slurm_cdgpc.store import (
     ModelSnapshot,
     Node,
     Store,
-    StoreBusyError,
 )
-from slurm_cdgpc.store import Setpoint as StoredSetpoint
-from slurm_cdgpc.store.group_commit import GroupCommit, WouldBlockError
 from slurm_cdgpc.store.leader import LeadershipLostError
-from slurm_cdgpc.store.repository import JobRegistration
 from slurm_cdgpc.transport.http import NodeFailure, NodeTarget
-from slurm_cdgpc.transport.ssh import ssh_url
 from slurm_cdgpc.wire.protocol import (
-    ExchangeRequest,
     ExchangeResponse,
-    GpuReport,
     ProgressReport,
-    ProtocolError,
 )
 from slurm_cdgpc.wire.protocol import Setpoint as AgentSetpoint
 
@@ -188,247 +183,56 @@ class CoordinatorSettings:
         )
 
 
-@dataclass(frozen=True)
-class JobView:
-    """What the head does with one job now (for ``GET /v1/jobs``)."""
-
-    job_id: str
-    controlled: bool
-    graphics_mhz: int | None = None
-    memory_mhz: int | None = None
-    predicted_power_w: float | None = None
-    measured_power_w: float | None = None  # all its GPUs, last exchange
-    #: ``reported`` (steps arrived since it joined) or ``none``
-    progress: str = "none"
-    #: work left in seconds at top clocks (an upper bound when `Job.work_source` is
-    #: ``time-limit``) and
-    #: when it would end at the decided clocks; None: not known
-    left_top_s: float | None = None
-    finish_s: float | None = None
-
-
-@dataclass(frozen=True)
-class IntervalReport:
-    """One interval as the API, the metrics and the tests see it."""
-
-    interval: int
-    time_s: float
-    budget_w: float | None
-    effective_budget_w: float | None
-    uncontrolled_w: float
-    predicted_power_w: float | None  # the controlled jobs, at the decided clocks
-    #: every GPU that reported a power in the last exchange: the interval's mean where the energy
-    #: counter gives it, else the reading
-    measured_power_w: float
-    price: float | None
-    status: str  # the controller's step status, or "idle" without jobs
-    solve_s: float
-    shadow: bool
-    nodes_reachable: int
-    nodes_unreachable: int
-    setpoints_sent: int
-    jobs: tuple[JobView, ...] = ()
-    #: GPUs another limiter holds (a lower enforced limit, a brake, a slowdown, clocks another
-    #: process took), one line each: ``node:index: why``
-    limited: tuple[str, ...] = ()
-
-    def to_dict(self) -> dict[str, object]:
-        return {
-            "interval": self.interval,
-            "time_s": self.time_s,
-            "budget_w": self.budget_w,
-            "effective_budget_w": self.effective_budget_w,
-            "uncontrolled_w": self.uncontrolled_w,
-            "predicted_power_w": self.predicted_power_w,
-            "measured_power_w": self.measured_power_w,
-            "price": _finite_or_none(self.price),
-            "status": self.status,
-            "solve_s": self.solve_s,
-            "shadow": self.shadow,
-            "nodes_reachable": self.nodes_reachable,
-            "nodes_unreachable": self.nodes_unreachable,
-            "setpoints_sent": self.setpoints_sent,
-            "jobs_controlled": sum(1 for j in self.jobs if j.controlled),
-            "limited": list(self.limited),
-        }
-
-
 def _full_grid(specs: Mapping[str, GpuSpec]) -> ClockGrid:
     """Every supported clock of every type, in ``specs``' order: the controller applies its own
     floor (and its fallback), and a type added later keeps the earlier ones' rows."""
     return ClockGrid.from_tables([(n, s.clocks) for n, s in specs.items()], min_fraction=0.0)
 
 
-def _catalog_max_w() -> float:
-    """The largest maximum power limit of the catalog: a GPU of unknown type may be any."""
-    return max(s.power_limit.max_w for s in CATALOG.values())
-
-
-_MIG: Final = "MIG mode is on: its clocks cannot be locked (counted at what it draws)"
-#: throttle reasons that only another limiter (the board, the BMC, the rack) causes
-_LIMITER_REASONS: Final = (
-    (ThrottleReason.HW_POWER_BRAKE, "power brake (an external power-brake signal)"),
-    (ThrottleReason.HW_SLOWDOWN, "hardware slowdown (thermal or power)"),
-    (ThrottleReason.HW_THERMAL, "hardware thermal slowdown"),
-    (ThrottleReason.SW_THERMAL, "software thermal slowdown"),
-)
-
-
-def _finite_or_none(x: float | None) -> float | None:
-    return x if x is not None and math.isfinite(x) else None
-
-
-@dataclass
-class _NodeState:
-    """What the loop knows about one node (the store holds the durable part)."""
-
-    url: str
-    gpu_type: str | None  # catalog name; None until reported or named in a registration
-    worst_case_w: float
-    reachable: bool | None = None  # None: not exchanged with yet
-    #: the last answer's readings (each taken before that exchange changed anything)
-    reports: tuple[GpuReport, ...] = ()
-    #: the interval of the exchange that answered ``reports`` (-1: none yet)
-    reports_at: int = -1
-    #: what the last answered exchange asked of the node, and the GPUs whose setpoint it refused
-    sent: ExchangeRequest | None = None
-    refused: frozenset[int] = frozenset()
-    #: GPUs whose lock and job did not change over the interval the reports describe
-    steady: frozenset[int] = frozenset()
-    #: per GPU, the interval's mean power from the energy counter, where it can be trusted
-    mean_w: dict[int, float] = field(default_factory=dict)
-    #: when the node last answered an exchange (the head's clock; None: never)
-    answered_s: float | None = None
-    #: per GPU index: the controller's type of its board (None: not controlled, see ``why``)
-    gpu_types: dict[int, str | None] = field(default_factory=dict)
-    why: dict[int, str] = field(default_factory=dict)
-    #: ask the agent for its boards at the next exchange (a GPU reported one not known here)
-    describe: bool = False
-    #: GPUs whose setpoint the agent refused because another process holds their clocks
-    foreign: frozenset[int] = frozenset()
-
-
-def _interval_power(
-    node: _NodeState,
-    reports: Sequence[GpuReport],
-    k: int,
-    limit_w: Callable[[str], float],
-) -> tuple[frozenset[int], dict[int, float]]:
-    """Which GPUs of ``reports`` (exchange ``k``) held one lock and job over the whole interval
-    since the node's previous answer, and, for those, the interval's mean power from the energy
-    counter.
-
-    The agent reads every GPU before it applies an exchange, so the interval between two
-    answered exchanges in a row ran under what the earlier one left in force: its setpoint
-    (unless refused), no lock after a release, otherwise the lock read then. A report whose lock
-    or job differs from that was changed in between (a lapse's safe cap, an Epilog's release, a
-    restarted agent): its readings mix two settings. The mean power is ΔE/Δt between the two
-    readings; a counter that did not rise (a driver reload resets it), a GPU that changed, or a
-    mean above twice the GPU's power limit leaves the reading's own power in place.
-    """
-    sent = node.sent
-    if node.reachable is not True or sent is None or node.reports_at != k - 1:
-        return frozenset(), {}
-    before = {r.index: r for r in node.reports}
-    points = {p.gpu: p for p in sent.setpoints if p.gpu not in node.refused}
-    released = set(sent.release) - node.refused
-    steady: set[int] = set()
-    mean_w: dict[int, float] = {}
-    for r in reports:
-        prev = before.get(r.index)
-        if prev is None or prev.uuid != r.uuid:
+def _wait(stop: threading.Event, replan: threading.Event, next_s: float, earliest_s: float) -> bool:
+    """Until ``next_s``, or a registration's wake-up (``replan``) from ``earliest_s`` on; True
+    if woken out of cycle."""
+    while not stop.is_set():
+        now_s = time.monotonic()
+        if now_s >= next_s:
+            return False
+        if replan.is_set():
+            if now_s >= earliest_s:
+                return True
+            stop.wait(min(earliest_s, next_s) - now_s)
             continue
-        point = points.get(r.index)
-        if point is not None:
-            held = (
-                r.locked is not None
-                and r.locked.graphics_max_mhz == point.graphics_mhz
-                and (point.memory_mhz is None or r.locked.memory_mhz == point.memory_mhz)
-                and r.job_id == point.job_id
-            )
-        elif r.index in released:
-            held = r.locked is None and r.job_id is None
-        else:
-            held = prev.locked == r.locked and prev.job_id == r.job_id
-        if not held:
-            continue
-        steady.add(r.index)
-        e0_j, e1_j, t0_s, t1_s = prev.energy_j, r.energy_j, prev.read_s, r.read_s
-        if e0_j is None or e1_j is None or t0_s is None or t1_s is None:
-            continue
-        dt_s, de_j = t1_s - t0_s, e1_j - e0_j
-        if dt_s > 0 and de_j > 0 and de_j / dt_s <= 2 * limit_w(r.name):
-            mean_w[r.index] = de_j / dt_s
-    return frozenset(steady), mean_w
+        replan.wait(next_s - now_s)
+    return False
 
 
 @dataclass(frozen=True)
-class _Registration:
-    """One `Coordinator.register_job` call, checked, waiting for its batch."""
+class _Plan:
+    """Step 3's output: the budget, the power outside the plan, the decision, its setpoints."""
 
-    job_id: str
-    user: str
-    node: str
-    gpus: tuple[int, ...]
-    spec: GpuSpec | None
-    deadline_s: float | None
-    iterations_total: int | None
-    adopted: bool = False
-    #: who sent it (the API's authenticated principal), for the log line
-    sender: object = None
-    #: Slurm's time limit and start time, when the Prolog (or squeue) said
-    time_limit_s: float | None = None
-    started_at_s: float | None = None
+    budget_w: float | None
+    uncontrolled_w: float
+    decision: Decision | None
+    setpoints: dict[str, list[AgentSetpoint]]
 
 
-def _registration(
-    job_id: str,
-    user: str,
-    node: str,
-    gpus: Sequence[int],
-    gpu_type: str | None,
-    deadline_s: float | None,
-    iterations_total: int | None,
-    adopted: bool,
-    sender: object = None,
-    time_limit_s: float | None = None,
-    started_at_s: float | None = None,
-) -> _Registration:
-    if not gpus:
-        raise InputError(f"job {job_id}: no GPUs on node {node}")
-    spec = None if gpu_type is None else catalog_spec(gpu_type)
-    return _Registration(
-        job_id,
-        user,
-        node,
-        tuple(gpus),
-        spec,
-        deadline_s,
-        iterations_total,
-        adopted,
-        sender,
-        time_limit_s,
-        started_at_s,
-    )
+@dataclass(frozen=True)
+class _Exchanged:
+    """Step 4's output: each node's answer, per job the samples that may teach its model, and
+    the progress reports that count (in the nodes' order)."""
 
-
-def _log_registration(r: _Registration) -> None:
-    """One line per registration, with its sender when it came through the API."""
-    logger.info(
-        "job %s: registered by %s on %s GPU(s) %s (deadline %s, %s iterations)%s%s",
-        r.job_id,
-        r.user,
-        r.node,
-        ",".join(map(str, r.gpus)),
-        r.deadline_s,
-        r.iterations_total,
-        "" if r.sender is None else ", sent by ",
-        "" if r.sender is None else r.sender,
-    )
+    responses: Mapping[str, ExchangeResponse | NodeFailure]
+    samples: Mapping[str, list[GpuSample]]
+    progress: Sequence[ProgressReport]
 
 
 class Coordinator:
-    """The head's control loop over a `Store` and a `NodeTransport`."""
+    """The head's control loop over a `Store` and a `NodeTransport`, and the API's entry to it.
+
+    `run_interval` reads as the interval's data flow; what each stage keeps between intervals
+    has a room of its own: `NodeBook` (nodes), `Roster` (jobs), `GpuLocks` (releases and
+    refusals), `ProgressGate` (progress), `PowerLedger` (power outside the plan) and
+    `Registrations` (the API's writes).
+    """
 
     def __init__(
         self,
@@ -447,48 +251,29 @@ class Coordinator:
         self._clock = clock
         #: the controller's GPU types: the catalog's, and every board an agent described
         self.specs: dict[str, GpuSpec] = dict(specs)
-        #: board digest -> the type it maps to (`spec_from_board`)
-        self._board_types: dict[str, str] = {}
         self.grid = _full_grid(self.specs)
         self.controller = EconomicMPC(self.grid, self.settings.controller)
         self.running = RunningJobs(self.grid, JobEstimator(self.settings.estimator), self.specs)
         self.interval = 0
         self.last_report: IntervalReport | None = None
-        self._nodes: dict[str, _NodeState] = {}
-        self._known: dict[str, Job] = {}  # active jobs at the last reconcile
-        self._added_at: dict[str, int] = {}  # job -> interval it joined the controller
-        self._started: set[str] = set()  # jobs marked running in the store
-        self._progress_done: dict[str, int] = {}
-        self._releases: dict[str, set[int]] = {}
-        #: released GPUs -> the exchange that released them: at default clocks from then on, they
-        #: count at their limit until a reading taken after it arrives (a job may start at once)
-        self._released: dict[GpuRef, int] = {}
-        #: GPUs that refused a setpoint below the clock they hold, with that setpoint: their job
-        #: is out of the optimisation, and the setpoint is sent again, until one is accepted
-        self._refusing: dict[GpuRef, AgentSetpoint] = {}
-        self._squeezed: set[str] = set()  # held-out jobs sent to their lowest clock (logged)
-        self._sampled_at = -1  # interval of the exchange that produced the node reports
-        self._planned_w: dict[str, float] = {}  # last decision's planned power per job
-        #: the plan in force over the interval the node reports describe: the decision before
-        #: the last (the agents read before they apply), what their power is judged against
-        self._planned_reported_w: dict[str, float] = {}
-        self._last_decision: tuple[int, tuple[GpuRef, ...]] | None = None
-        self._waiting_logged: set[str] = set()
-        self._write_lock = threading.Lock()  # API writes that read-then-write the store
-        self._registrations = GroupCommit(self._register_batch)
-        self._typed_nodes: dict[str, str] = {}  # committed nodes with a GPU type (registration)
-        self._uids: dict[str, int | None] = {}  # job user -> uid on this host
-        self._spoof_logged: set[tuple[str, str, int]] = set()  # refused progress, logged once
-        #: per job, the node whose progress counts: the first to report (each node's agent
-        #: times its own reports, and a job's nodes are a step or two apart)
-        self._reporter: dict[str, str] = {}
+        self.nodes = NodeBook(self.specs, self._add_type)
+        self.roster = Roster(store, self.running, self.controller, self.settings.estimator.family)
+        self.locks = GpuLocks(store)
+        self.progress = ProgressGate()
+        self.ledger = PowerLedger(mode=self.settings.controller.mode, shadow=self.settings.shadow)
+        self._replan = threading.Event()  # a job registered: plan for it out of cycle
+        self.registrations = Registrations(
+            store,
+            node_transport=self.settings.node_transport,
+            agent_port=self.settings.agent_port,
+            committed=self._replan.set,
+        )
+        #: the last exchange's interval (-1: none yet) and its samples (`_exchange`)
+        self._sampled: tuple[int, Mapping[str, list[GpuSample]]] = (-1, {})
         #: whether jobs wait for GPUs in Slurm, and when that was read (monotonic); None: unread
         self._queue_seen: tuple[bool, float] | None = None
         self._queue_known = False  # the drain has its input (logged on each change)
-        self._replan = threading.Event()  # a job registered: plan for it out of cycle
         self.metrics = HeadMetrics(self)  # GET /metrics: this head's own registry
-
-    # -- start-up ----------------------------------------------------------------------------
 
     def start(self) -> None:
         """Resume from the store: interval count, nodes, jobs (models restore when they join)."""
@@ -500,55 +285,24 @@ class Coordinator:
                 self.store.set_budget(
                     initial, CONFIG_USER, reason="budget.initial from the configuration"
                 )
-        self._load_nodes(self.store.nodes())
+        self.nodes.load(self.store.nodes())
         active = self.store.jobs(ACTIVE_STATES)
         logger.info(
             "cdgpcd resumes at interval %d: %d node(s), %d active job(s)%s",
             self.interval,
-            len(self._nodes),
+            len(self.nodes),
             len(active),
             "".join(f", job {j.job_id}" for j in active[:20]),
         )
-
-    def _load_nodes(self, nodes: Iterable[Node]) -> None:
-        for node in nodes:
-            state = self._nodes.get(node.name)
-            gpu_type = node.gpu_type or None
-            if state is None:
-                self._nodes[node.name] = _NodeState(
-                    node.url, gpu_type, node.worst_case_power_w, answered_s=node.last_seen_s
-                )
-            else:
-                state.url = node.url
-                state.gpu_type = state.gpu_type or gpu_type
 
     # -- what the API calls (any thread; store writes only) ------------------------------------
 
     def now_s(self) -> float:
         return self._clock()
 
-    def agent_url(self, node: str) -> str:
-        if self.settings.node_transport == "ssh":
-            return ssh_url(node)
-        return f"http://{node}:{self.settings.agent_port}"
-
     def register_node(self, name: str, url: str, gpu_type: str | None = None) -> Node:
         """Announce a node's agent URL (and optionally its GPU type until it reports)."""
-        spec = None if gpu_type is None else catalog_spec(gpu_type)
-        with self._write_lock:
-            known = {n.name: n for n in self.store.nodes()}.get(name)
-            node = self.store.upsert_node(
-                name,
-                url,
-                gpu_count=known.gpu_count if known else 0,
-                gpu_type=(known.gpu_type if known and known.gpu_type else "")
-                or (spec.name if spec else ""),
-                worst_case_power_w=known.worst_case_power_w if known else 0.0,
-                reachable=known.reachable if known else False,
-                last_seen_s=known.last_seen_s if known else None,
-            )
-        logger.info("node %s: agent at %s", name, url)
-        return node
+        return self.registrations.register_node(name, url, gpu_type)
 
     def register_job(
         self,
@@ -566,13 +320,9 @@ class Coordinator:
     ) -> Job:
         """Record a job's GPUs on one node (idempotent; a multi-node job calls once per node).
         ``adopted``: found running in Slurm without a registration (`reconcile`), not from a
-        Prolog.
-
-        Registrations that arrive together commit together (`GroupCommit`): a burst of Prologs
-        pays one durable commit, not one each. This returns only once the registration is
-        committed; a registration refused on its own (another user's job id) fails alone.
-        """
-        registration = _registration(
+        Prolog. Returns once committed, in a batch with the registrations that arrived
+        together (`Registrations`); a registration refused on its own fails alone."""
+        registration = Registration.checked(
             job_id,
             user,
             node,
@@ -584,182 +334,7 @@ class Coordinator:
             time_limit_s=time_limit_s,
             started_at_s=started_at_s,
         )
-        if self.store.in_transaction():  # the caller's transaction commits it, not a batch
-            [outcome] = self._register_batch([registration])
-            if isinstance(outcome, Exception):
-                raise outcome
-            job = outcome
-        else:
-            job = self._registrations.submit(registration)
-        return job
-
-    def register_job_later(
-        self,
-        then: Callable[[Callable[[], Job]], None],
-        job_id: str,
-        user: str,
-        node: str,
-        gpus: Sequence[int],
-        *,
-        gpu_type: str | None = None,
-        deadline_s: float | None = None,
-        iterations_total: int | None = None,
-        time_limit_s: float | None = None,
-        started_at_s: float | None = None,
-        sender: object = None,
-        lead: bool = True,
-    ) -> None:
-        """`register_job` without waiting: once committed (or refused), ``then(outcome)`` is
-        called, where ``outcome()`` returns the job or raises, on the thread that committed the
-        batch (this one when none was in progress). ``then`` must not block. A request that is
-        malformed (`InputError`) raises here, before anything is queued. ``sender``: who sent
-        it, named in the registration's log line. ``lead=False``: only queue it, even with no
-        batch in progress, for `commit_queued_registrations`."""
-        registration = _registration(
-            job_id,
-            user,
-            node,
-            gpus,
-            gpu_type,
-            deadline_s,
-            iterations_total,
-            False,
-            sender,
-            time_limit_s,
-            started_at_s,
-        )
-        self._registrations.submit_later(registration, then, lead=lead)
-
-    def commit_queued_registrations(self, *, wait: bool) -> bool:
-        """Commit the registrations queued with ``lead=False``, unless a batch is in progress
-        (its leader takes them). ``wait=False`` (an event loop's thread): if another writer
-        holds the store, commit nothing and return False; they are then to be committed by a
-        thread that may wait, with ``wait=True``."""
-        if wait:
-            return self._registrations.lead_queued()
-        return self._registrations.lead_queued(self._register_batch_now)
-
-    def _register_batch_now(self, batch: Sequence[_Registration]) -> list[Job | Exception]:
-        return self._register_batch(batch, wait=False)
-
-    def _register_batch(
-        self, batch: Sequence[_Registration], *, wait: bool = True
-    ) -> list[Job | Exception]:
-        """Register ``batch`` in one transaction; a refusal (`InputError`) is returned in place of
-        its job and changes nothing of it. Raises, committing nothing, if the store fails.
-        ``wait=False``: raises `WouldBlockError`, having done nothing, rather than wait for
-        another writer (this head's, or another process's)."""
-        outcomes: list[Job | Exception | None] = [None] * len(batch)
-        if not self._write_lock.acquire(blocking=wait):
-            raise WouldBlockError
-        try:
-            with self.store.transaction(wait=wait):
-                refused, typed = self._register_nodes(batch)
-                accepted = [i for i, r in enumerate(batch) if r.node not in refused]
-                for i, r in enumerate(batch):
-                    if r.node in refused:
-                        outcomes[i] = refused[r.node]
-                registered = self.store.register_jobs(
-                    [
-                        JobRegistration(
-                            batch[i].job_id,
-                            batch[i].user,
-                            {batch[i].node: batch[i].gpus},
-                            deadline_s=batch[i].deadline_s,
-                            iterations_total=batch[i].iterations_total,
-                            adopted=batch[i].adopted,
-                            time_limit_s=batch[i].time_limit_s,
-                            started_at_s=batch[i].started_at_s,
-                        )
-                        for i in accepted
-                    ]
-                )
-                for i, outcome in zip(accepted, registered, strict=True):
-                    outcomes[i] = outcome
-            if not self.store.in_transaction():  # committed: later batches may rely on it
-                self._typed_nodes.update(typed)
-        except StoreBusyError:
-            raise WouldBlockError from None
-        finally:
-            self._write_lock.release()
-        for r, o in zip(batch, outcomes, strict=True):
-            if isinstance(o, Job):
-                _log_registration(r)
-                self._replan.set()
-        return [o for o in outcomes if o is not None]
-
-    def _register_nodes(
-        self, batch: Sequence[_Registration]
-    ) -> tuple[dict[str, InputError], dict[str, str]]:
-        """Make the batch's nodes known (the agent URL by convention) and name the GPU type of
-        those that have none yet. Returns the nodes the store refused (with why), and the nodes
-        now known with a GPU type: a node never loses its type, so a later batch on them needs
-        no read at all (`_typed_nodes`)."""
-        unseen = {r.node for r in batch if r.node not in self._typed_nodes}
-        known = self.store.nodes_named(unseen) if unseen else {}
-        typed = {name: node.gpu_type for name, node in known.items() if node.gpu_type}
-        new: dict[str, Node] = {}
-        named: dict[str, str] = {}
-        for r in batch:
-            node, spec = known.get(r.node), r.spec
-            if r.node in unseen and node is None and r.node not in new:
-                limit_w = spec.power_limit.max_w if spec else _catalog_max_w()
-                new[r.node] = Node(
-                    name=r.node,
-                    url=self.agent_url(r.node),
-                    transport="http",
-                    last_seen_s=None,
-                    reachable=False,
-                    gpu_count=0,
-                    gpu_type=spec.name if spec else "",
-                    worst_case_power_w=limit_w * (max(r.gpus) + 1),
-                )
-                continue
-            if spec is None:
-                continue
-            gpu_type = self._typed_nodes.get(r.node) or typed.get(r.node) or named.get(r.node)
-            if r.node in new:
-                gpu_type = gpu_type or new[r.node].gpu_type
-            if not gpu_type:
-                named[r.node] = spec.name
-                logger.info("node %s: GPU type %s named by job %s", r.node, spec.name, r.job_id)
-            elif gpu_type != spec.name:
-                logger.warning(
-                    "job %s: registration names %s GPUs, node %s reports %s: using %s",
-                    r.job_id,
-                    spec.name,
-                    r.node,
-                    gpu_type,
-                    gpu_type,
-                )
-        added = self.store.add_nodes(list(new.values()))
-        refused = {
-            name: outcome
-            for name, outcome in zip(new, added, strict=True)
-            if isinstance(outcome, InputError)
-        }
-        typed.update(
-            (n.name, n.gpu_type) for n in new.values() if n.gpu_type and n.name not in refused
-        )
-        named = {name: gpu_type for name, gpu_type in named.items() if name not in refused}
-        self.store.name_gpu_types(named)
-        typed.update(named)
-        return refused, typed
-
-    def reconcile(self, slurm_running: Collection[str], grace_s: float) -> list[str]:
-        """Deregister active jobs that Slurm no longer runs: their Epilog never reached us (a
-        node crashed, the head was away and the spool was lost). A job registered less than
-        ``grace_s`` ago is left alone: squeue may not list it yet. Returns the ids removed."""
-        now_s = self._clock()
-        gone = [
-            job.job_id
-            for job in self.store.jobs(ACTIVE_STATES)
-            if job.job_id not in slurm_running and now_s - job.registered_at_s > grace_s
-        ]
-        for job_id in gone:
-            logger.warning("job %s: no longer running in Slurm; deregistered", job_id)
-            self.deregister_job(job_id)
-        return gone
+        return self.registrations.register_job(registration)
 
     def deregister_job(self, job_id: str) -> Job | None:
         """The job ended: its GPUs are released at the next exchange. None if unknown."""
@@ -786,49 +361,12 @@ class Coordinator:
         )
         return change
 
-    # -- the loop ----------------------------------------------------------------------------
-
     def observe_queue(self, waiting: bool | None) -> None:
         """Whether jobs wait for GPUs in Slurm, from the reconcile (any thread); None: Slurm
         could not be read."""
         self._queue_seen = None if waiting is None else (waiting, time.monotonic())
 
-    def _queue_state(self) -> QueueState | None:
-        """The drain's input: Slurm's queue as last read, the controlled jobs' nodes and each
-        node's free GPUs; None (the drain off, said once) while the queue is unread or stale."""
-        seen = self._queue_seen
-        known = seen is not None and time.monotonic() - seen[1] <= self.settings.queue_stale_s
-        if known != self._queue_known and self.settings.controller.drain_pressure > 0:
-            if known:
-                logger.info("Slurm's queue is read: the drain is on")
-            else:
-                logger.warning("Slurm's queue cannot be read: the drain is off until it can")
-        self._queue_known = known
-        if seen is None or not known or not seen[0]:
-            return None
-        index = {name: i for i, name in enumerate(self._nodes)}
-        rows, nodes = [], []
-        for row, info in enumerate(self.running.jobs):
-            for name in sorted({g.node for g in info.gpus}):
-                rows.append(row)
-                nodes.append(index.get(name, -1))
-        busy = {GpuRef(g.node, g.gpu_index) for j in self._known.values() for g in j.gpus}
-        free = np.array(
-            [
-                sum(GpuRef(name, r.index) not in busy for r in node.reports)
-                if node.reachable
-                else 0
-                for name, node in self._nodes.items()
-            ],
-            dtype=np.int64,
-        )
-        placed = np.array(nodes, dtype=np.int64) >= 0
-        return QueueState(
-            True,
-            np.array(rows, dtype=np.int64)[placed],
-            np.array(nodes, dtype=np.int64)[placed],
-            free,
-        )
+    # -- the loop ----------------------------------------------------------------------------
 
     def run(self, stop: threading.Event) -> None:
         """Run intervals at a fixed period until ``stop`` is set (an overrun skips ahead).
@@ -868,35 +406,71 @@ class Coordinator:
                     "interval overran by %.2f s; %d tick(s) skipped", now_s - next_s, missed
                 )
                 next_s += missed * period_s
-            if self._wait(stop, next_s, began_s + self.settings.replan_gap_s):
+            if _wait(stop, self._replan, next_s, began_s + self.settings.replan_gap_s):
                 next_s = time.monotonic()  # planned out of cycle: a full period from here
 
-    def _wait(self, stop: threading.Event, next_s: float, earliest_s: float) -> bool:
-        """Until ``next_s``, or a registration's wake-up from ``earliest_s`` on; True if woken
-        out of cycle."""
-        while not stop.is_set():
-            now_s = time.monotonic()
-            if now_s >= next_s:
-                return False
-            if self._replan.is_set():
-                if now_s >= earliest_s:
-                    return True
-                stop.wait(min(earliest_s, next_s) - now_s)
-                continue
-            self._replan.wait(next_s - now_s)
-        return False
+    @property
+    def samples(self) -> Mapping[str, list[GpuSample]]:
+        """Per job, the samples of the last exchange that may teach its model."""
+        return self._sampled[1]
 
     def run_interval(self) -> IntervalReport:
+        """One interval, each stage's output handed to the next: reconcile → measure → learn
+        and solve → exchange → persist."""
         began_s = time.perf_counter()
         k = self.interval
         now_s = self._clock()
+        held_out = self._reconcile(k)
+        measured = self._measure()
+        plan = self._learn_and_solve(now_s, measured, held_out)
+        exchanged = self._exchange(k, now_s, plan.setpoints)
+        report = self._persist(k, now_s, plan, exchanged)
+        self.last_report = report
+        self.interval = k + 1
+        self.metrics.interval_seconds.observe(time.perf_counter() - began_s)
+        return report
+
+    def _reconcile(self, k: int) -> set[str]:
+        """1. The controller's jobs against the store's; returns the jobs held out because a
+        GPU of theirs refuses its setpoint."""
         active = self.store.jobs(ACTIVE_STATES)
-        self._load_nodes(self.store.nodes())
-        self._reconcile(active, k)
-        measured = self._measurements()
+        self.nodes.load(self.store.nodes())
+        for job in self.roster.refresh(active):  # finished: release its GPUs on every node
+            self.locks.release(job.gpus)
+            self.progress.ended(job.job_id)
+        known = self.roster.known
+        self.progress.keep(known)
+        held_out = self.locks.keep(known)
+        for info in self.roster.plan(k, held_out, self.nodes):
+            self.locks.cancel_release(info.gpus)  # a GPU that gets a setpoint is not released
+        return held_out
+
+    def _measure(self) -> Measurements:
+        """2. What the models learn from: the last exchange's samples (`_exchange`) of the jobs
+        controlled since before it, less each job's start-up (its first ``startup_intervals``
+        under its setpoint: loading and compiling teach nothing)."""
+        sampled_at, samples = self._sampled
+        learning_from = sampled_at - self.settings.startup_intervals
+        learned = [
+            s
+            for job_id, per_job in samples.items()
+            if (joined := self.roster.joined_at(job_id)) is not None
+            and joined < sampled_at
+            and joined < learning_from
+            for s in per_job
+        ]
+        return self.running.measurements(learned, self.ledger.planned_reported_w(self.running.jobs))
+
+    def _learn_and_solve(
+        self, now_s: float, measured: Measurements, held_out: Collection[str]
+    ) -> _Plan:
+        """3. The controller learns from ``measured`` and plans for the budget in force now,
+        less the power outside the plan; the setpoints to send."""
         budget = self.store.current_budget(now_s)
         budget_w = budget.budget_w if budget is not None else self.settings.initial_budget_w
-        uncontrolled_w = self._uncontrolled_w()
+        uncontrolled_w = self.ledger.uncontrolled_w(
+            self.nodes, self.roster.known, self.running, held_out, self.locks.releasing(self.nodes)
+        )
         decision: Decision | None = None
         if len(self.running):
             decision = self.controller.step(
@@ -913,539 +487,113 @@ class Coordinator:
             if decision is not None
             else uncontrolled_w > budget_w
         )
-        setpoints = self._setpoints(decision, squeeze=squeeze)
-        if self.leader is not None:
-            self.leader.confirm()  # renewed before every push; a failure pushes nothing
-        responses = self._exchange(k, now_s, setpoints)
-        report = self._persist(k, now_s, budget_w, uncontrolled_w, decision, responses, setpoints)
-        self.last_report = report
-        self.interval = k + 1
-        self.metrics.interval_seconds.observe(time.perf_counter() - began_s)
-        return report
+        setpoints = self._setpoints(decision, held_out, squeeze=squeeze)
+        return _Plan(budget_w, uncontrolled_w, decision, setpoints)
 
-    # -- 1. reconcile --------------------------------------------------------------------------
-
-    def _reconcile(self, active: list[Job], k: int) -> None:
-        by_id = {j.job_id: j for j in active}
-        for job_id, old in self._known.items():
-            if job_id not in by_id:  # finished: release its GPUs on every node
-                for g in old.gpus:
-                    self._releases.setdefault(g.node, set()).add(g.gpu_index)
-                self._started.discard(job_id)
-                self._progress_done.pop(job_id, None)
-        self._known = by_id
-        # what is kept per job id goes with the job (a head runs for months of job ids)
-        self._waiting_logged &= by_id.keys()
-        self._spoof_logged = {s for s in self._spoof_logged if s[0] in by_id}
-        self._reporter = {j: n for j, n in self._reporter.items() if j in by_id}
-        self._refusing = {g: p for g, p in self._refusing.items() if p.job_id in by_id}
-        held_out = self._held_out()
-        self._squeezed &= held_out
-        wanted: dict[str, JobInfo] = {}
-        for job in active:
-            info = self._job_info(job, held_out)
-            if info is not None:
-                wanted[job.job_id] = info
-        current = {j.job_id: j for j in self.running.jobs}
-        leave = [
-            j
-            for j, info in current.items()
-            if j not in wanted or wanted[j].placement != info.placement
-        ]
-        self.running.update(
-            info
-            for j, info in wanted.items()
-            if j in current and j not in leave and current[j] != info
-        )
-        self.controller.jobs_ended(*self.running.work(j for j in leave if j not in by_id))
-        for info in self.running.remove(leave):
-            self._added_at.pop(info.job_id, None)
-            if info.job_id not in by_id:
-                reason = "finished"
-            elif info.job_id in held_out:
-                reason = "a GPU refused its setpoint; counted at its reported power"
+    def _queue_state(self) -> QueueState | None:
+        """The drain's input (`Roster.queue`) while Slurm's queue, as last read, has jobs
+        waiting for GPUs; None (the drain off, said once) while the queue is unread or stale."""
+        seen = self._queue_seen
+        known = seen is not None and time.monotonic() - seen[1] <= self.settings.queue_stale_s
+        if known != self._queue_known and self.settings.controller.drain_pressure > 0:
+            if known:
+                logger.info("Slurm's queue is read: the drain is on")
             else:
-                reason = "node unreachable or GPUs changed"
-            logger.info("job %s: leaves the controller (%s)", info.job_id, reason)
-        joining = [info for j, info in wanted.items() if j not in self.running]
-        added: list[str] = []
-        for info in joining:
-            try:
-                self.running.add([info])
-            except InputError as e:
-                logger.warning("job %s: not controlled: %s", info.job_id, e)
-                continue
-            self._added_at[info.job_id] = k
-            added.append(info.job_id)
-            for ref in info.gpus:  # a GPU that gets a setpoint is not released
-                self._releases.get(ref.node, set()).discard(ref.index)
-        if added:
-            self._restore_models(added)
-
-    def _held_out(self) -> set[str]:
-        """Jobs kept out of the optimisation because one of their GPUs refuses its setpoint."""
-        return {p.job_id for p in self._refusing.values()}
-
-    def _job_info(self, job: Job, held_out: Collection[str]) -> JobInfo | None:
-        """The job as the controller takes it; None while it cannot be controlled (a node away
-        or of unknown type, a GPU in ``held_out`` refusing its setpoint)."""
-        nodes = [self._nodes.get(n) for n in job.nodes]
-        if any(n is not None and n.reachable is False for n in nodes):
+                logger.warning("Slurm's queue cannot be read: the drain is off until it can")
+        self._queue_known = known
+        if seen is None or not known or not seen[0]:
             return None
-        if job.job_id in held_out:
-            return None
-        refs = [GpuRef(g.node, g.gpu_index) for g in job.gpus]
-        types = {self.gpu_type(ref) for ref in refs}
-        if None in types or not types or any(n is None for n in nodes):
-            if job.job_id not in self._waiting_logged:
-                self._waiting_logged.add(job.job_id)
-                why = sorted(
-                    {n.why.get(r.index, "") for r in refs if (n := self._nodes.get(r.node))} - {""}
-                )
-                logger.info(
-                    "job %s: not controlled: %s",
-                    job.job_id,
-                    "; ".join(why) or "waits for its node(s) to report their GPU type",
-                )
-            return None
-        gpu_type = sorted(t for t in types if t is not None)[0]
-        if len(types) > 1:
-            logger.warning("job %s: GPU types differ across nodes; using %s", job.job_id, gpu_type)
-        return JobInfo(
-            job_id=job.job_id,
-            gpus=tuple(GpuRef(g.node, g.gpu_index) for g in sorted(job.gpus)),
-            gpu_type=gpu_type,
-            deadline_s=job.deadline_s,
-            iterations_total=job.iterations_total,
-            time_limit_s=job.time_limit_s,
-            # the Prolog runs as the job starts: its registration stands in for Slurm's word
-            start_s=job.registered_at_s if job.started_at_s is None else job.started_at_s,
-        )
-
-    def _restore_models(self, job_ids: list[str]) -> None:
-        """Copy stored models into the rows of jobs that just joined (restart, node back)."""
-        snapshot = self.store.load_models(self.settings.estimator.family, job_ids)
-        if not len(snapshot):
-            return
-        estimator = self.running.estimator
-        rows = [self.running.jobs.index(self._info(j)) for j in snapshot.job_ids]
-        for bank, state in ((estimator.power, snapshot.power), (estimator.time, snapshot.time)):
-            bank.theta[rows] = state.theta
-            bank.cov[rows] = state.cov
-            bank.err_var[rows] = state.err_var
-            bank.count[rows] = state.count
-        logger.info("restored the models of job(s) %s", ", ".join(snapshot.job_ids))
-
-    def _info(self, job_id: str) -> JobInfo:
-        for info in self.running.jobs:
-            if info.job_id == job_id:
-                return info
-        raise KeyError(job_id)
-
-    # -- 2. measure ----------------------------------------------------------------------------
-
-    def _trusted(self) -> dict[str, list[GpuSample]]:
-        """Per job, the samples of the last exchange that may teach its model: GPUs that held
-        the job's lock (outside shadow mode: the agent says it holds the job's setpoint) for the
-        whole interval the readings describe, with the interval's mean power where known."""
-        out: dict[str, list[GpuSample]] = {}
-        owner = {g: j.job_id for j in self.running.jobs for g in j.gpus}
-        for name, node in self._nodes.items():
-            if node.reachable is not True:
-                continue
-            for r in node.reports:
-                ref = GpuRef(name, r.index)
-                job_id = owner.get(ref)
-                power_w = node.mean_w.get(r.index, r.power_w)
-                if job_id is None or power_w is None or r.index not in node.steady:
-                    continue  # no job, no power, or a lock that changed during the interval
-                if r.sm_clock_mhz is None or r.memory_clock_mhz is None:
-                    continue
-                if self._added_at.get(job_id, self.interval) >= self._sampled_at:
-                    continue  # read before its first setpoint held for a whole interval
-                if not self.settings.shadow and r.job_id != job_id:
-                    continue  # the agent does not hold this job's setpoint (yet, or refused)
-                out.setdefault(job_id, []).append(
-                    GpuSample(ref, power_w, r.sm_clock_mhz, r.memory_clock_mhz, r.throttle or 0)
-                )
-        return out
-
-    def _measurements(self) -> Measurements:
-        """What the models learn from: the trusted samples, less each job's start-up (its first
-        ``startup_intervals`` under its setpoint: loading and compiling teach nothing)."""
-        learning_from = self._sampled_at - self.settings.startup_intervals
-        samples = [
-            s
-            for job_id, per_job in self._trusted().items()
-            if self._added_at.get(job_id, self.interval) < learning_from
-            for s in per_job
-        ]
-        plan = self._planned_reported_w
-        planned = np.array([plan.get(j.job_id, np.nan) for j in self.running.jobs])
-        return self.running.measurements(samples, planned)
-
-    # -- 3. uncontrolled power -----------------------------------------------------------------
-
-    def _uncontrolled_w(self) -> float:
-        controlled = {g for j in self.running.jobs for g in j.gpus}
-        held_out = self._held_out()
-        self._released = {
-            ref: k
-            for ref, k in self._released.items()
-            if ref.node in self._nodes and self._nodes[ref.node].reports_at <= k
-        }
-        releasing = {GpuRef(n, g) for n, gpus in self._releases.items() for g in gpus}
-        releasing |= set(self._released)
-        waiting = {
-            GpuRef(g.node, g.gpu_index)
-            for j in self._known.values()
-            if j.job_id not in self.running and j.job_id not in held_out
-            for g in j.gpus
-        }
-        total_w = 0.0
-        named: dict[str, int] | None = None  # node -> GPUs its jobs name, once one is away
-        for name, node in self._nodes.items():
-            if node.reachable is False:
-                if named is None:
-                    named = self._gpus_named()
-                total_w += self._worst_case_w(node, named.get(name, 0))  # never zero
-                continue
-            for r in node.reports:
-                ref = GpuRef(name, r.index)
-                if ref in controlled:
-                    continue
-                limit_w = r.enforced_limit_w or self._limit_w(r.name)
-                if ref in waiting or ref in releasing or r.power_w is None:
-                    total_w += limit_w
-                else:
-                    total_w += r.power_w
-        return total_w
-
-    def _gpus_named(self) -> dict[str, int]:
-        """Per node, how many GPUs its active jobs imply (the highest index named, plus one)."""
-        named: dict[str, int] = {}
-        for job in self._known.values():
-            for g in job.gpus:
-                named[g.node] = max(named.get(g.node, 0), g.gpu_index + 1)
-        return named
-
-    def _worst_case_w(self, node: _NodeState, named: int) -> float:
-        """What an unreachable node may draw: its reported GPUs at their maximum power limit,
-        and at least the ``named`` GPUs its jobs imply (one, if none) at the limit of its GPU
-        type, or at the largest of the catalog while its type is unknown: a node the head never
-        reached (announced, or first seen in a registration) is never counted at zero."""
-        per_gpu_w = _catalog_max_w() if node.gpu_type is None else self._limit_w(node.gpu_type)
-        return max(node.worst_case_w, max(named, 1) * per_gpu_w)
-
-    def _limit_w(self, gpu_name: str) -> float:
-        try:
-            return catalog_spec(gpu_name).power_limit.max_w
-        except InputError:
-            return max(s.power_limit.max_w for s in self.specs.values())
-
-    # -- 4. exchange ---------------------------------------------------------------------------
+        return self.roster.queue(self.nodes)
 
     def _setpoints(
-        self, decision: Decision | None, *, squeeze: bool = False
+        self, decision: Decision | None, held_out: Collection[str], *, squeeze: bool
     ) -> dict[str, list[AgentSetpoint]]:
-        """The decision's setpoints, and the refused ones again for GPUs that still refuse
-        (their job is out of the decision): the only way to learn that a GPU accepts them.
-
-        With ``squeeze`` (the budget does not fit even with every planned job at its lowest
-        clock), a job held out after a refusal goes to its lowest clock on every GPU: the ones
-        that accept it shed what the refusing one keeps drawing, and the refusing one is asked
-        for that clock from then on. Nothing raises them again until the job rejoins the plan.
-        """
+        """The decision's setpoints, the refused ones again for GPUs that still refuse (their
+        job is in ``held_out``), and with ``squeeze`` (the budget does not fit even with every
+        planned job at its lowest clock) every held-out job at its lowest clock. None in shadow
+        mode."""
         if self.settings.shadow:
             return {}
-        out: dict[str, list[AgentSetpoint]] = {}
-        if decision is not None:
-            out = {
-                node: [
-                    AgentSetpoint(p.gpu, p.job_id, p.graphics_mhz, p.memory_mhz, p.power_limit_w)
-                    for p in points
-                ]
-                for node, points in self.running.setpoints(
-                    decision, self.settings.power_limit_margin
-                ).items()
-            }
-        held_out = {p.job_id for p in self._refusing.values() if p.job_id not in self.running}
-        lowest = self._lowest_points(held_out) if squeeze else {}
-        for ref, point in sorted(self._refusing.items()):
-            if point.job_id in held_out and ref not in lowest:
-                out.setdefault(ref.node, []).append(point)
-        for ref, point in sorted(lowest.items()):
-            out.setdefault(ref.node, []).append(point)
-        return out
-
-    def _lowest_points(self, job_ids: Collection[str]) -> dict[GpuRef, AgentSetpoint]:
-        """Setpoints at the controller's lowest clock for every GPU of ``job_ids``."""
-        out: dict[GpuRef, AgentSetpoint] = {}
-        for job_id in sorted(job_ids):
-            job = self._known.get(job_id)
-            if job is None:
-                continue
-            if job_id not in self._squeezed:
-                self._squeezed.add(job_id)
-                logger.warning(
-                    "job %s: the budget does not fit while one of its GPUs refuses its "
-                    "setpoint: its GPUs go to their lowest clock",
-                    job_id,
-                )
-            for g in job.gpus:
-                gpu_type = self.gpu_type(GpuRef(g.node, g.gpu_index))
-                if gpu_type is None or gpu_type not in self.specs:
-                    continue  # unknown type: never controlled, never held out
-                g_lo, m_lo = self.grid.bottom_mhz(np.array([self.grid.type_index(gpu_type)]))
-                memory = self.specs[gpu_type].memory_lockable
-                out[GpuRef(g.node, g.gpu_index)] = AgentSetpoint(
-                    g.gpu_index, job_id, int(g_lo[0]), int(m_lo[0]) if memory else None
-                )
-        return out
+        planned = (
+            {}
+            if decision is None
+            else self.running.setpoints(decision, self.settings.power_limit_margin)
+        )
+        lowest: dict[GpuRef, AgentSetpoint] = {}
+        if squeeze:
+            known, gpu_type = self.roster.known, self.nodes.gpu_type
+            lowest = self.locks.lowest(held_out, known, gpu_type, self.grid, self.specs)
+        return self.locks.setpoints(planned, held_out, lowest)
 
     def _exchange(
         self, k: int, now_s: float, setpoints: Mapping[str, list[AgentSetpoint]]
-    ) -> dict[str, ExchangeResponse | NodeFailure]:
-        lease_s = now_s + self.settings.lease_s
+    ) -> _Exchanged:
+        """4. Exchange with every known node at once, the leader lock renewed first; each answer
+        updates its node, its GPUs' locks and its jobs' progress, and the answers give the
+        samples that may teach the models (computed here, once, for persist and the next
+        interval's measure)."""
+        if self.leader is not None:
+            self.leader.confirm()  # renewed before every push; a failure pushes nothing
         epoch = 0 if self.leader is None else self.leader.epoch
-        targets: dict[str, NodeTarget] = {}
-        for name, node in self._nodes.items():
-            points = tuple(setpoints.get(name, ()))
-            taken = {p.gpu for p in points}
-            release: tuple[int, ...] = ()
-            if not self.settings.shadow:
-                release = tuple(sorted(self._releases.get(name, set()) - taken))
-            try:
-                request = ExchangeRequest(
-                    k, lease_s, points, release, epoch=epoch, node=name, describe=node.describe
-                )
-            except ProtocolError as e:  # no agent could take it: counted as unreachable
-                logger.error("node %s: no exchange possible: %s", name, e)
-                self.metrics.exchange_failures.labels("request").inc()
-                continue
-            targets[name] = NodeTarget(node.url, request)
+        releases = None if self.settings.shadow else self.locks.releases
+        targets, unsent = self.nodes.requests(
+            k, now_s + self.settings.lease_s, epoch, setpoints, releases
+        )
+        if unsent:
+            self.metrics.exchange_failures.labels("request").inc(unsent)
         if not targets:
-            return {}
+            return _Exchanged({}, {}, ())
         with self.metrics.exchange_seconds.time():
             responses = self.transport.exchange(targets)
-        for name, node in self._nodes.items():
+        known = self.roster.known
+        progress: list[ProgressReport] = []
+        for name in self.nodes:
             result = responses.get(name, NodeFailure("not exchanged"))
             if isinstance(result, NodeFailure):
                 if name in targets:
                     self.metrics.exchange_failed(result.reason)
-                if node.reachable is not False:
-                    logger.warning("node %s: unreachable: %s", name, result.reason)
-                node.reachable = False
-                node.reports = ()
-                node.steady, node.mean_w = frozenset(), {}
+                self.nodes.lost(name, result.reason)
                 continue
-            if node.reachable is False:
-                logger.info("node %s: reachable again", name)
-            if node.answered_s is not None and now_s > node.answered_s + self.settings.lease_s:
-                self.metrics.lease_lapses.inc()  # its last lease ran out before this exchange
-            node.answered_s = now_s
             sent = targets[name].request
-            node.steady, node.mean_w = _interval_power(node, result.gpus, k, self._limit_w)
-            node.reachable = True
-            self._learn_boards(name, node, result)
-            node.reports = result.gpus
-            node.reports_at = k
-            node.sent = sent
-            node.refused = frozenset(r.gpu for r in result.refused)
-            node.foreign = frozenset(
-                r.gpu for r in result.refused if "another process holds its clocks" in r.reason
-            )
-            self._track_refusals(name, sent, result)
-            self._release_orphans(name, sent, result)
-            for refusal in result.refused:
-                job = next((p.job_id for p in sent.setpoints if p.gpu == refusal.gpu), "-")
-                logger.warning(
-                    "job %s: node %s refused GPU %d: %s", job, name, refusal.gpu, refusal.reason
-                )
-            for p in self._allowed_progress(name, result):
+            if self.nodes.answered(name, sent, result, now_s, self.settings.lease_s):
+                self.metrics.lease_lapses.inc()  # its last lease ran out before this exchange
+            self.locks.answered(name, sent, result, known, self.roster.held_on(name))
+            for p in self.progress.allowed(name, result, known):
                 self.running.record_progress(p.job_id, p.step, p.time_s)
-        self._sampled_at = k
-        return responses
+                progress.append(p)
+        samples = self.nodes.samples(self.roster.owners(before=k), self.settings.shadow)
+        self._sampled = (k, samples)
+        return _Exchanged(responses, samples, progress)
 
-    def _release_orphans(self, name: str, sent: ExchangeRequest, result: ExchangeResponse) -> None:
-        """Release a GPU the agent still holds for a job the store has finished: its release
-        was lost (the head died before sending it, or the job came and went while the head was
-        away), and no one else would ever lift that lock. A job the store does not know is left
-        alone: its Prolog may hold its GPUs while its registration is on its way."""
-        held = {g.gpu_index for j in self._known.values() for g in j.gpus if g.node == name}
-        for r in result.gpus:
-            if r.locked is None or r.job_id is None or r.index in held:
-                continue
-            if r.job_id in self._known or r.index in sent.release:  # read before it applied
-                continue
-            if r.index in self._releases.get(name, set()):
-                continue
-            job = self.store.job(r.job_id)
-            if job is not None and job.state == "finished":
-                logger.info(
-                    "node %s: GPU %d still held for job %s, which has ended: released",
-                    name,
-                    r.index,
-                    r.job_id,
-                )
-                self._releases.setdefault(name, set()).add(r.index)
-
-    def _track_refusals(self, name: str, sent: ExchangeRequest, result: ExchangeResponse) -> None:
-        """Keep refused releases queued (a GPU whose reset failed must not stay locked), and
-        note the GPUs that refused a setpoint below the clock they hold: the plan must not count
-        them at a clock they do not have. A refused setpoint above the held clock leaves the GPU
-        below the plan, which is safe; the plan keeps it."""
-        refused = frozenset(r.gpu for r in result.refused)
-        by_index = {r.index: r for r in result.gpus}
-        kept = {g for g in sent.release if g in refused and g in by_index}
-        done = [g for g in sent.release if g not in refused]
-        if kept:
-            self._releases[name] = kept
-            logger.warning(
-                "node %s: release of GPU(s) %s refused; retried at the next exchange",
-                name,
-                ",".join(map(str, sorted(kept))),
-            )
-        else:
-            self._releases.pop(name, None)
-        if done:
-            logger.info("node %s: released GPU(s) %s", name, ",".join(map(str, done)))
-        for g in done:
-            self._released[GpuRef(name, g)] = sent.interval
-        for point in sent.setpoints:
-            ref = GpuRef(name, point.gpu)
-            report = by_index.get(point.gpu)
-            held = None if report is None else report.locked  # read before: what it still holds
-            above = report is not None and (
-                held is None or held.graphics_max_mhz > point.graphics_mhz
-            )
-            if point.gpu in refused and above:
-                if ref not in self._refusing:
-                    logger.warning(
-                        "job %s: node %s GPU %d refused its setpoint of %d MHz: the job leaves "
-                        "the plan, counted at its reported power, until the GPU accepts one",
-                        point.job_id,
-                        name,
-                        point.gpu,
-                        point.graphics_mhz,
-                    )
-                self._refusing[ref] = point
-            elif self._refusing.pop(ref, None) is not None:
-                logger.info(
-                    "job %s: node %s GPU %d %s: the job rejoins the plan",
-                    point.job_id,
-                    name,
-                    point.gpu,
-                    "refuses only a higher clock" if point.gpu in refused else "accepts setpoints",
-                )
-
-    def _allowed_progress(self, node: str, result: ExchangeResponse) -> list[ProgressReport]:
-        """The progress reports of ``result`` that count: sent by root or the job's owner (the
-        agent relays any local user's, with the uid the kernel gave it), from the node of the
-        job's that reported first. Slurm clusters share uids, so the job's user name maps to
-        one here."""
-        allowed: list[ProgressReport] = []
-        for p in result.progress:
-            job = self._known.get(p.job_id)
-            if job is None:
-                continue
-            if node in job.nodes and p.uid in (0, self._uid(job.user)):
-                if self._reporter.setdefault(p.job_id, node) == node:
-                    allowed.append(p)
-            elif (p.job_id, node, p.uid) not in self._spoof_logged:
-                self._spoof_logged.add((p.job_id, node, p.uid))
-                logger.warning(
-                    "job %s: progress from uid %d on node %s ignored: only root or the job's "
-                    "user %s on the job's node(s) may report it",
-                    p.job_id,
-                    p.uid,
-                    node,
-                    job.user,
-                )
-        return allowed
-
-    def _uid(self, user: str) -> int | None:
-        """The uid of ``user`` on this host (None: unknown here; then only root may report)."""
-        if user not in self._uids:
-            try:
-                self._uids[user] = pwd.getpwnam(user).pw_uid
-            except KeyError:
-                logger.warning(
-                    "user %s is unknown on the head: only root may report progress", user
-                )
-                self._uids[user] = None
-        return self._uids[user]
-
-    # -- 5. persist ----------------------------------------------------------------------------
-
-    def _persist(
-        self,
-        k: int,
-        now_s: float,
-        budget_w: float | None,
-        uncontrolled_w: float,
-        decision: Decision | None,
-        responses: Mapping[str, ExchangeResponse | NodeFailure],
-        setpoints: Mapping[str, list[AgentSetpoint]],
-    ) -> IntervalReport:
+    def _persist(self, k: int, now_s: float, plan: _Plan, exchanged: _Exchanged) -> IntervalReport:
+        """5. Record the interval in one store transaction that renews the leader lock (a head
+        fenced off meanwhile writes nothing), then report it."""
         jobs = self.running.jobs
-        power_by_gpu = {
-            GpuRef(name, r.index): power_w
-            for name, node in self._nodes.items()
-            for r in node.reports
-            if (power_w := node.mean_w.get(r.index, r.power_w)) is not None
-        }
-        owner = {
-            GpuRef(g.node, g.gpu_index): j.job_id for j in self._known.values() for g in j.gpus
-        }
-        trusted = self._trusted()
+        decision = plan.decision
+        power_by_gpu = self.nodes.power_by_gpu()
         try:
             with self.store.transaction() as connection:
                 if self.leader is not None:
                     # the record commits only while the lock is this head's (the store's fence)
                     self.leader.confirm(within=connection)
-                self._persist_nodes(responses, now_s)
-                self._persist_progress(responses, trusted)
-                if self._last_decision is not None:
-                    decision_id, refs = self._last_decision
-                    drawn = [power_by_gpu[g] for g in refs if g in power_by_gpu]
-                    if drawn:
-                        self.store.set_measured_power(decision_id, float(sum(drawn)))
-                self._last_decision = None
+                self.nodes.persist(self.store, exchanged.responses, now_s)
+                self.roster.mark_started(exchanged.samples)
+                self.progress.record(self.store, exchanged.progress)
+                self.ledger.fill_measured(self.store, power_by_gpu)
                 if decision is not None:
-                    record = self.store.record_decision(
-                        interval_index=k,
-                        status=decision.status.value,
-                        mode=self.settings.controller.mode,
-                        price=decision.price,
-                        budget_w=math.inf if budget_w is None else budget_w,
-                        effective_budget_w=decision.effective_budget_w,
-                        predicted_power_w=decision.predicted_power_w,
-                        solve_s=decision.solve_s,
-                        setpoints=[
-                            StoredSetpoint(
-                                j.job_id,
-                                int(decision.graphics_mhz[i]),
-                                int(decision.memory_mhz[i]),
-                                float(decision.job_power_w[i]),
-                            )
-                            for i, j in enumerate(jobs)
-                        ],
-                        shadow=self.settings.shadow,
-                        time_s=now_s,
-                    )
-                    self._last_decision = (record.id, tuple(g for j in jobs for g in j.gpus))
+                    self.ledger.record(self.store, k, now_s, plan.budget_w, decision, jobs)
                     self.store.save_models(
                         ModelSnapshot.of([j.job_id for j in jobs], self.running.estimator),
                         at_s=now_s,
                     )
+                holders = self.roster.holders
                 self.store.record_measurements(
                     Measurement(
                         time_s=now_s,
                         node=ref.node,
                         gpu_index=ref.index,
                         power_w=power_w,
-                        job_id=owner.get(ref),
+                        job_id=holders.get(ref),
                     )
                     for ref, power_w in sorted(power_by_gpu.items())
                 )
@@ -1459,20 +607,28 @@ class Coordinator:
             self.store.checkpoint()
         except CdgpcError as e:
             logger.warning("interval %d: %s", k, e)
-        self._planned_reported_w = self._planned_w  # what this exchange's reports measured
-        self._planned_w = (
-            {}
-            if decision is None
-            else {j.job_id: float(decision.planned_power_w[i]) for i, j in enumerate(jobs)}
+        self.ledger.planned(decision, jobs)
+        return self._report(k, now_s, plan, power_by_gpu)
+
+    def _report(
+        self, k: int, now_s: float, plan: _Plan, power_by_gpu: Mapping[GpuRef, float]
+    ) -> IntervalReport:
+        decision = plan.decision
+        views = job_views(
+            self.roster.known,
+            self.running,
+            decision,
+            power_by_gpu,
+            self._clock(),
+            self.settings.controller.work_from_time_limit,
         )
-        views = self._job_views(decision, power_by_gpu)
-        reachable = sum(1 for n in self._nodes.values() if n.reachable is True)
+        reachable, unreachable = self.nodes.reachability()
         return IntervalReport(
             interval=k,
             time_s=now_s,
-            budget_w=budget_w,
+            budget_w=plan.budget_w,
             effective_budget_w=None if decision is None else decision.effective_budget_w,
-            uncontrolled_w=uncontrolled_w,
+            uncontrolled_w=plan.uncontrolled_w,
             predicted_power_w=None if decision is None else decision.predicted_power_w,
             measured_power_w=float(sum(power_by_gpu.values())),
             price=None if decision is None else decision.price,
@@ -1480,134 +636,11 @@ class Coordinator:
             solve_s=0.0 if decision is None else decision.solve_s,
             shadow=self.settings.shadow,
             nodes_reachable=reachable,
-            nodes_unreachable=sum(1 for n in self._nodes.values() if n.reachable is False),
-            setpoints_sent=sum(len(v) for v in setpoints.values()),
+            nodes_unreachable=unreachable,
+            setpoints_sent=sum(len(v) for v in plan.setpoints.values()),
             jobs=views,
-            limited=self._other_limiters(),
+            limited=self.nodes.other_limiters(self.settings.power_limit_margin),
         )
-
-    def _other_limiters(self) -> tuple[str, ...]:
-        """The GPUs held by something else than this head, from the last reports: an enforced
-        power limit below the board's default that this head did not ask for, a power brake or
-        a slowdown, or a refusal because another process holds the clocks."""
-        out: list[str] = []
-        margin = self.settings.power_limit_margin
-        for name, node in sorted(self._nodes.items()):
-            for r in node.reports:
-                why: list[str] = []
-                t = node.gpu_types.get(r.index)
-                spec = self.specs.get(t) if t is not None else None
-                enforced = r.enforced_limit_w
-                if (
-                    spec is not None
-                    and enforced is not None
-                    and enforced < spec.power_limit.default_w - 1.0
-                    and not (margin > 0 and r.job_id is not None)  # our rail's, when it is on
-                ):
-                    why.append(
-                        f"enforced power limit {enforced:.0f} W, below its default "
-                        f"{spec.power_limit.default_w:.0f} W"
-                    )
-                throttle = ThrottleReason(r.throttle or 0)
-                for reason, text in _LIMITER_REASONS:
-                    if reason in throttle:
-                        why.append(text)
-                if r.index in node.foreign:
-                    why.append("another process holds its clocks")
-                if why:
-                    out.append(f"{name}:{r.index}: {', '.join(why)}")
-        return tuple(out)
-
-    def _persist_nodes(
-        self, responses: Mapping[str, ExchangeResponse | NodeFailure], now_s: float
-    ) -> None:
-        for name, result in responses.items():
-            node = self._nodes[name]
-            if isinstance(result, NodeFailure):
-                self.store.mark_node(name, False, at_s=now_s)
-                continue
-            gpu_type, worst_w = self._describe(name, result.gpus)
-            if gpu_type != node.gpu_type or worst_w != node.worst_case_w:
-                node.gpu_type = gpu_type or node.gpu_type
-                node.worst_case_w = worst_w
-                self.store.upsert_node(
-                    name,
-                    node.url,
-                    gpu_count=len(result.gpus),
-                    gpu_type=node.gpu_type or "",
-                    worst_case_power_w=worst_w,
-                    last_seen_s=now_s,
-                )
-                logger.info(
-                    "node %s: %d GPU(s) of type %s, worst case %.0f W",
-                    name,
-                    len(result.gpus),
-                    node.gpu_type,
-                    worst_w,
-                )
-            else:
-                self.store.mark_node(name, True, at_s=now_s)
-
-    def _describe(self, name: str, gpus: Sequence[GpuReport]) -> tuple[str | None, float]:
-        """A node's GPU type (when all its GPUs share one) and worst-case power: each GPU at
-        its board's largest power limit."""
-        node = self._nodes[name]
-        types = {node.gpu_types.get(r.index) for r in gpus}
-        gpu_type = types.pop() if len(types) == 1 else None
-        worst_w = 0.0
-        for r in gpus:
-            t = node.gpu_types.get(r.index)
-            worst_w += self.specs[t].power_limit.max_w if t in self.specs else self._limit_w(r.name)
-        return gpu_type, worst_w
-
-    def _learn_boards(self, name: str, node: _NodeState, result: ExchangeResponse) -> None:
-        """Each GPU's type from its board: described by the agent (its clocks and limits, the
-        catalog's priors or a generic one), else the catalog's entry for its name. A board not
-        known here is asked for at the next exchange; an agent that describes none (an older
-        one) is never asked."""
-        for board in result.boards:
-            digest = board.digest()
-            if digest not in self._board_types:
-                spec = spec_from_board(board)
-                self._board_types[digest] = spec.name
-                if spec.name not in self.specs:
-                    self._add_type(spec)
-                    logger.info(
-                        "GPU type %s: %s (%s, %d-%d MHz, power limit %g-%g W)",
-                        spec.name,
-                        "estimated prior" if spec.estimated else "catalog prior",
-                        board.name,
-                        spec.min_graphics_mhz,
-                        spec.max_graphics_mhz,
-                        spec.power_limit.min_w,
-                        spec.power_limit.max_w,
-                    )
-        mig = {b.uuid: b.mig_mode for b in result.boards}
-        types: dict[int, str | None] = {}
-        why: dict[int, str] = {}
-        unknown = False
-        for r in result.gpus:
-            gpu_type = None if r.board is None else self._board_types.get(r.board)
-            if r.board is not None and gpu_type is None:
-                unknown = True  # asked for at the next exchange
-            if gpu_type is None:
-                try:  # until described: the catalog's entry for its name, if it has one
-                    gpu_type = catalog_spec(r.name).name
-                except InputError:
-                    why[r.index] = (
-                        "board not described yet"
-                        if r.board is not None
-                        else f"board {r.name!r} is not in the catalog and not described"
-                    )
-            if mig.get(r.uuid, node.why.get(r.index) == _MIG):
-                gpu_type, why[r.index] = None, _MIG
-            types[r.index] = gpu_type
-        if types != node.gpu_types or why != node.why:
-            for index, reason in sorted(why.items()):
-                if node.why.get(index) != reason:
-                    logger.warning("node %s GPU %d: not controlled: %s", name, index, reason)
-        node.gpu_types, node.why = types, why
-        node.describe = unknown and not result.boards
 
     def _add_type(self, spec: GpuSpec) -> None:
         """A GPU type the catalog does not have: the grid grows by it (existing types keep
@@ -1616,90 +649,3 @@ class Coordinator:
         self.grid = _full_grid(self.specs)
         self.controller.use_grid(self.grid)
         self.running.grid = self.grid
-
-    def gpu_type(self, ref: GpuRef) -> str | None:
-        """The controller's type of a GPU (None: not known, or not controlled)."""
-        node = self._nodes.get(ref.node)
-        if node is None:
-            return None
-        if ref.index in node.gpu_types:
-            return node.gpu_types[ref.index]
-        return node.gpu_type  # not reported (yet): the node's one type, if it has one
-
-    def gpu_views(self, name: str) -> list[dict[str, object]]:
-        """Each GPU of a node as ``GET /v1/nodes`` shows it: board, type, controlled or why not."""
-        node = self._nodes.get(name)
-        if node is None:
-            return []
-        views: list[dict[str, object]] = []
-        for r in node.reports:
-            gpu_type = node.gpu_types.get(r.index)
-            spec = None if gpu_type is None else self.specs.get(gpu_type)
-            views.append(
-                {
-                    "index": r.index,
-                    "board": r.name,
-                    "type": gpu_type,
-                    "estimated": spec is not None and spec.estimated,
-                    "controlled": gpu_type is not None,
-                    "why": node.why.get(r.index),
-                }
-            )
-        return views
-
-    def _persist_progress(
-        self,
-        responses: Mapping[str, ExchangeResponse | NodeFailure],
-        trusted: Mapping[str, list[GpuSample]],
-    ) -> None:
-        for job_id in trusted:
-            if job_id not in self._started and job_id in self._known:
-                self._started.add(job_id)
-                if self._known[job_id].state == "registered":
-                    self.store.start_job(job_id)
-        for name, result in responses.items():
-            if isinstance(result, NodeFailure):
-                continue
-            for p in self._allowed_progress(name, result):
-                if self._progress_done.get(p.job_id) != p.step:
-                    self._progress_done[p.job_id] = p.step
-                    self.store.record_progress(p.job_id, p.step, p.total)
-
-    def _job_views(
-        self, decision: Decision | None, power_by_gpu: Mapping[GpuRef, float]
-    ) -> tuple[JobView, ...]:
-        views: list[JobView] = []
-        infos = self.running.jobs
-        row = {j.job_id: i for i, j in enumerate(infos)}
-        outlook = (
-            None
-            if decision is None or not infos
-            else self.running.outlook(
-                decision, self._clock(), self.settings.controller.work_from_time_limit
-            )
-        )
-        for job_id, job in self._known.items():
-            drawn = [
-                power_by_gpu[GpuRef(g.node, g.gpu_index)]
-                for g in job.gpus
-                if GpuRef(g.node, g.gpu_index) in power_by_gpu
-            ]
-            measured = float(sum(drawn)) if drawn else None
-            i = row.get(job_id)
-            if decision is None or outlook is None or i is None:
-                views.append(JobView(job_id, i is not None, measured_power_w=measured))
-                continue
-            views.append(
-                JobView(
-                    job_id,
-                    True,
-                    int(decision.graphics_mhz[i]),
-                    int(decision.memory_mhz[i]),
-                    float(decision.job_power_w[i]),
-                    measured,
-                    progress="reported" if self.running.reported(job_id) else "none",
-                    left_top_s=_finite_or_none(float(outlook.left_top_s[i])),
-                    finish_s=_finite_or_none(float(outlook.finish_s[i])),
-                )
-            )
-        return tuple(views)

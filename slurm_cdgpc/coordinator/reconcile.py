@@ -6,7 +6,7 @@ runs a Prolog without ours, or jobs were already running when the site installed
 Every reconcile period the head reads ``squeue --json`` and
 
 - **finishes** jobs it holds as active that Slurm no longer runs, so their GPUs are released
-  and their power stops being reserved (`Coordinator.reconcile`);
+  and their power stops being reserved (`deregister_gone`);
 - **updates** the time limit and start of the jobs it holds when Slurm's differ (a limit the
   Prolog could not read, or one changed with ``scontrol update``): they bound the work of a
   job that does not say its own (`ControllerSettings.work_from_time_limit`);
@@ -24,7 +24,7 @@ deadline, not skipped: its GPUs draw power either way.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from datetime import tzinfo
 
@@ -101,6 +101,24 @@ def adopt(coordinator: Coordinator, job: SlurmJob, *, tz: tzinfo | None = None) 
     return registered
 
 
+def deregister_gone(
+    coordinator: Coordinator, slurm_running: Collection[str], *, grace_s: float
+) -> list[str]:
+    """Deregister active jobs that Slurm no longer runs: their Epilog never reached us (a
+    node crashed, the head was away and the spool was lost). A job registered less than
+    ``grace_s`` ago is left alone: squeue may not list it yet. Returns the ids removed."""
+    now_s = coordinator.now_s()
+    gone = [
+        job.job_id
+        for job in coordinator.store.jobs(ACTIVE_STATES)
+        if job.job_id not in slurm_running and now_s - job.registered_at_s > grace_s
+    ]
+    for job_id in gone:
+        logger.warning("job %s: no longer running in Slurm; deregistered", job_id)
+        coordinator.deregister_job(job_id)
+    return gone
+
+
 def reconcile_with_slurm(
     coordinator: Coordinator,
     running: Mapping[str, SlurmJob],
@@ -110,7 +128,7 @@ def reconcile_with_slurm(
     tz: tzinfo | None = None,
 ) -> ReconcileResult:
     """One reconcile pass: finish what Slurm no longer runs, adopt what it runs unregistered."""
-    finished = coordinator.reconcile(running.keys(), grace_s=grace_s)
+    finished = deregister_gone(coordinator, running.keys(), grace_s=grace_s)
     # one read for the jobs registered now; only the rest (rare) are looked up one by one,
     # for a finished job must not be adopted again either
     registered = {job.job_id: job for job in coordinator.store.jobs(ACTIVE_STATES)}

@@ -21,7 +21,7 @@ from slurm_cdgpc.model.families import (
     power_family,
     time_regressors,
 )
-from slurm_cdgpc.model.rls import BoolArray, Rls, RlsSettings, RlsUpdate
+from slurm_cdgpc.model.rls import BoolArray, Rls, RlsSettings, RlsState, RlsUpdate
 
 if TYPE_CHECKING:
     from slurm_cdgpc.gpu.catalog import GpuSpec
@@ -164,6 +164,13 @@ class JobEstimator:
         self.statics = JobStatics.concat([self.statics, statics])
         self.limit_x = np.concatenate([self.limit_x, np.full(len(statics), np.inf)])
         self.work_top_s = np.concatenate([self.work_top_s, np.zeros(len(statics))])
+
+    def restore(self, power: RlsState, time: RlsState, rows: Sequence[int] | None = None) -> None:
+        """Put back the models of jobs already added (``rows``; default: every one), as
+        `Rls.state` saved them: a restarted head, or a job whose node came back, learns on
+        where it stopped."""
+        self.power.restore(power, rows)
+        self.time.restore(time, rows)
 
     def keep(self, mask: BoolArray) -> None:
         self.power.keep(mask)

@@ -19,6 +19,7 @@ Safeguards, all vectorised:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -28,6 +29,7 @@ from slurm_cdgpc.errors import InputError
 
 FloatArray = NDArray[np.float64]
 BoolArray = NDArray[np.bool_]
+IntArray = NDArray[np.int64]
 
 
 @dataclass(frozen=True)
@@ -56,6 +58,17 @@ class RlsUpdate:
     updated: int
     outliers: int
     mean_abs_rel_error: float
+
+
+@dataclass(frozen=True, eq=False)
+class RlsState:
+    """What N estimators learned: θ (N, k), P (N, k, k), σ̂² (N,), count (N,); `Rls.state` takes
+    it, `Rls.restore` puts it back (what survives a restart)."""
+
+    theta: FloatArray
+    cov: FloatArray
+    err_var: FloatArray
+    count: IntArray
 
 
 class Rls:
@@ -147,6 +160,27 @@ class Rls:
             _project_nonneg(theta, cov, self.nonneg)
         self.theta[idx] = theta
         self.cov[idx] = cov
+
+    # -- saved and restored ------------------------------------------------------------------
+
+    def state(self) -> RlsState:
+        """A copy of what every estimator learned."""
+        return RlsState(self.theta.copy(), self.cov.copy(), self.err_var.copy(), self.count.copy())
+
+    def restore(self, state: RlsState, rows: Sequence[int] | None = None) -> None:
+        """Overwrite what the estimators of ``rows`` (default: every one) learned with
+        ``state``, row for row; the settings and the projection mask stay."""
+        if state.theta.shape[1:] != self.theta.shape[1:]:
+            raise InputError(
+                f"stored model has {state.theta.shape[1]} parameters, the estimator {self.k}"
+            )
+        index = np.arange(self.n) if rows is None else np.asarray(rows, dtype=np.intp)
+        if index.shape[0] != state.theta.shape[0]:
+            raise InputError(f"{state.theta.shape[0]} stored models for {index.shape[0]} rows")
+        self.theta[index] = state.theta
+        self.cov[index] = state.cov
+        self.err_var[index] = state.err_var
+        self.count[index] = state.count
 
     # -- job churn -------------------------------------------------------------------------
 

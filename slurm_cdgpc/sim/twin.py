@@ -28,7 +28,8 @@ from sqlalchemy import Engine
 
 from slurm_cdgpc.config import ControlConfig
 from slurm_cdgpc.control.tuning import Tuning
-from slurm_cdgpc.coordinator.daemon import Coordinator, CoordinatorSettings, IntervalReport
+from slurm_cdgpc.coordinator.daemon import Coordinator, CoordinatorSettings
+from slurm_cdgpc.coordinator.report import IntervalReport
 from slurm_cdgpc.gpu.catalog import GpuSpec
 from slurm_cdgpc.gpu.device import ThrottleReason
 from slurm_cdgpc.gpu.simulated import ManualClock

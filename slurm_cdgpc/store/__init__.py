@@ -24,7 +24,6 @@ from slurm_cdgpc.store.records import (
     Measurement,
     ModelSnapshot,
     Node,
-    RlsState,
     Setpoint,
 )
 from slurm_cdgpc.store.repository import Store
@@ -39,7 +38,6 @@ __all__ = [
     "MigrationError",
     "ModelSnapshot",
     "Node",
-    "RlsState",
     "Setpoint",
     "Store",
     "StoreBusyError",

@@ -89,6 +89,12 @@ class GroupCommit(Generic[T, R]):
         with self._lock:
             return len(self._queue)
 
+    @property
+    def busy(self) -> bool:
+        """A batch is being applied (its leader may be waiting for the store)."""
+        with self._lock:
+            return self._busy
+
     def submit(self, item: T) -> R:
         """Apply ``item`` (with whatever else is waiting) and return its outcome once committed."""
         ticket: _Ticket[T, R] = _Ticket(item, threading.Event())

@@ -8,13 +8,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-from numpy.typing import NDArray
 
 from slurm_cdgpc.errors import InputError
 from slurm_cdgpc.model.estimator import EstimatorSettings, JobEstimator, JobStatics
-from slurm_cdgpc.model.rls import FloatArray, Rls
-
-IntArray = NDArray[np.int64]
+from slurm_cdgpc.model.rls import RlsState
 
 #: Jobs that hold GPUs now.
 ACTIVE_STATES = ("registered", "running", "adopted")
@@ -131,31 +128,6 @@ class DecisionRecord:
 
 
 @dataclass(frozen=True, eq=False)
-class RlsState:
-    """The learned part of one `Rls` bank for N jobs: θ (N, k), P (N, k, k), σ̂² (N,), count (N,)."""
-
-    theta: FloatArray
-    cov: FloatArray
-    err_var: FloatArray
-    count: IntArray
-
-    @classmethod
-    def of(cls, rls: Rls) -> RlsState:
-        return cls(rls.theta.copy(), rls.cov.copy(), rls.err_var.copy(), rls.count.copy())
-
-    def copy_into(self, rls: Rls) -> None:
-        """Overwrite ``rls``'s learned state (its settings and projection mask stay)."""
-        if self.theta.shape[1:] != rls.theta.shape[1:]:
-            raise InputError(
-                f"stored model has {self.theta.shape[1]} parameters, the estimator {rls.k}"
-            )
-        rls.theta = self.theta.copy()
-        rls.cov = self.cov.copy()
-        rls.err_var = self.err_var.copy()
-        rls.count = self.count.copy()
-
-
-@dataclass(frozen=True, eq=False)
 class ModelSnapshot:
     """Every job's models as `JobEstimator` holds them, row n belonging to ``job_ids[n]``."""
 
@@ -177,8 +149,8 @@ class ModelSnapshot:
         return cls(
             job_ids=tuple(job_ids),
             family=estimator.family.name,
-            power=RlsState.of(estimator.power),
-            time=RlsState.of(estimator.time),
+            power=estimator.power.state(),
+            time=estimator.time.state(),
             statics=estimator.statics.select(np.ones(len(estimator), dtype=bool)),
         )
 
@@ -190,9 +162,8 @@ class ModelSnapshot:
                 f"stored models are of family {self.family!r}, the estimator uses "
                 f"{estimator.family.name!r}"
             )
-        self.power.copy_into(estimator.power)
-        self.time.copy_into(estimator.time)
-        estimator.statics = self.statics.select(np.ones(len(self), dtype=bool))
+        estimator.add_jobs(self.statics)
+        estimator.restore(self.power, self.time)
         return estimator
 
 

@@ -39,6 +39,7 @@ from sqlalchemy.orm import Session, selectinload
 from slurm_cdgpc.errors import InputError
 from slurm_cdgpc.model.estimator import JobStatics
 from slurm_cdgpc.model.families import TIME_PARAMS, power_family
+from slurm_cdgpc.model.rls import RlsState
 from slurm_cdgpc.store.codec import decode_f64, encode_f64, vector_length
 from slurm_cdgpc.store.engine import (
     NOWAIT,
@@ -56,7 +57,6 @@ from slurm_cdgpc.store.records import (
     Measurement,
     ModelSnapshot,
     Node,
-    RlsState,
     Setpoint,
 )
 from slurm_cdgpc.store.schema import (

@@ -68,18 +68,26 @@ def _concurrently(calls: list[Callable[[], Any]], before_join: Callable[[], None
     return results
 
 
-def _queue_behind_held_lock(coordinator: Coordinator, queued: int) -> Callable[[], None]:
-    """Holds the coordinator's write lock (as a registration in progress would) until
-    ``queued`` registrations wait for the next batch: they then commit as one."""
-    lock = coordinator._write_lock
-    lock.acquire()
+def _queue_behind_a_slow_commit(coordinator: Coordinator, queued: int) -> Callable[[], None]:
+    """Holds the first batch in the store (as a slow commit would) until ``queued``
+    registrations wait for the next batch: they then commit as one."""
+    store = coordinator.store
+    register_jobs = store.register_jobs
+    go_on = threading.Event()
+
+    def slow(registrations: list[JobRegistration]) -> list[Job | InputError]:
+        go_on.wait(WAIT_S)
+        return register_jobs(registrations)
+
+    store.register_jobs = slow  # type: ignore[method-assign]
 
     def release() -> None:
         deadline = time.monotonic() + WAIT_S
-        while coordinator._registrations.waiting() < queued:
+        while coordinator.registrations.group_commit.waiting() < queued:
             assert time.monotonic() < deadline, "registrations did not queue"
             time.sleep(0.01)
-        lock.release()
+        go_on.set()
+        del store.register_jobs  # the store's own again
 
     return release
 
@@ -90,12 +98,12 @@ def test_concurrent_registrations_are_all_stored_in_shared_commits(store: Store)
         partial(coordinator.register_job, str(100 + i), "alice", f"n{i % 7}", [i % 8])
         for i in range(60)
     ]
-    results = _concurrently(calls, _queue_behind_held_lock(coordinator, 59))
+    results = _concurrently(calls, _queue_behind_a_slow_commit(coordinator, 59))
     assert all(isinstance(r, Job) for r in results), [r for r in results if not isinstance(r, Job)]
     stored = {j.job_id: j.gpus for j in store.jobs(ACTIVE_STATES)}
     assert stored == {str(100 + i): (JobGpu(f"n{i % 7}", i % 8),) for i in range(60)}
     assert sorted(n.name for n in store.nodes()) == [f"n{i}" for i in range(7)]
-    assert coordinator._registrations.largest_batch == 59  # they did share a commit
+    assert coordinator.registrations.group_commit.largest_batch == 59  # they did share a commit
 
 
 def test_a_multi_node_job_registered_from_every_node_at_once_holds_every_node(
@@ -106,7 +114,7 @@ def test_a_multi_node_job_registered_from_every_node_at_once_holds_every_node(
         partial(coordinator.register_job, "77", "bob", f"gpu{n:02d}", [0, 1], gpu_type="A100")
         for n in range(8)
     ]
-    results = _concurrently(calls, _queue_behind_held_lock(coordinator, 7))
+    results = _concurrently(calls, _queue_behind_a_slow_commit(coordinator, 7))
     assert all(isinstance(r, Job) for r in results)
     job = store.job("77")
     assert job is not None
@@ -126,7 +134,7 @@ def test_a_refused_registration_fails_alone_in_its_batch(store: Store) -> None:
         lambda: coordinator.register_job("5", "mallory", "n2", [0]),  # alice's job id
         lambda: coordinator.register_job("7", "carol", "n3", [2]),
     ]
-    results = _concurrently(calls, _queue_behind_held_lock(coordinator, 2))
+    results = _concurrently(calls, _queue_behind_a_slow_commit(coordinator, 2))
     assert isinstance(results[0], Job) and isinstance(results[2], Job)
     assert isinstance(results[1], InputError)
     assert str(results[1]) == "job 5 is registered to alice, not mallory"
@@ -144,7 +152,7 @@ def test_a_failing_commit_fails_every_request_of_the_batch_with_one_line(
     calls: list[Callable[[], Any]] = [
         partial(coordinator.register_job, str(i + 1), "alice", f"n{i}", [0]) for i in range(12)
     ]
-    results = _concurrently(calls, _queue_behind_held_lock(coordinator, 11))
+    results = _concurrently(calls, _queue_behind_a_slow_commit(coordinator, 11))
     with engine.begin() as conn:
         conn.exec_driver_sql("ALTER TABLE job_gpus_away RENAME TO job_gpus")
     assert all(isinstance(r, StoreError) for r in results), results

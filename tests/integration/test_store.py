@@ -20,6 +20,7 @@ from sqlalchemy.exc import DBAPIError
 
 from slurm_cdgpc.errors import InputError
 from slurm_cdgpc.model.estimator import EstimatorSettings, JobEstimator, JobStatics
+from slurm_cdgpc.model.rls import RlsState
 from slurm_cdgpc.store import (
     ACTIVE_STATES,
     Job,
@@ -27,7 +28,6 @@ from slurm_cdgpc.store import (
     Measurement,
     MigrationError,
     ModelSnapshot,
-    RlsState,
     Setpoint,
     Store,
     StoreBusyError,

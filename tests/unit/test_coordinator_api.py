@@ -18,7 +18,8 @@ import pytest
 from slurm_cdgpc.coordinator.api import HeadHttpServer
 from slurm_cdgpc.coordinator.daemon import Coordinator, CoordinatorSettings
 from slurm_cdgpc.errors import InputError
-from slurm_cdgpc.store import Store, make_engine, upgrade
+from slurm_cdgpc.store import Job, Store, make_engine, upgrade
+from slurm_cdgpc.store.repository import JobRegistration
 from slurm_cdgpc.transport.auth import AccessPolicy, HmacKey, HmacSigner, HmacVerifier
 from slurm_cdgpc.transport.http import HeadClient, HeadRefusedError, NodeFailure, NodeTarget
 from slurm_cdgpc.wire.protocol import ExchangeResponse
@@ -343,13 +344,14 @@ def test_hmac_registrations_are_checked_and_committed_on_the_loop_thread(
     """HMAC blocks on nothing: the loop checks each registration itself and commits a turn's
     together, with no worker in between."""
     batches: list[tuple[str, int]] = []
-    apply = api.coordinator._register_batch
+    store = api.coordinator.store
+    register_jobs = store.register_jobs
 
-    def spy(batch: list[object], **kwargs: bool) -> list[object]:
+    def spy(batch: list[JobRegistration]) -> list[Job | InputError]:
         batches.append((threading.current_thread().name, len(batch)))
-        return apply(batch, **kwargs)  # type: ignore[arg-type]
+        return register_jobs(batch)
 
-    monkeypatch.setattr(api.coordinator, "_register_batch", spy)
+    monkeypatch.setattr(store, "register_jobs", spy)
     status, data = api.post("/v1/jobs", JOB)
     assert (status, data["job_id"]) == (200, "42")
     assert batches == [("http-loop", 1)]
@@ -368,7 +370,7 @@ def test_a_registration_waiting_for_a_busy_store_leaves_the_loop_serving(
     try:
         prolog.start()
         deadline = time.monotonic() + 10
-        while not api.coordinator._registrations._busy:  # a worker leads it, waiting
+        while not api.coordinator.registrations.group_commit.busy:  # a worker leads it, waiting
             assert time.monotonic() < deadline, "the registration was never handed to a worker"
             time.sleep(0.01)
         assert api.call("GET", "/v1/health")[0] == 200  # the loop is not the one waiting

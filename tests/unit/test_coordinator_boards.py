@@ -45,7 +45,7 @@ def test_a_board_absent_from_the_catalog_is_controlled_with_the_clocks_it_report
     board = _board(ADA)
     ada = spec_from_board(board)
     assert ada.estimated and ada.name.endswith(board.digest()[:8])
-    views = {g["index"]: g for g in cluster.head.gpu_views("n1")}
+    views = {g["index"]: g for g in cluster.head.nodes.gpu_views("n1")}
     assert views[0] == {
         "index": 0,
         "board": A100,
@@ -87,7 +87,7 @@ def test_a_mig_gpu_is_not_controlled_and_says_why(make_cluster: MakeCluster) -> 
     cluster = make_cluster(nodes=("n1",), gpu_type=f"{A100}:1,{MIG}:1")
     cluster.tick()
     cluster.tick()
-    views = {g["index"]: g for g in cluster.head.gpu_views("n1")}
+    views = {g["index"]: g for g in cluster.head.nodes.gpu_views("n1")}
     assert views[0]["controlled"] and not views[1]["controlled"]
     assert "MIG mode is on" in str(views[1]["why"])
     cluster.head.register_job("61", "alice", "n1", [1])

@@ -20,17 +20,13 @@ from sqlalchemy import Engine
 from slurm_cdgpc.agent.node import NodeAgent
 from slurm_cdgpc.config import SafeCap
 from slurm_cdgpc.control.empc import ControllerSettings, Decision, QueueState
-from slurm_cdgpc.coordinator.daemon import (
-    Coordinator,
-    CoordinatorSettings,
-    IntervalReport,
-    JobView,
-    _NodeState,
-)
+from slurm_cdgpc.coordinator.daemon import Coordinator, CoordinatorSettings
 from slurm_cdgpc.coordinator.jobs import GpuRef, GpuSample
+from slurm_cdgpc.coordinator.reconcile import deregister_gone
+from slurm_cdgpc.coordinator.report import IntervalReport, JobView
 from slurm_cdgpc.gpu.catalog import CATALOG
 from slurm_cdgpc.gpu.simulated import ManualClock, SimulatedGpu, simulated_gpus
-from slurm_cdgpc.store import Store, StoreError, make_engine, upgrade
+from slurm_cdgpc.store import Node, Store, StoreError, make_engine, upgrade
 from slurm_cdgpc.transport.http import NodeFailure, NodeTarget
 from slurm_cdgpc.wire.protocol import ExchangeRequest, ExchangeResponse, GpuReport
 
@@ -339,10 +335,10 @@ def test_job_on_unknown_node_waits_for_its_gpu_type(make_cluster: MakeCluster) -
     assert [(j.job_id, j.controlled) for j in report.jobs] == [("9", False)]
     nodes = {n.name: n for n in cluster.store.nodes()}
     assert nodes["n9"].url == "http://n9:8464" and not nodes["n9"].reachable
-    assert cluster.head._waiting_logged == {"9"}  # logged once while it waits ...
+    assert cluster.head.roster.waiting_logged == {"9"}  # logged once while it waits ...
     cluster.head.deregister_job("9")
     cluster.tick()
-    assert cluster.head._waiting_logged == set()  # ... and forgotten when it ends
+    assert cluster.head.roster.waiting_logged == set()  # ... and forgotten when it ends
 
 
 def test_reconcile_drops_jobs_slurm_no_longer_runs(make_cluster: MakeCluster) -> None:
@@ -355,7 +351,7 @@ def test_reconcile_drops_jobs_slurm_no_longer_runs(make_cluster: MakeCluster) ->
     cluster.clock.advance(100.0)
     _register(cluster, "13", "n2", 0)  # just started: squeue may not list it yet
     # Slurm runs 12 only; 11's Epilog never arrived
-    assert cluster.head.reconcile({"12"}, grace_s=30.0) == ["11"]
+    assert deregister_gone(cluster.head, {"12"}, grace_s=30.0) == ["11"]
     assert cluster.store.job("11").state == "finished"
     assert cluster.store.job("12").state != "finished"
     assert cluster.store.job("13").state != "finished"
@@ -388,22 +384,26 @@ class _ReadAfterApply(NodeAgent):
         return replace(response, gpus=tuple(self._report(dev) for dev in self.gpus))
 
 
-def _trusted_as_it_was(head: Coordinator) -> dict[str, list[GpuSample]]:
-    """The head as it was: the last snapshot of each GPU holding the job's setpoint."""
-    out: dict[str, list[GpuSample]] = {}
-    owner = {g: j.job_id for j in head.running.jobs for g in j.gpus}
-    for name, node in head._nodes.items():
-        for r in node.reports if node.reachable else ():
-            job_id = owner.get(GpuRef(name, r.index))
-            if job_id is None or r.power_w is None or r.sm_clock_mhz is None:
-                continue
-            if head._added_at.get(job_id, head.interval) >= head._sampled_at:
-                continue
-            if r.job_id == job_id and r.memory_clock_mhz is not None:
-                ref = GpuRef(name, r.index)
-                sample = GpuSample(ref, r.power_w, r.sm_clock_mhz, r.memory_clock_mhz)
-                out.setdefault(job_id, []).append(sample)
-    return out
+def _samples_as_they_were(
+    head: Coordinator,
+) -> Callable[[Mapping[GpuRef, str], bool], dict[str, list[GpuSample]]]:
+    """The head as it was: the last snapshot of each GPU holding the job's setpoint (of the
+    jobs that held their GPUs since before the exchange, as `NodeBook.samples` is given)."""
+
+    def samples(owners: Mapping[GpuRef, str], shadow: bool) -> dict[str, list[GpuSample]]:
+        out: dict[str, list[GpuSample]] = {}
+        for name, node in head.nodes.items():
+            for r in node.reports if node.reachable else ():
+                job_id = owners.get(GpuRef(name, r.index))
+                if job_id is None or r.power_w is None or r.sm_clock_mhz is None:
+                    continue
+                if r.job_id == job_id and r.memory_clock_mhz is not None:
+                    ref = GpuRef(name, r.index)
+                    sample = GpuSample(ref, r.power_w, r.sm_clock_mhz, r.memory_clock_mhz)
+                    out.setdefault(job_id, []).append(sample)
+        return out
+
+    return samples
 
 
 _BUDGETS_W: Final = (1400.0, 600.0, 1100.0, 700.0, 1300.0, 800.0, 1000.0, 650.0) * 3
@@ -449,7 +449,7 @@ def test_on_hopper_the_model_learns_each_clock_with_the_power_it_drew(
     error = _learned_error(cluster.head, truth)
 
     before = make_cluster(("h1",), gpu_type=H100, agent_class=_ReadAfterApply)
-    monkeypatch.setattr(before.head, "_trusted", lambda: _trusted_as_it_was(before.head))
+    monkeypatch.setattr(before.head.nodes, "samples", _samples_as_they_were(before.head))
     truth_before, _, _ = _hopper_run(before)
     error_before = _learned_error(before.head, truth_before)
     # 5.2 %: what the three-parameter bent family can do over 990..1980 MHz (its worst, at
@@ -468,10 +468,10 @@ def test_a_counter_that_did_not_rise_falls_back_to_the_reading(make_cluster: Mak
     assert first.measured_power_w == pytest.approx(2 * idle_w, rel=1e-9)  # the counter's mean
     cluster.gpu("h1", 0)._energy_j = 0.0  # what a driver reload does to the counter
     reset = cluster.tick()
-    r0 = cluster.head._nodes["h1"].reports[0]
+    r0 = cluster.head.nodes["h1"].reports[0]
     assert r0.power_w is not None
     assert reset.measured_power_w == pytest.approx(r0.power_w + idle_w, rel=1e-9)
-    assert cluster.head._nodes["h1"].mean_w == {1: pytest.approx(idle_w)}
+    assert cluster.head.nodes["h1"].mean_w == {1: pytest.approx(idle_w)}
     assert cluster.tick().measured_power_w == pytest.approx(2 * idle_w, rel=1e-9)
 
 
@@ -486,12 +486,12 @@ def test_a_lock_changed_during_the_interval_teaches_nothing(make_cluster: MakeCl
     _register(cluster, "1", "h1", 0, 1)
     cluster.tick()
     cluster.tick()
-    assert set(cluster.head._trusted()) == {"1"}
+    assert set(cluster.head.samples) == {"1"}
     cluster.agents["h1"].release_job("1")  # between two exchanges
     cluster.tick()
-    node = cluster.head._nodes["h1"]
+    node = cluster.head.nodes["h1"]
     assert node.steady == frozenset() and node.mean_w == {}
-    assert cluster.head._trusted() == {}
+    assert cluster.head.samples == {}
 
 
 def test_a_node_that_missed_an_exchange_is_not_averaged_across_it(
@@ -500,17 +500,17 @@ def test_a_node_that_missed_an_exchange_is_not_averaged_across_it(
     cluster = make_cluster(("h1",), gpu_type=H100)
     cluster.tick()
     cluster.tick()
-    assert cluster.head._nodes["h1"].mean_w.keys() == {0, 1}
+    assert cluster.head.nodes["h1"].mean_w.keys() == {0, 1}
     cluster.transport.down.add("h1")
     cluster.tick()
     cluster.transport.down.clear()
     back = cluster.tick()  # the first answer after the gap: its reading, no mean
-    assert cluster.head._nodes["h1"].mean_w == {}
+    assert cluster.head.nodes["h1"].mean_w == {}
     assert back.measured_power_w == pytest.approx(
-        sum(r.power_w or 0.0 for r in cluster.head._nodes["h1"].reports)
+        sum(r.power_w or 0.0 for r in cluster.head.nodes["h1"].reports)
     )
     assert cluster.tick().uncontrolled_w > 0
-    assert cluster.head._nodes["h1"].mean_w.keys() == {0, 1}
+    assert cluster.head.nodes["h1"].mean_w.keys() == {0, 1}
 
 
 # -- progress: only root or the job's user, only from the job's nodes ---------------------------
@@ -545,17 +545,19 @@ def test_progress_counts_only_from_root_or_the_jobs_user_on_its_nodes(
     n1.record_progress("21", 55, 1000, uid=0)  # root may
     cluster.tick()
     assert _iterations_done(cluster, "21") == 55
-    assert cluster.head._spoof_logged  # each refused sender is logged once ...
+    assert cluster.head.progress.refused_senders  # each refused sender is logged once ...
     cluster.head.deregister_job("21")
     cluster.tick()
-    assert cluster.head._spoof_logged == set()  # ... and forgotten with the job
+    assert cluster.head.progress.refused_senders == set()  # ... and forgotten with the job
 
 
 def test_a_node_no_request_can_name_is_unreachable_not_fatal(make_cluster: MakeCluster) -> None:
     """Every request names its node; a name no agent could carry costs that node, not the
     interval: the others are exchanged with, and it counts at its worst case."""
     cluster = make_cluster(("n1",))
-    cluster.head._nodes["bad name"] = _NodeState("http://x.test:8464", A100, A100_LIMIT_W)
+    # the store refuses that name: the node book takes it as the store would hand it over
+    bad = Node("bad name", "http://x.test:8464", "http", None, False, 0, A100, A100_LIMIT_W)
+    cluster.head.nodes.load([bad])
     cluster.tick()
     report = cluster.tick()
     assert set(cluster.last_requests()) == {"n1"}
@@ -602,7 +604,7 @@ def test_a_gpu_refusing_a_lower_clock_takes_its_job_out_of_the_plan(
     assert refused.graphics_mhz < high_mhz and cluster.cap("n1", 1) == high_mhz
     cluster.tick()  # job 1 leaves the plan (its readings: from before GPU 0 moved)
     assert cluster.last_requests()["n1"].setpoints == (refused,)  # sent again, alone
-    reported = {r.index: r.power_w for r in cluster.head._nodes["n1"].reports}
+    reported = {r.index: r.power_w for r in cluster.head.nodes["n1"].reports}
     report = cluster.tick()
     assert [j.job_id for j in report.jobs if j.controlled] == ["2"]
     assert reported[1] is not None and reported[0] is not None
@@ -618,7 +620,7 @@ def test_a_gpu_refusing_a_lower_clock_takes_its_job_out_of_the_plan(
     assert cluster.cap("n1", 1) == refused.graphics_mhz
     back = cluster.tick()
     assert sorted(j.job_id for j in back.jobs if j.controlled) == ["1", "2"]
-    assert cluster.head._refusing == {}
+    assert cluster.head.locks.refusing == {}
 
 
 def test_a_refusal_that_breaks_the_budget_sends_its_job_to_the_lowest_clock(
@@ -654,7 +656,7 @@ def test_a_refusal_that_breaks_the_budget_sends_its_job_to_the_lowest_clock(
     assert cluster.cap("n1", 1) == lowest_mhz
     back = cluster.tick()
     assert sorted(j.job_id for j in back.jobs if j.controlled) == ["1", "2"]
-    assert cluster.head._refusing == {} and cluster.head._squeezed == set()
+    assert cluster.head.locks.refusing == {} and cluster.head.locks.squeezed == set()
 
 
 def test_a_refused_higher_clock_keeps_the_job_in_the_plan(make_cluster: MakeCluster) -> None:
@@ -675,7 +677,7 @@ def test_a_refused_higher_clock_keeps_the_job_in_the_plan(make_cluster: MakeClus
     assert point.graphics_mhz > low_mhz and cluster.cap("n1", 0) == low_mhz
     report = cluster.tick()
     assert [j.job_id for j in report.jobs if j.controlled] == ["1"]
-    assert cluster.head._refusing == {}
+    assert cluster.head.locks.refusing == {}
 
 
 def test_a_released_gpu_counts_at_its_limit_until_a_reading_after_the_release(
@@ -693,7 +695,7 @@ def test_a_released_gpu_counts_at_its_limit_until_a_reading_after_the_release(
         cluster.tick()
     assert cluster.cap("n1", 0) is not None
     cluster.head.deregister_job("1")
-    idle_w = next(r.power_w for r in cluster.head._nodes["n1"].reports if r.index == 1)
+    idle_w = next(r.power_w for r in cluster.head.nodes["n1"].reports if r.index == 1)
     assert idle_w is not None
     releasing = cluster.tick()  # plans with GPU 0 at its limit, and releases it
     assert cluster.last_requests()["n1"].release == (0,)
@@ -701,11 +703,11 @@ def test_a_released_gpu_counts_at_its_limit_until_a_reading_after_the_release(
     assert releasing.uncontrolled_w == pytest.approx(A100_LIMIT_W + idle_w)
     after = cluster.tick()  # the readings were taken before the release took effect
     assert after.uncontrolled_w >= A100_LIMIT_W
-    read_after = [r.power_w for r in cluster.head._nodes["n1"].reports]
+    read_after = [r.power_w for r in cluster.head.nodes["n1"].reports]
     settled = cluster.tick()  # read after the release: the GPU at what it draws
     assert None not in read_after
     assert settled.uncontrolled_w == pytest.approx(sum(w for w in read_after if w is not None))
-    assert cluster.head._released == {}
+    assert cluster.head.locks.released == {}
 
 
 def test_a_refused_release_is_sent_again_until_it_is_done(make_cluster: MakeCluster) -> None:
@@ -743,7 +745,7 @@ def test_a_node_never_reached_is_never_counted_at_zero(make_cluster: MakeCluster
     nodes = {n.name: n for n in cluster.store.nodes()}
     assert nodes["n9"].worst_case_power_w == 3 * largest_w
     cluster.tick()  # the exchanges with n8 and n9 fail
-    n1_w = sum(r.power_w or 0.0 for r in cluster.head._nodes["n1"].reports)  # idle, read
+    n1_w = sum(r.power_w or 0.0 for r in cluster.head.nodes["n1"].reports)  # idle, read
     report = cluster.tick()
     assert report.nodes_unreachable == 2
     assert report.uncontrolled_w == pytest.approx(n1_w + 3 * largest_w + 2 * largest_w)
@@ -779,7 +781,7 @@ def test_the_head_hands_the_controller_slurms_queue_while_it_can_read_it(
     queue = seen[-1]
     assert queue is not None and queue.waiting
     rows = {info.job_id: row for row, info in enumerate(head.running.jobs)}
-    nodes = list(head._nodes)
+    nodes = list(head.nodes)
     pairs = {(int(r), nodes[int(n)]) for r, n in zip(queue.job_row, queue.job_node, strict=True)}
     assert pairs == {(rows["1"], "n1"), (rows["2"], "n2")}
     assert dict(zip(nodes, queue.free_gpus.tolist(), strict=True)) == {"n1": 1, "n2": 0}

@@ -1,0 +1,147 @@
+"""The head's power accounting: the power outside the plan, the plans the measured power is judged
+against, and the decisions' record (what each planned, and what its GPUs then drew).
+
+Uncontrolled power (step 3 in `slurm_cdgpc.coordinator.daemon`): GPUs of unreachable nodes at
+their worst case (never zero), GPUs of jobs waiting to be controlled and GPUs being released at
+their limit, every other GPU outside the plan at its latest reading. Writes only the store's
+decisions (`PowerLedger.record`, `PowerLedger.fill_measured`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Collection, Mapping, Sequence
+
+import numpy as np
+
+from slurm_cdgpc.control.empc import Decision
+from slurm_cdgpc.coordinator.jobs import GpuRef, JobInfo, RunningJobs
+from slurm_cdgpc.coordinator.nodes import NodeBook, NodeState, catalog_max_w
+from slurm_cdgpc.model.families import FloatArray
+from slurm_cdgpc.store import Job, Setpoint, Store
+
+
+class PowerLedger:
+    """Power outside the plan, the plans in force and their record (the loop's thread)."""
+
+    def __init__(self, *, mode: str, shadow: bool) -> None:
+        self._mode = mode  # the controller's objective and whether decisions are applied,
+        self._shadow = shadow  # as each decision's record says
+        self._planned_w: dict[str, float] = {}  # last decision's planned power per job
+        #: the plan in force over the interval the node reports describe: the decision before
+        #: the last (the agents read before they apply), what their power is judged against
+        self._planned_reported_w: dict[str, float] = {}
+        #: the last recorded decision and its GPUs: what they drew is filled in at the next
+        self._last_decision: tuple[int, tuple[GpuRef, ...]] | None = None
+
+    def uncontrolled_w(
+        self,
+        nodes: NodeBook,
+        known: Mapping[str, Job],
+        running: RunningJobs,
+        held_out: Collection[str],
+        releasing: Collection[GpuRef],
+    ) -> float:
+        """What the GPUs outside the plan may draw over the next interval."""
+        controlled = {g for j in running.jobs for g in j.gpus}
+        waiting = {
+            GpuRef(g.node, g.gpu_index)
+            for j in known.values()
+            if j.job_id not in running and j.job_id not in held_out
+            for g in j.gpus
+        }
+        total_w = 0.0
+        named: dict[str, int] | None = None  # node -> GPUs its jobs name, once one is away
+        for name, node in nodes.items():
+            if node.reachable is False:
+                if named is None:
+                    named = _gpus_named(known)
+                total_w += _worst_case_w(nodes, node, named.get(name, 0))  # never zero
+                continue
+            for r in node.reports:
+                ref = GpuRef(name, r.index)
+                if ref in controlled:
+                    continue
+                limit_w = r.enforced_limit_w or nodes.limit_w(r.name)
+                if ref in waiting or ref in releasing or r.power_w is None:
+                    total_w += limit_w
+                else:
+                    total_w += r.power_w
+        return total_w
+
+    def planned_reported_w(self, jobs: Sequence[JobInfo]) -> FloatArray:
+        """Per job (in ``jobs``' order), the power planned for the interval the reports describe
+        (NaN: none)."""
+        plan = self._planned_reported_w
+        return np.array([plan.get(j.job_id, np.nan) for j in jobs])
+
+    def planned(self, decision: Decision | None, jobs: Sequence[JobInfo]) -> None:
+        """The decision just sent: the one before it is what the next reports measure."""
+        self._planned_reported_w = self._planned_w
+        self._planned_w = (
+            {}
+            if decision is None
+            else {j.job_id: float(decision.planned_power_w[i]) for i, j in enumerate(jobs)}
+        )
+
+    def fill_measured(self, store: Store, power_by_gpu: Mapping[GpuRef, float]) -> None:
+        """Fill in what the last recorded decision's GPUs drew (inside the interval's store
+        transaction)."""
+        if self._last_decision is not None:
+            decision_id, refs = self._last_decision
+            drawn = [power_by_gpu[g] for g in refs if g in power_by_gpu]
+            if drawn:
+                store.set_measured_power(decision_id, float(sum(drawn)))
+        self._last_decision = None
+
+    def record(
+        self,
+        store: Store,
+        k: int,
+        now_s: float,
+        budget_w: float | None,
+        decision: Decision,
+        jobs: Sequence[JobInfo],
+    ) -> None:
+        """Record interval ``k``'s decision for ``jobs`` with its setpoints (inside the
+        interval's store transaction); what their GPUs draw is filled in at the next."""
+        record = store.record_decision(
+            interval_index=k,
+            status=decision.status.value,
+            mode=self._mode,
+            price=decision.price,
+            budget_w=math.inf if budget_w is None else budget_w,
+            effective_budget_w=decision.effective_budget_w,
+            predicted_power_w=decision.predicted_power_w,
+            solve_s=decision.solve_s,
+            setpoints=[
+                Setpoint(
+                    j.job_id,
+                    int(decision.graphics_mhz[i]),
+                    int(decision.memory_mhz[i]),
+                    float(decision.job_power_w[i]),
+                )
+                for i, j in enumerate(jobs)
+            ],
+            shadow=self._shadow,
+            time_s=now_s,
+        )
+        self._last_decision = (record.id, tuple(g for j in jobs for g in j.gpus))
+
+
+def _gpus_named(known: Mapping[str, Job]) -> dict[str, int]:
+    """Per node, how many GPUs its active jobs imply (the highest index named, plus one)."""
+    named: dict[str, int] = {}
+    for job in known.values():
+        for g in job.gpus:
+            named[g.node] = max(named.get(g.node, 0), g.gpu_index + 1)
+    return named
+
+
+def _worst_case_w(nodes: NodeBook, node: NodeState, named: int) -> float:
+    """What an unreachable node may draw: its reported GPUs at their maximum power limit,
+    and at least the ``named`` GPUs its jobs imply (one, if none) at the limit of its GPU
+    type, or at the largest of the catalog while its type is unknown: a node the head never
+    reached (announced, or first seen in a registration) is never counted at zero."""
+    per_gpu_w = catalog_max_w() if node.gpu_type is None else nodes.limit_w(node.gpu_type)
+    return max(node.worst_case_w, max(named, 1) * per_gpu_w)

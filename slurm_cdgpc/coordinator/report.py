@@ -1,0 +1,124 @@
+"""One control interval as the API, the metrics and the tests see it: `IntervalReport`, with a
+`JobView` per active job. Built by the loop at the end of each interval and replaced whole, so
+the API's threads read it without a lock; nothing here reaches the store or the nodes.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from slurm_cdgpc.control.empc import Decision
+from slurm_cdgpc.coordinator.jobs import GpuRef, RunningJobs
+from slurm_cdgpc.store import Job
+
+
+def finite_or_none(x: float | None) -> float | None:
+    return x if x is not None and math.isfinite(x) else None
+
+
+@dataclass(frozen=True)
+class JobView:
+    """What the head does with one job now (for ``GET /v1/jobs``)."""
+
+    job_id: str
+    controlled: bool
+    graphics_mhz: int | None = None
+    memory_mhz: int | None = None
+    predicted_power_w: float | None = None
+    measured_power_w: float | None = None  # all its GPUs, last exchange
+    #: ``reported`` (steps arrived since it joined) or ``none``
+    progress: str = "none"
+    #: work left in seconds at top clocks (an upper bound when `Job.work_source` is
+    #: ``time-limit``) and
+    #: when it would end at the decided clocks; None: not known
+    left_top_s: float | None = None
+    finish_s: float | None = None
+
+
+@dataclass(frozen=True)
+class IntervalReport:
+    """One interval as the API, the metrics and the tests see it."""
+
+    interval: int
+    time_s: float
+    budget_w: float | None
+    effective_budget_w: float | None
+    uncontrolled_w: float
+    predicted_power_w: float | None  # the controlled jobs, at the decided clocks
+    #: every GPU that reported a power in the last exchange: the interval's mean where the energy
+    #: counter gives it, else the reading
+    measured_power_w: float
+    price: float | None
+    status: str  # the controller's step status, or "idle" without jobs
+    solve_s: float
+    shadow: bool
+    nodes_reachable: int
+    nodes_unreachable: int
+    setpoints_sent: int
+    jobs: tuple[JobView, ...] = ()
+    #: GPUs another limiter holds (a lower enforced limit, a brake, a slowdown, clocks another
+    #: process took), one line each: ``node:index: why``
+    limited: tuple[str, ...] = ()
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "interval": self.interval,
+            "time_s": self.time_s,
+            "budget_w": self.budget_w,
+            "effective_budget_w": self.effective_budget_w,
+            "uncontrolled_w": self.uncontrolled_w,
+            "predicted_power_w": self.predicted_power_w,
+            "measured_power_w": self.measured_power_w,
+            "price": finite_or_none(self.price),
+            "status": self.status,
+            "solve_s": self.solve_s,
+            "shadow": self.shadow,
+            "nodes_reachable": self.nodes_reachable,
+            "nodes_unreachable": self.nodes_unreachable,
+            "setpoints_sent": self.setpoints_sent,
+            "jobs_controlled": sum(1 for j in self.jobs if j.controlled),
+            "limited": list(self.limited),
+        }
+
+
+def job_views(
+    known: Mapping[str, Job],
+    running: RunningJobs,
+    decision: Decision | None,
+    power_by_gpu: Mapping[GpuRef, float],
+    now_s: float,
+    bounded: bool,
+) -> tuple[JobView, ...]:
+    """A view of every ``known`` job: the decided clocks and outlook of the controlled ones
+    (``bounded``: `ControllerSettings.work_from_time_limit`), what each drew."""
+    views: list[JobView] = []
+    infos = running.jobs
+    row = {j.job_id: i for i, j in enumerate(infos)}
+    outlook = None if decision is None or not infos else running.outlook(decision, now_s, bounded)
+    for job_id, job in known.items():
+        drawn = [
+            power_by_gpu[GpuRef(g.node, g.gpu_index)]
+            for g in job.gpus
+            if GpuRef(g.node, g.gpu_index) in power_by_gpu
+        ]
+        measured = float(sum(drawn)) if drawn else None
+        i = row.get(job_id)
+        if decision is None or outlook is None or i is None:
+            views.append(JobView(job_id, i is not None, measured_power_w=measured))
+            continue
+        views.append(
+            JobView(
+                job_id,
+                True,
+                int(decision.graphics_mhz[i]),
+                int(decision.memory_mhz[i]),
+                float(decision.job_power_w[i]),
+                measured,
+                progress="reported" if running.reported(job_id) else "none",
+                left_top_s=finite_or_none(float(outlook.left_top_s[i])),
+                finish_s=finite_or_none(float(outlook.finish_s[i])),
+            )
+        )
+    return tuple(views)
