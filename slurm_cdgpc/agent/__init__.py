@@ -1,12 +1,7 @@
-"""The node agent ``cdgpc-noded``: applies the head's clocks to this node's GPUs, safely.
-
-- `node`: `NodeAgent`, the core (setpoints, lease watchdog, state file); no sockets.
-- `server`: the authenticated HTTP listener (``POST /v1/exchange``, ``GET /v1/health``).
-- `progress`: the Unix socket training jobs report progress on, and its stdlib-only client
-  ``cdgpc-progress``.
-- `main`: the ``cdgpc-noded`` entry point.
-
-Nothing is imported here: the progress client must start without numpy or the GPU backends.
+"""The node agent ``cdgpc-noded``: `node` (the core), `server` (its HTTP routes), `progress` (the
+jobs' socket and its client), `metrics` and `main`. It never reaches `control/`
+(`tests/unit/test_import_graph.py`). Nothing is imported here: the progress client must start
+without numpy or the GPU backends. Design: DESIGN.md, "Safety" and "The exchange".
 """
 
 from __future__ import annotations

@@ -1,25 +1,8 @@
-"""``cdgpc-noded [--config PATH] [--node-name NAME]``: the node agent.
-
-``cdgpc-noded exchange [--config PATH]`` is the node end of the SSH transport
-(`slurm_cdgpc.transport.forward`): the head runs it over ssh, it relays one exchange (JSON on
-stdin) to the running agent and prints the reply.
-
-Start-up, in this order: load the config; open the GPUs (``node.backend``: ``nvml`` or
-``simulated``); build the `NodeAgent`, which resets every GPU first if a crash left a state file;
-build the request verifier and the reply signer (``auth.method``); start the progress socket (a
-failure there is logged, not fatal: clock safety matters more than progress reports); start the
-HTTP listener and a thread that forwards spooled Prolog/Epilog records to the head every
-`SPOOL_FORWARD_PERIOD_S`; then tick the lease watchdog every `TICK_PERIOD_S` on the main thread.
-
-SIGTERM, SIGINT and SIGHUP stop it: the listener and the progress socket close, every GPU is
-reset to default clocks, the state file is removed, exit status 0 (1 if a GPU could not be reset;
-systemd's ExecStopPost then resets the clocks with nvidia-smi). Logs go to stderr, one line per
-event (journald adds the time stamps). ``CDGPC_DEBUG=1`` logs at debug level and shows
-tracebacks. Under systemd (``Type=notify``, `slurm_cdgpc.systemd`) it sends ``READY=1`` once it
-listens, ``WATCHDOG=1`` from the tick loop and ``STOPPING=1`` when it stops. With
-``node.backend = simulated`` only, ``CDGPC_SIMULATED_FAULTS`` names a file of
-GPU faults to inject (clock writes failing, garbage power; `slurm_cdgpc.gpu.simulated.FaultFile`):
-the fault tests' hook, logged as a warning at start.
+"""``cdgpc-noded [--config PATH] [--node-name NAME]``: builds the node agent from the configuration
+and runs it (HTTP listener, progress socket, spool forwarding, lease ticks); ``cdgpc-noded
+exchange`` is `slurm_cdgpc.transport.forward`. Nothing here decides: `NodeAgent` does. Tests:
+`tests/integration/test_agent_live.py`, `tests/integration/test_systemd_live.py`; design:
+DESIGN.md, "Safety" (The lease) and "Under systemd".
 """
 
 from __future__ import annotations
@@ -124,6 +107,15 @@ def make_policy(config: Config) -> AccessPolicy:
 
 
 def run(config: Config, *, node_name: str | None = None) -> int:
+    """Run the agent until SIGTERM, SIGINT or SIGHUP; 0, or 1 if a GPU could not be reset.
+
+    Start-up, in this order: open the GPUs (``node.backend``); build the `NodeAgent`, which
+    resets every GPU first if a crash left a state file; the request verifier and the reply
+    signer (``auth.method``); the progress socket (a failure there is logged, not fatal); the
+    HTTP listener and the spool forwarder (every `SPOOL_FORWARD_PERIOD_S`); then `NodeAgent.tick`
+    every `TICK_PERIOD_S` on this thread. At the stop the listener and the progress socket close
+    and every GPU goes back to default clocks.
+    """
     name = check_node_name(node_name or socket.gethostname().split(".")[0])
     stop = threading.Event()
 

@@ -1,9 +1,7 @@
-"""Prometheus exposition of cdgpc-noded (``GET /metrics``): the lease, the exchanges, the process.
-
-No label names a job, a user or a GPU, and the only label, an HTTP status, takes few values: a
-node's scrape stays a few dozen series. Each agent has a registry of its own
-(`AgentMetrics.registry`), never the library's global one: ``bench exchange`` serves hundreds
-of agents from one process. The lease is read from the `NodeAgent` at each scrape.
+"""Prometheus exposition of ``cdgpc-noded`` (``GET /metrics``): the lease, the exchanges, the
+process, from a registry of its own (`AgentMetrics.registry`), never the library's global one.
+No label names a job, a user or a GPU. The series: DESIGN.md, "Metrics"; tests:
+`tests/unit/test_metrics.py`, `tests/integration/test_metrics_live.py`.
 """
 
 from __future__ import annotations

@@ -1,76 +1,8 @@
-"""`NodeAgent`: the core of ``cdgpc-noded``. Applies setpoints, watches the lease, keeps state.
-
-No sockets and no threads here: `server` and `progress` call in from their threads (every public
-method takes one lock), `main` calls `tick` periodically. Time comes from ``clock`` (epoch
-seconds, what the head's lease expiry is written in) and ``monotonic`` (what the lease runs on);
-tests pass one `ManualClock` for both.
-
-Safety rules (DESIGN.md, "Safety"):
-
-- **Per-GPU, all or nothing.** A setpoint is checked against that GPU's supported clocks before
-  anything changes; an unsupported clock or a failed write is refused for that GPU only (and
-  reported in ``refused``), the other GPUs are still applied. A write that fails half-way is
-  rolled back to the GPU's previous lock, best effort.
-- **Lease.** Every exchange carries an expiry, a wall-clock instant of the head's. The agent
-  turns it into a duration at arrival (clamped to at most ``max_lease_s``) and keeps a deadline
-  on its monotonic clock: a wall clock stepped back after the last exchange (NTP, a mis-set RTC)
-  cannot stretch the lease, nor one stepped ahead shorten it. An exchange whose lease has already
-  expired when it arrives (the head's clock behind by more than a lease, or the request held up
-  in transit) renews nothing and changes no clock: its setpoints and releases are refused, the
-  readings answered as usual; applying them would only flip the node between the head's clocks
-  and the safe cap at every tick. When the lease lapses, `tick` acts on ``on_lapse``: ``cap``
-  moves *every* GPU to the safe cap (idle GPUs too: a job that starts while the head is away is
-  unknown here, and a capped range costs an idle GPU nothing), never raising a GPU that is
-  already below it; ``reset`` restores defaults; ``keep`` leaves the clocks. It logs once per
-  lapse. Before the first exchange, the start-up time plus
-  ``lease_duration_s`` counts as the expiry, so a node whose head never answers is capped too.
-  The next valid exchange takes control back: its setpoints apply, and GPUs the lapse capped that
-  hold no job return to defaults.
-- **Safe cap.** A clock fraction ``f`` maps to the highest supported graphics clock ≤ f · max.
-  A per-GPU power ``P_safe`` is mapped, without a power model, to the clock fraction
-  ``P_safe / max power limit``. Power grows faster than linearly with clock above the knee, so
-  this is conservative there, but idle power makes it optimistic for very low caps; operators
-  who need a guarantee should size a clock fraction from measured tables.
-- **One node per request.** An exchange names the node it is for; one for another node is
-  refused (`WrongNodeError`) before anything changes, lease included. The credential binds the
-  body, so a request captured on its way to one node cannot be replayed to another.
-- **Fencing.** Every exchange carries the sending head's leader epoch
-  (`slurm_cdgpc.store.leader`). The agent keeps the highest epoch it has seen and refuses, with
-  `StaleEpochError` and before touching anything (not even the lease), a request with a lower
-  one: a head that lost the leader lock to a standby, and wakes up from a pause to push what it
-  decided before, changes nothing. A higher epoch is recorded in the state file before the
-  request is acted on, so a restarted agent still refuses the old head.
-- **State file.** Before a GPU that the file does not list is locked, the file is rewritten
-  (temp file, fsync, rename, fsync of the directory) listing every lock that may exist after the
-  change; after any change it lists what is locked. A GPU the file already lists needs no write
-  before its clock moves: what recovery does with a listed lock (reset every GPU) does not
-  depend on the clock it names, so an interval that only moves clocks writes the file once.
-  With nothing locked it is removed, unless a head's epoch is known: then it stays with an empty
-  lock list, to keep the epoch. A setpoint whose intent cannot be recorded is refused. On
-  construction, a state file that lists locks (or cannot be read) was left by a crash and locks
-  may remain: every GPU is reset FIRST, then the file is rewritten or removed as
-  above (kept as it is if a reset failed, so the next start retries).
-- **Guard rail.** A setpoint may carry a power limit (``power_limit_w``): it is set right after
-  the lock, clipped into the board's range and never above its default limit. A limit the board
-  refuses (NO_PERMISSION, out of range) is logged once per GPU and the lock stands: the clocks are
-  the lever, the limit only a rail under them. A setpoint without one puts the default limit
-  back. The default limit is restored wherever clocks are: on release, on a lapse (``cap`` and
-  ``reset``; the safe cap is a clock, whatever its ``power_w``), by `restore_defaults`, and after
-  a crash: the state file lists every GPU with a lock or a limit, and the limits it records are
-  reset on the next start (only those: a limit it does not record is another limiter's).
-- **Another process's clocks.** NVML cannot read a lock back: a busy GPU running above our cap
-  (or at another memory clock) two exchanges in a row (`lock_overridden`) was changed by another
-  process. It is logged once, then our lock is set again (``node.on_override = "reapply"``) or
-  the GPU is left to that process (``"yield"``: its setpoints are refused, so the head counts it
-  at what it draws, and its release leaves its clocks alone).
-- **Measure, then act.** An exchange reads every GPU before it applies anything, so its answer
-  describes the interval that just ended: ``locked`` and ``job_id`` are what was in force during
-  it (unless a lapse or an Epilog changed them since the last exchange), ``read_s`` when it was
-  read (the head turns two energy-counter readings into the interval's mean power).
-- **Measurements are never silently trusted.** A GPU whose read fails is reported with ``error``
-  and null measurements. A power reading that is NaN, infinite, ≤ 0 W or above twice the GPU's
-  maximum power limit (e.g. 0xFFFFFFFF mW) is reported as ``power_w: null`` with an ``error``;
-  the other fields of that reading are kept. Likewise a non-finite or negative energy counter.
+"""`NodeAgent`: the core of ``cdgpc-noded``. It applies setpoints, enforces the lease and keeps the
+state file. No sockets and no threads: `server` and `progress` call in under its one lock, and
+`main` ticks the lease. It never reaches `control/` (`tests/unit/test_import_graph.py`).
+Invariants: DESIGN.md, "Safety" (the table, "The lease", "The state file"); tests:
+`tests/unit/test_agent_node.py`, `tests/unit/test_agent_release.py`.
 """
 
 from __future__ import annotations
@@ -145,7 +77,9 @@ def _reason(text: object, limit: int = _MAX_REASON_CHARS) -> str:
 
 
 def safe_clock_mhz(device: GpuDevice, safe_cap: SafeCap) -> int:
-    """The graphics clock a lapsed lease falls back to on ``device`` (see the module docstring)."""
+    """The graphics clock a lapsed lease falls back to on ``device``: the highest supported clock
+    ≤ f · max for a clock fraction f; a power ``P_safe``, without a power model, as the fraction
+    ``P_safe / max power limit`` (DESIGN.md, "Safety", The lease)."""
     allowed = device.supported_clocks().graphics_for(None)  # descending
     if safe_cap.power_w is not None:
         # no power model here: P_safe / P_max as a clock fraction (conservative above the knee)
@@ -168,7 +102,12 @@ class WrongNodeError(InputError):
 
 
 class NodeAgent:
-    """The GPUs of one node under the head's control, with a lease watchdog and a state file."""
+    """The GPUs of one node under the head's control, with a lease watchdog and a state file.
+
+    Time comes from ``clock`` (epoch seconds, what the head's lease expiry is written in) and
+    ``monotonic`` (what the lease runs on); tests pass one `ManualClock` for both. Every public
+    method takes the one lock.
+    """
 
     def __init__(
         self,
@@ -323,6 +262,11 @@ class NodeAgent:
     def exchange(self, request: ExchangeRequest) -> ExchangeResponse:
         """Read every GPU, then apply the head's releases and setpoints and renew the lease.
 
+        Per GPU, all or nothing: a setpoint is checked against that GPU's supported clocks
+        before anything changes; an unsupported clock or a failed write is refused for that GPU
+        only (in ``refused``), the others are still applied, and a write that fails half-way is
+        rolled back to the GPU's previous lock, best effort.
+
         The GPUs are read first so that the answer describes the interval that just ended, under
         the clocks that were in force during it: read after a clock change, a power reading that
         averages over the last second (Hopper) would pair mostly the old clock's power with the
@@ -381,7 +325,8 @@ class NodeAgent:
         self, request: ExchangeRequest, now_s: float, reports: tuple[GpuReport, ...]
     ) -> ExchangeResponse:
         """Answer an exchange whose lease was over before it arrived: readings, and every setpoint
-        and release refused; the lease and the clocks stay as they are."""
+        and release refused; the lease and the clocks stay as they are (applying them would only
+        flip the node between the head's clocks and the safe cap at every tick)."""
         late_s = now_s - request.lease_expires_s
         logger.warning(
             "interval %d: lease already expired on arrival (%.1f s ago): nothing applied, "
@@ -449,7 +394,8 @@ class NodeAgent:
     def _renew(self, request: ExchangeRequest, now_s: float, arrived_s: float) -> None:
         """Renew the lease (the caller has checked it is still running): the head's expiry as a
         duration from the request's arrival (``now_s`` by the wall clock, ``arrived_s`` by the
-        monotonic one), kept as a deadline on the monotonic clock."""
+        monotonic one), kept as a deadline on the monotonic clock, at most ``max_lease_s``. After
+        a lapse, GPUs the lapse capped that hold no job go back to default clocks."""
         left_s = min(request.lease_expires_s - now_s, self.max_lease_s)
         self._lease_expires_s = now_s + left_s
         self._lease_deadline = arrived_s + left_s
@@ -589,6 +535,7 @@ class NodeAgent:
     # -- measurements ---------------------------------------------------------------------------
 
     def _report(self, device: GpuDevice) -> GpuReport:
+        """One GPU's report; a read that fails gives null measurements and an ``error``."""
         locked = device.locked
         lock = (
             None
@@ -644,6 +591,10 @@ class NodeAgent:
     def _plausible(
         self, device: GpuDevice, reading: GpuReading
     ) -> tuple[float | None, float | None, str | None]:
+        """Power and energy as the head may trust them, and why not: a power reading that is NaN,
+        infinite, ≤ 0 W or above `PLAUSIBLE_POWER_FACTOR` times the GPU's maximum power limit
+        (e.g. 0xFFFFFFFF mW) becomes None with an error, as does a non-finite or negative energy
+        counter; the reading's other fields are kept."""
         errors: list[str] = []
         try:
             ceiling_w = PLAUSIBLE_POWER_FACTOR * device.power_limit_range().max_w
@@ -662,7 +613,9 @@ class NodeAgent:
     # -- the lease watchdog ---------------------------------------------------------------------
 
     def tick(self) -> TickResult:
-        """Check the lease; on a lapse apply ``on_lapse`` (retrying GPUs that failed)."""
+        """Check the lease; on a lapse apply ``on_lapse`` (retrying GPUs that failed), logged once
+        per lapse: ``cap`` moves every GPU to the safe cap, never raising one already below it;
+        ``reset`` restores default clocks; ``keep`` leaves the clocks as they are."""
         with self._lock:
             now_s = self._monotonic()
             if now_s < self._lease_deadline:

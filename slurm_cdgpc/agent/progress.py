@@ -1,33 +1,8 @@
-"""Training progress: jobs tell the node agent how far they are, over a local Unix socket.
-
-PyTorch jobs need nothing: the TaskProlog's hook (`slurm_cdgpc/hook`) sends their optimizer
-steps. For anything else, the client side (inside a training job; standard library only, so it
-starts in milliseconds and never drags numpy or the GPU backends into the job)::
-
-    $ cdgpc-progress 500 10000          # step 500 of 10000, job from $SLURM_JOB_ID
-
-    from slurm_cdgpc.agent.progress import report_progress
-    report_progress(500, total=10_000)
-
-Training must never fail because the agent is down: a missing socket, a refused or slow
-connection, or an answer the agent refused is a warning on stderr, exit status 0 (the helper
-returns False). Only a usage error (no or bad ``SLURM_JOB_ID``, bad STEP/TOTAL) is an error:
-``Error: <one line>`` and exit status 2 (the helper raises `ProtocolError`).
-
-Server side (in ``cdgpc-noded``): `ProgressServer` listens on the configured socket (mode 0666 so
-that every job can write), takes one JSON line per connection (`ProgressLine`, at most
-`MAX_PROGRESS_LINE_BYTES`), reads the sender's uid from the kernel (``SO_PEERCRED``; a sender
-cannot lie about it) and hands the report to a callback (`NodeAgent.record_progress`). It answers
-``ok`` or ``error: <reason>``. Any local user may report any job id: the agent keeps each uid's
-report apart and the head counts only those of root or the job's own user, from the job's nodes.
-Connections are served on their own threads, at most ``max_connections`` at once and at most
-``max_per_uid`` from any one uid (root included: no sender needs more than a few at once, and a
-report takes milliseconds), so that one user cannot keep another's reports out. Each connection
-lives at most ``timeout_s`` in all, however slowly its sender writes; a connection over either
-limit is answered ``error: ...`` and closed at once.
-
-The socket path: ``$CDGPC_NODE_PROGRESS_SOCKET``, else ``/run/cdgpc/progress.sock`` (the
-``node.progress_socket`` default; the client does not read the config file).
+"""Training progress over a local Unix socket: `ProgressServer` in the agent, and the
+``cdgpc-progress`` client with `report_progress`. The client reaches only the standard library
+and the ground floor (`slurm_cdgpc.errors`, `slurm_cdgpc.wire`), because it runs inside training
+jobs, and it never fails a job. Tests: `tests/unit/test_agent_progress.py`,
+`tests/security/test_progress_spoofing.py`; design: DESIGN.md, "Progress" and "Safety".
 """
 
 from __future__ import annotations
@@ -65,6 +40,8 @@ Recorder = Callable[[str, int, int | None, int], None]
 
 
 def socket_path(env: dict[str, str] | None = None) -> Path:
+    """``$CDGPC_NODE_PROGRESS_SOCKET``, else `DEFAULT_SOCKET` (the ``node.progress_socket``
+    default: the client does not read the config file)."""
     env = dict(os.environ) if env is None else env
     return Path(env.get(SOCKET_ENV) or DEFAULT_SOCKET)
 
@@ -77,10 +54,13 @@ def report_progress(
     path: str | os.PathLike[str] | None = None,
     timeout_s: float = CLIENT_TIMEOUT_S,
 ) -> bool:
-    """Report ``step`` (of ``total``) for ``job_id`` (default ``$SLURM_JOB_ID``).
+    """Report ``step`` (of ``total``) for ``job_id`` (default ``$SLURM_JOB_ID``), as in
+    ``report_progress(500, total=10_000)``. PyTorch jobs need not: the TaskProlog's hook
+    (`slurm_cdgpc/hook`) sends their optimizer steps.
 
-    Returns True when the agent recorded it; False, with a warning, when the agent could not be
-    reached or refused it. Raises `ProtocolError` for a missing/bad job id or bad numbers.
+    Returns True when the agent recorded it; False, with a warning, when the socket is missing,
+    the connection is refused or slow, or the agent refused the report. Raises `ProtocolError`
+    for a missing/bad job id or bad numbers.
     """
     job = os.environ.get(JOB_ID_ENV) if job_id is None else job_id
     if not job:
@@ -120,7 +100,11 @@ def socket_reporter(path: Path) -> Callable[[str, int, int | None], bool]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``cdgpc-progress STEP [TOTAL]``: report progress of ``$SLURM_JOB_ID`` to the node agent."""
+    """``cdgpc-progress STEP [TOTAL]``: report progress of ``$SLURM_JOB_ID`` to the node agent.
+
+    Exit status 0 whatever the agent does (a warning on stderr when it is down or refuses); 2,
+    with ``Error: <one line>``, only for a usage error (no or bad ``SLURM_JOB_ID``, bad numbers).
+    """
     parser = argparse.ArgumentParser(
         prog="cdgpc-progress",
         description="Report training progress of this Slurm job to the node agent. Never fails "
@@ -166,7 +150,16 @@ def _read_line(sock: socket.socket, limit: int, until_s: float) -> bytes:
 
 
 class ProgressServer:
-    """Accepts progress lines on a Unix socket and passes them to ``record`` (see the docstring)."""
+    """Accepts progress lines on a Unix socket and passes them to ``record``.
+
+    The socket is mode 0666, so that every job can write. Each connection carries one JSON line
+    (`ProgressLine`, at most `MAX_PROGRESS_LINE_BYTES`) and is answered ``ok`` or ``error:
+    <reason>``; the sender's uid comes from the kernel (``SO_PEERCRED``), so a sender cannot lie
+    about it, and goes to ``record`` (`NodeAgent.record_progress`) with the report. Connections
+    are served on their own threads, at most ``max_connections`` at once and ``max_per_uid``
+    from one uid (root included), each for at most ``timeout_s`` in all however slowly it
+    writes; one over a bound is answered ``error: ...`` and closed at once.
+    """
 
     def __init__(
         self,

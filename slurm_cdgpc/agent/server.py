@@ -1,36 +1,8 @@
-"""The agent's HTTP listener (standard library only): the head's one way in.
-
-Routes:
-
-- ``POST /v1/exchange``: body = `ExchangeRequest` JSON, ``Authorization: <credential>`` binding
-  the method, the path and the body (`slurm_cdgpc.transport.auth`). Only principals allowed
-  `Operation.NODE` (root, the Slurm user; any HMAC key holder) may exchange. Answers the
-  `ExchangeResponse` JSON.
-- ``POST /v1/release`` (the Epilog) and ``POST /v1/hold`` (the Prolog): from this node only
-  (loopback), authenticated like an exchange. ``{"job_id": "..."}`` resets the GPUs the job
-  held; ``{"job_id": "...", "gpus": [0, 1]}`` holds a starting job's GPUs at the safe cap until
-  the head's first setpoint for it (`NodeAgent.hold_job`).
-- ``GET /v1/health``: unauthenticated, answers ``{"ok": true}`` and nothing else (signed when
-  the request carries a credential that checks out).
-- ``GET /metrics``: unauthenticated, as the head's is: Prometheus text (`agent.metrics`), the
-  lease, exchanges served and refused, the process; no job, user or GPU in any label. It reads,
-  and changes nothing.
-
-Every refusal is a one-line JSON error ``{"error": "..."}`` and changes nothing: 400 bad JSON or
-schema, 401 missing/bad/replayed credential or an exchange that names another node (a request
-captured on its way there: the credential binds the body, and so the node), 403 not allowed,
-404 unknown path, 405 wrong method, 409 an exchange from a head whose leader epoch is older than
-one already seen (it lost the leader lock), 411 no Content-Length, 413 body over the cap, 503
-authentication backend down, 500 a bug (logged with its traceback). The body is authenticated
-before it is parsed. Each connection has a deadline, and at most `max_connections` are served
-at once (more are closed at once).
-
-Every answer to a request whose credential checked out, refusals included, is signed with the
-agent's own signer (`Signer.sign_reply`, header ``X-Cdgpc-Reply-Auth``): bound to the request's
-nonce, this node's name, the exchange's leader epoch (0 for a hold or a release), the status
-and the body. The head and the hooks refuse an answer without it, so whatever else answers on
-this port (a local user's socket while the agent restarts) cannot pass for the agent. Answers
-to requests that did not authenticate cannot be bound to one, and go unsigned.
+"""The agent's HTTP routes (`_ROUTES`: ``/v1/exchange``, ``/v1/hold``, ``/v1/release``,
+``/v1/health``, ``/metrics``) over the shared `JsonHandler`. Every answer to a request whose
+credential checked out is signed. Tests: `tests/unit/test_transport_exchange.py`,
+`tests/security/test_http_framing.py`, `tests/security/test_reply_auth.py`; design: DESIGN.md,
+"The exchange" (Signed answers).
 """
 
 from __future__ import annotations
@@ -90,8 +62,8 @@ class AgentHttpServer(EventedHttpServer):
     signs its answers with ``signer`` (None: unsigned, which every client refuses).
 
     Requests are handled on the loop's thread (``workers=0``): the agent serves one exchange an
-    interval, which takes about a millisecond and holds the agent's lock throughout, so a pool
-    of threads would add two thread switches to each and overlap nothing. Sockets are still the
+    interval under its lock, so a pool of threads would add two thread switches to each and
+    overlap nothing (DESIGN.md, "The exchange"). Sockets are still the
     loop's: a slow or silent peer holds no thread and is cut at ``request_timeout_s``.
     ``loop``: serve from a shared `EventLoop` (``bench exchange`` runs hundreds of agents on one).
     """
@@ -126,6 +98,27 @@ class AgentHttpServer(EventedHttpServer):
 
 
 class _Handler(JsonHandler):
+    """The agent's routes (`_ROUTES`); a request's body is authenticated before it is parsed.
+
+    - ``POST /v1/exchange``: an `ExchangeRequest` from a principal allowed `Operation.NODE`
+      (root, the Slurm user; any HMAC key holder); answers the `ExchangeResponse`.
+    - ``POST /v1/hold`` (the Prolog) and ``POST /v1/release`` (the Epilog): from this node only
+      (loopback), authenticated like an exchange. ``{"job_id": "...", "gpus": [0, 1]}`` holds a
+      starting job's GPUs at the safe cap (`NodeAgent.hold_job`); ``{"job_id": "..."}`` resets
+      the GPUs the job held.
+    - ``GET /v1/health``: ``{"ok": true}``, no credential needed (signed when one checks out).
+    - ``GET /metrics``: Prometheus text (`slurm_cdgpc.agent.metrics`), no credential; it reads,
+      and changes nothing.
+
+    A refusal is one line, ``{"error": "..."}``, and changes nothing: 400 bad JSON or schema,
+    401 a missing, bad or replayed credential or an exchange that names another node, 403 not
+    allowed, 404 unknown path, 405 wrong method, 409 a leader epoch older than one already seen,
+    411 no Content-Length, 413 a body over the cap, 503 the authentication backend down, 500 a
+    bug (logged with its traceback). The reply credential (`Signer.sign_reply`) binds the
+    request's nonce, this node's name, the exchange's leader epoch (0 for a hold or a release),
+    the status and the body.
+    """
+
     server: AgentHttpServer
     server_version = "cdgpc-noded"
     #: the authenticated request's nonce and leader epoch, which its signed answer binds
