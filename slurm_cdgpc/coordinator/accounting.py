@@ -1,10 +1,7 @@
-"""The head's power accounting: the power outside the plan, the plans the measured power is judged
-against, and the decisions' record (what each planned, and what its GPUs then drew).
-
-Uncontrolled power (step 3 in `slurm_cdgpc.coordinator.daemon`): GPUs of unreachable nodes at
-their worst case (never zero), GPUs of jobs waiting to be controlled and GPUs being released at
-their limit, every other GPU outside the plan at its latest reading. Writes only the store's
-decisions (`PowerLedger.record`, `PowerLedger.fill_measured`).
+"""The head's power accounting (`PowerLedger`): the power outside the plan, the plans the measured
+power is judged against, and the decisions' record (what each planned, and what its GPUs then
+drew). It writes only the store's decisions. Rules: DESIGN.md, "Safety" (the rows counted at a
+limit); test: `tests/unit/test_coordinator_daemon.py`.
 """
 
 from __future__ import annotations
@@ -42,7 +39,10 @@ class PowerLedger:
         held_out: Collection[str],
         releasing: Collection[GpuRef],
     ) -> float:
-        """What the GPUs outside the plan may draw over the next interval."""
+        """What the GPUs outside the plan may draw over the next interval: GPUs of unreachable
+        nodes at their worst case (never zero), GPUs of jobs waiting to be controlled and GPUs
+        being released at their limit, every other GPU outside the plan at its latest reading
+        (at its limit when unreadable)."""
         controlled = {g for j in running.jobs for g in j.gpus}
         waiting = {
             GpuRef(g.node, g.gpu_index)

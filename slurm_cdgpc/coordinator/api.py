@@ -1,34 +1,9 @@
-"""cdgpcd's HTTP API: job registration (Prolog/Epilog), the budget (admins), status (everyone).
-
-Every request but ``GET /v1/health`` and ``GET /metrics`` carries one ``Authorization`` header
-binding its method, full path (query included) and body (`slurm_cdgpc.transport.auth`). Answers
-are JSON; errors are ``{"error": "<one line>"}`` with 400 (malformed), 401 (no, forged, expired
-or replayed credential), 403 (authenticated, not allowed), 404, 405, 409, 411, 413 (body over
-`MAX_BODY_BYTES`), 503 (MUNGE or the database unavailable). A refused request changes nothing.
-Every answer to an authenticated request, refusals included, carries the head's reply
-credential (``X-Cdgpc-Reply-Auth``, `slurm_cdgpc.transport.auth`): bound to the request's
-nonce, the head (`HEAD_RESPONDER`), its leader epoch, the status and the body. The Prolog and
-Epilog take an answer without it for no answer, so no other process on a head's host (a
-standby's, which does not listen) can answer them. ``GET /v1/health`` needs no credential, but
-one that is given and checks out gets a signed answer (a signed client can tell its head is up).
-
-=========================  ==========  ======================================================
-``POST /v1/jobs``          node        register ``{job_id, user, node, gpus, gpu_type?,
-                                       deadline_s?, iterations_total?, time_limit_s?,
-                                       start_s?}``; idempotent, a multi-node job registers
-                                       once per node
-``DELETE /v1/jobs/{id}``   node        deregister; its GPUs are released at the next exchange
-``POST /v1/nodes``         node        announce ``{node, url, gpu_type?}`` (agent URL)
-``POST /v1/budget``        admin       ``{budget_w, effective_at_s?, reason?}``
-``GET /v1/budget``         read        the budget in force, scheduled changes, recent history
-``GET /v1/status``         read        the last interval
-``GET /v1/jobs``           read        active jobs: clocks, power, progress, predicted finish
-``GET /v1/nodes``          read        nodes, reachability, worst-case power, each GPU's
-                                       board and whether it is controlled (why not)
-``GET /v1/decisions``      read        ``?limit=N`` (default 20, at most 1000) latest decisions
-``GET /metrics``           none        Prometheus text format 0.0.4 (`coordinator.metrics`)
-``GET /v1/health``         none        ``{"ok": true}``
-=========================  ==========  ======================================================
+"""cdgpcd's HTTP API (`_Handler`): ``POST /v1/jobs``, ``DELETE /v1/jobs/{id}``, ``GET /v1/jobs``,
+``POST /v1/nodes``, ``GET /v1/nodes``, ``POST /v1/budget``, ``GET /v1/budget``,
+``GET /v1/status``, ``GET /v1/decisions``, ``GET /metrics`` and ``GET /v1/health``. All but the
+last two are authenticated, every authenticated answer is signed, and a refused request changes
+nothing. Tests: `tests/unit/test_coordinator_api.py`, `tests/security/test_live_attacks.py`;
+design: DESIGN.md, "The head's API" and "Authentication".
 """
 
 from __future__ import annotations
@@ -97,9 +72,8 @@ class HeadHttpServer(EventedHttpServer):
     When checking a credential blocks on nothing (HMAC: `Verifier` ``in_process``), the loop's
     own thread checks each registration as it reads it, and commits those of each turn together
     when the turn ends (`turn_ended`). One thread does it all, with no hand-over between threads
-    nor a lock passed among them: under 200 simultaneous Prologs, workers and a committing
-    leader taking turns at the one interpreter lock cost the head a fifth more CPU per
-    registration and its commits waited for the lock behind requests being parsed. The loop
+    nor a lock passed among them (DESIGN.md, "The head's API", for what workers and a
+    committing leader taking turns at the one interpreter lock cost). The loop
     never waits for the store, though: when another writer holds it (the control loop's
     interval, another process), or on PostgreSQL, a worker commits the turn's registrations.
     Every other request, and every registration under MUNGE (``unmunge`` is a program), goes to
@@ -352,6 +326,33 @@ def _who(principal: Principal) -> str:
 
 
 class _Handler(JsonHandler):
+    """The head's routes, and who may call each (node: root, the Slurm user, any HMAC key
+    holder; admin: ``[auth]``'s admins; read: any authenticated user)::
+
+        POST   /v1/jobs        node   register {job_id, user, node, gpus, gpu_type?, deadline_s?,
+                                      iterations_total?, time_limit_s?, start_s?}; idempotent,
+                                      a multi-node job registers once per node
+        DELETE /v1/jobs/{id}   node   deregister; its GPUs are released at the next exchange
+        POST   /v1/nodes       node   announce {node, url, gpu_type?} (the agent's URL)
+        POST   /v1/budget      admin  {budget_w, effective_at_s?, reason?}
+        GET    /v1/budget      read   the budget in force, scheduled changes, recent history
+        GET    /v1/status      read   the last interval
+        GET    /v1/jobs        read   active jobs: clocks, power, progress, predicted finish
+        GET    /v1/nodes       read   nodes, reachability, worst-case power, each GPU's board
+                                      and whether it is controlled (why not)
+        GET    /v1/decisions   read   ?limit=N (default 20, at most 1000) latest decisions
+        GET    /metrics        none   Prometheus text format 0.0.4 (`coordinator.metrics`)
+        GET    /v1/health      none   {"ok": true}; signed when a given credential checks out
+
+    An ``Authorization`` header binds the method, the full path (query included) and the body
+    (`slurm_cdgpc.transport.auth`). Errors are ``{"error": "<one line>"}`` with 400 (malformed),
+    401 (no, forged, expired or replayed credential), 403 (authenticated, not allowed), 404, 405,
+    409, 411, 413 (body over `MAX_BODY_BYTES`), 503 (MUNGE or the database unavailable). Every
+    answer to an authenticated request, refusals included, carries the reply credential
+    (``X-Cdgpc-Reply-Auth``) bound to the request's nonce, `HEAD_RESPONDER`, the leader epoch,
+    the status and the body.
+    """
+
     # an event-loop server, not a socketserver: it gives the handler what JsonHandler uses
     server: HeadHttpServer
     server_version = "cdgpcd"

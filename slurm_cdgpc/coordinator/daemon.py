@@ -1,64 +1,8 @@
-"""`Coordinator`: the head's control loop, one fixed-period interval at a time (no sockets here).
-
-Every interval k (DESIGN.md, "Components and data flow"):
-
-1. **Reconcile** the controller's job table with the store: jobs registered since the last
-   interval join (their stored models, if any, are restored: a restart or a node that comes back
-   resumes where it was); finished jobs leave and their GPUs are queued for release; jobs on a
-   node that did not answer the last exchange leave the optimisation (their models stay in the
-   store) until it answers again, and so do jobs with a GPU that refused a setpoint below the
-   clock it holds (a failing clock write, a lease expired on arrival) until that GPU accepts one
-   again.
-2. **Measure**: per-job measurements from the last exchange's GPU reports. The agent reads
-   every GPU before it applies an exchange, so the reports describe the interval that just
-   ended. A report counts for a job only if its power is not null, the node also answered the
-   exchange before (the interval is known from both ends), the GPU held what that exchange left
-   in force for the whole interval (outside shadow mode: the job's setpoint, and the agent says
-   it holds it), and the job joined before that exchange; so readings that mix two clocks, from
-   before a job's first setpoint, or of a refused setpoint never teach its model. Its power is
-   the interval's mean from the energy counter (ΔE/Δt between the two reports) where the counter
-   rose, else the reading's own (a snapshot: on Hopper a 1 s average). Progress counts only when
-   root or the job's user sent it, from one of the job's nodes.
-3. **Solve**: `EconomicMPC.step`, built from ``[control]`` as the simulator builds it
-   (`slurm_cdgpc.control.tuning`), with Slurm's queue as the reconcile last read it (the
-   drain's input: whether jobs wait, each job's nodes, each node's free GPUs; none while it
-   is unread or stale) and the budget in force now (the store's, else the
-   configuration's ``budget.initial``; none: uncapped) minus the uncontrolled power:
-   GPUs of unreachable nodes at their worst case (every GPU at its maximum power limit, never
-   zero; a node that never reported counts every GPU its jobs name at the largest limit of the
-   catalog), GPUs of jobs that are registered but not (yet) controlled at their enforced power
-   limit, GPUs of jobs held out after a refusal and idle GPUs at their latest reading (at their
-   limit when unreadable), never the interval's mean. A GPU whose job ended counts at its limit
-   from the interval that releases it (back to default clocks: the next job may start on it at
-   once) until a reading taken after the release arrives.
-4. **Exchange** with every known node at once, each request naming its node: setpoints,
-   releases of GPUs whose job ended, and a lease until now + ``lease.duration``, under this
-   head's leader epoch. The leader lock is renewed first (`Leadership.confirm`): a head that
-   cannot prove it still leads pushes nothing, and one that lost the lock stops
-   (`LeadershipLostError` ends `run`). Shadow mode sends the same exchanges with no setpoints
-   and no releases: the agents keep their default clocks and the lease stays renewed (so they
-   do not fall to the safe cap while the head runs), but nothing is ever capped by the head.
-   A refused release stays queued and is sent again at every exchange until it is done; a GPU
-   that refused a setpoint below its clock is sent that setpoint again (never a higher clock)
-   until it takes it; when the budget does not fit even with every planned job at its lowest
-   clock, the refusing GPU's job goes to its lowest clock on every GPU that still takes one.
-5. **Persist**, in one store transaction that also renews the leader lock (so a head fenced
-   off during the exchange, or paused before the commit, writes nothing): the decision with
-   its setpoints (the previous decision's measured power filled in), every job's model, the
-   measurements, node reachability, job progress; measurements older than
-   ``retention.measurements`` are pruned every `PRUNE_EVERY` intervals.
-
-Nodes: an agent URL per node lives in the store. A node becomes known when it is announced
-(`register_node`, ``POST /v1/nodes``) or when a job is first registered on it (then its URL is
-``http://<node>:<node.listen_port>``). Its GPU type comes from its reports (NVML product names,
-mapped through the catalog); a registration may name it (``gpu_type``) for a node that has not
-answered yet. A job on a node whose GPU type is still unknown is accepted and waits, counted
-at the limit, until the node reports: the Prolog never has to retry.
-
-Thread safety: the API threads only write the store (`register_job`, `deregister_job`,
-`set_budget`, `register_node`, and the batches of `Registrations`), read the last
-`IntervalReport`, which is replaced whole at the end of each interval, and read the nodes' GPU
-views; everything else belongs to the loop's thread.
+"""`Coordinator`: the head's control loop, one interval at a time: reconcile → measure → learn and
+solve → exchange → persist (`Coordinator.run_interval`), each stage's state in a room of its own
+(`nodes`, `roster`, `locks`, `progress`, `accounting`, `registrations`). No sockets here.
+Invariants: DESIGN.md, "Data flow", "Models" (What a sample is), "Safety" and "Standby heads";
+tests: `tests/unit/test_coordinator_daemon.py`, `tests/unit/test_coordinator_boards.py`.
 """
 
 from __future__ import annotations
@@ -464,8 +408,9 @@ class Coordinator:
     def _learn_and_solve(
         self, now_s: float, measured: Measurements, held_out: Collection[str]
     ) -> _Plan:
-        """3. The controller learns from ``measured`` and plans for the budget in force now,
-        less the power outside the plan; the setpoints to send."""
+        """3. The controller learns from ``measured`` and plans for the budget in force now (the
+        store's, else ``budget.initial``; none: uncapped), less the power outside the plan
+        (`PowerLedger.uncontrolled_w`); the setpoints to send."""
         budget = self.store.current_budget(now_s)
         budget_w = budget.budget_w if budget is not None else self.settings.initial_budget_w
         uncontrolled_w = self.ledger.uncontrolled_w(
@@ -531,7 +476,9 @@ class Coordinator:
         """4. Exchange with every known node at once, the leader lock renewed first; each answer
         updates its node, its GPUs' locks and its jobs' progress, and the answers give the
         samples that may teach the models (computed here, once, for persist and the next
-        interval's measure)."""
+        interval's measure). In shadow mode the exchanges carry no setpoints and no releases:
+        the lease stays renewed, so the agents keep their default clocks and never fall to the
+        safe cap, and nothing is capped."""
         if self.leader is not None:
             self.leader.confirm()  # renewed before every push; a failure pushes nothing
         epoch = 0 if self.leader is None else self.leader.epoch

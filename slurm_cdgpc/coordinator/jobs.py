@@ -1,13 +1,7 @@
-"""The head's table of running jobs, kept row-aligned with the controller's arrays.
-
-The controller works on arrays, one row per job; the cluster speaks in job ids and (node, GPU
-index) pairs. `RunningJobs` is the one place that translates: it adds and removes estimator rows
-as jobs start and end, turns per-GPU readings from the node agents into per-job measurements
-(mean power per GPU, the slowest applied clock, iteration time from reported progress) and turns
-a decision back into per-node setpoints.
-
-A synchronous job runs at the pace of its slowest GPU, so a job gets one clock for all its GPUs,
-on every node it spans.
+"""The head's table of running jobs (`RunningJobs`), row-aligned with the controller's arrays: it
+turns per-GPU readings into per-job measurements and a decision back into per-node setpoints. A
+job gets one clock for all its GPUs on every node it spans, since it runs at its slowest GPU's
+pace. No store and no sockets here. Test: `tests/unit/test_coordinator_jobs.py`.
 """
 
 from __future__ import annotations

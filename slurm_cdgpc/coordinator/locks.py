@@ -1,10 +1,7 @@
-"""What the head asked of the GPUs' locks and is not done yet: releases, and refused setpoints.
-
-A release stays queued until the agent reports it done, and the GPU counts at its limit until a
-reading taken after it arrives; a GPU that refused a setpoint below the clock it holds keeps its
-job out of the plan, and is sent that setpoint again, until it takes one; a GPU an agent still
-holds for a job the store has finished is released. The rules are written in
-`slurm_cdgpc.coordinator.daemon` (steps 1, 3 and 4). Reads the store, never writes it.
+"""What the head asked of the GPUs' locks and is not done yet (`GpuLocks`): releases, and refused
+setpoints, each kept until the agent reports it done. It reads the store, never writes it.
+Rules: DESIGN.md, "Safety" (the rows on refused clocks, releases and jobs that end); test:
+`tests/unit/test_coordinator_daemon.py`.
 """
 
 from __future__ import annotations

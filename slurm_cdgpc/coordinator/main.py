@@ -1,31 +1,8 @@
-"""``cdgpcd [--config PATH]``: the head daemon of slurm-cdgpc.
-
-Start-up, in this order: load the config; open the store and bring its schema up to date; build
-the signer (outgoing exchanges, and the API's signed answers) and the verifier and access policy
-(the API) from ``[auth]``; take the leader lock (`slurm_cdgpc.store.leader`), waiting for it as a
-standby while another head holds it; resume the `Coordinator` from the store (jobs, models,
-budget, interval count); start the HTTP API on ``head.listen_address:listen_port``; then run the
-control loop on the main thread, one interval every ``control.interval``.
-
-Standby heads: every cdgpcd on one store contends for the lock; there is nothing to configure
-but ``head.leader_lease``. A standby tries every tenth of the leader lease and neither listens
-nor pushes until it holds the lock (a load balancer's health check then finds the active head).
-The active head renews the lock before every push; when it finds it lost (it was paused or cut
-off from the database for longer than the lease, and a standby took over) it pushes nothing
-more and exits with status 1, and systemd starts it again as a standby. With one head the lock
-is simply always free, except after a crash: the restarted head waits for the dead one's lease
-to run out (``head.leader_lease``, well under the agents' lease).
-
-SIGTERM, SIGINT and SIGHUP stop it after the interval in progress: the API closes, the leader
-lock is released (a standby takes over at its next try), exit status 0. The agents are not told:
-their lease lapses and they fall to the safe cap (DESIGN.md, "Node agent and safety"), which is
-what keeps the cluster within budget without a head. Logs go to stderr, one line per event
-(journald adds time stamps); ``CDGPC_DEBUG=1`` logs at debug level and shows tracebacks.
-
-Under systemd (``Type=notify``, `slurm_cdgpc.systemd`): ``READY=1`` once the head knows its role,
-as a standby when it has read who holds the lock, as the active head when its API listens; the
-``STATUS=`` line says which. The watchdog is fed from the standby's wait and, on the active head,
-while the control loop starts intervals (`control_stall_s`); ``STOPPING=1`` at a signal.
+"""``cdgpcd [--config PATH]``: builds the head from the configuration, takes or waits for the leader
+lock, and runs the control loop and the API. A clean stop tells the agents nothing: their lease
+lapses. Tests: `tests/integration/test_head_live.py`, `tests/faults/test_standby.py`,
+`tests/integration/test_systemd_live.py`; design: DESIGN.md, "Standby heads", "Under systemd"
+and "Safety" (the head stops, dies or is cut off).
 """
 
 from __future__ import annotations
@@ -120,6 +97,16 @@ def control_stall_s(interval_s: float) -> float:
 
 
 def run(config: Config) -> int:
+    """Run the head until SIGTERM, SIGINT or SIGHUP (after the interval in progress); 0.
+
+    Start-up, in this order: open the store and bring its schema up to date; build the signer
+    (the exchanges, the API's signed answers) and the verifier and access policy from ``[auth]``;
+    take the leader lock (`slurm_cdgpc.store.leader`), waiting as a standby while another head
+    holds it; resume the `Coordinator` from the store; start the API on
+    ``head.listen_address:listen_port``; then run the control loop on this thread. At the stop
+    the API closes and the lock is released. `LeadershipLostError` (another head took over)
+    ends it with nothing pushed again.
+    """
     stop = threading.Event()
     notifier = Notifier.from_environment()
 

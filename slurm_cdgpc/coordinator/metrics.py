@@ -1,15 +1,7 @@
-"""Prometheus exposition of cdgpcd (``GET /metrics``), low cardinality on purpose.
-
-Cluster-level series only: budget, power (measured, predicted, uncontrolled), price, solve time,
-jobs by state, nodes by reachability, and what this head counted and timed since it started
-(registrations, exchange failures, lease lapses, interval, exchange and registration times).
-No series per job, per node or per GPU: a cluster runs thousands of jobs a day, and every job
-id would be a new time series. Every label takes values from a small fixed set. Per-job detail
-is in ``GET /v1/jobs`` and the store's audit trail.
-
-Each head has a registry of its own (`HeadMetrics.registry`), never the library's global one:
-tests build many heads in one process. The gauges are read from the coordinator and its store
-at each scrape (`_StateCollector`); counters and histograms are this process's.
+"""Prometheus exposition of ``cdgpcd`` (``GET /metrics``): cluster-level series only, none per job,
+node or GPU, and every label from a small fixed set. Each head has a registry of its own
+(`HeadMetrics.registry`), never the library's global one. The series: DESIGN.md, "Metrics";
+tests: `tests/unit/test_metrics.py`, `tests/integration/test_metrics_live.py`.
 """
 
 from __future__ import annotations
@@ -76,7 +68,10 @@ def failure_kind(reason: str) -> str:
 
 
 class HeadMetrics:
-    """cdgpcd's metric families over one `Coordinator`, in a registry of their own."""
+    """cdgpcd's metric families over one `Coordinator`, in a registry of their own. The gauges
+    are read from the coordinator and its store at each scrape (`_StateCollector`); counters and
+    histograms are this process's. Per-job detail is in ``GET /v1/jobs`` and the store's audit
+    trail, never in a label."""
 
     def __init__(self, coordinator: Coordinator) -> None:
         self.registry = CollectorRegistry()

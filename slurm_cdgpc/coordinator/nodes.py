@@ -1,10 +1,7 @@
-"""The head's book of nodes: each node's agent, its last answer, and the type of each of its GPUs.
-
-What the loop knows of a node between two exchanges; the store holds the durable part, and only
-`NodeBook.persist` writes it. A node's answer is kept with what the exchange before it left in
-force, so the book can tell which reports describe a whole interval under one setting
-(`interval_power`); the rules a report meets to teach a model are written in
-`slurm_cdgpc.coordinator.daemon`. No decisions and no sockets here.
+"""The head's book of nodes (`NodeBook`): each node's agent, its last answer, and the type of each
+of its GPUs. Only `NodeBook.persist` writes the store; no decisions and no sockets here. Rules:
+DESIGN.md, "Models" (What a sample is: `interval_power`) and "Boards"; tests:
+`tests/unit/test_coordinator_daemon.py`, `tests/unit/test_coordinator_boards.py`.
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
-"""Whose progress reports count: root's or the job's user's, from one of the job's nodes.
-
-The agent relays any local user's report with the uid the kernel gave it; Slurm clusters share
-uids, so the job's user name maps to one here (`pwd`). Of a job's nodes, the first to report is
-the one whose steps count (each agent times its own reports, and a job's nodes are a step or two
-apart). Writes only a job's progress to the store (`ProgressGate.record`).
+"""Whose progress reports count (`ProgressGate`): root's or the job's user's, from one of the job's
+nodes. It writes only a job's progress to the store. Rule: DESIGN.md, "Safety" (progress for
+another user's job); tests: `tests/unit/test_coordinator_daemon.py`,
+`tests/security/test_progress_spoofing.py`.
 """
 
 from __future__ import annotations
@@ -19,7 +17,13 @@ logger = logging.getLogger(__name__)
 
 
 class ProgressGate:
-    """The progress reports that count, and the last step of each job in the store."""
+    """The progress reports that count, and the last step of each job in the store.
+
+    The agent relays any local user's report with the uid the kernel gave it; Slurm clusters
+    share uids, so the job's user name maps to one here (`pwd`). Of a job's nodes, the first to
+    report is the one whose steps count (each agent times its own reports, and a job's nodes are
+    a step or two apart).
+    """
 
     def __init__(self) -> None:
         self._uids: dict[str, int | None] = {}  # job user -> uid on this host

@@ -1,24 +1,8 @@
-"""The head's reconcile with Slurm: what Slurm runs is the truth about which jobs hold GPUs.
-
-Registration normally comes from the Prolog and deregistration from the Epilog. Both can be
-lost: a node crashes before its Epilog, the head is away and a node's spool is wiped, a node
-runs a Prolog without ours, or jobs were already running when the site installed slurm-cdgpc.
-Every reconcile period the head reads ``squeue --json`` and
-
-- **finishes** jobs it holds as active that Slurm no longer runs, so their GPUs are released
-  and their power stops being reserved (`deregister_gone`);
-- **updates** the time limit and start of the jobs it holds when Slurm's differ (a limit the
-  Prolog could not read, or one changed with ``scontrol update``): they bound the work of a
-  job that does not say its own (`ControllerSettings.work_from_time_limit`);
-- **adopts** jobs Slurm has been running for longer than the grace period that the head has
-  never heard of: they are registered on the nodes and GPUs ``squeue`` names, with the deadline
-  their comment asks for (or ``--deadline``, or the time limit), exactly as their Prolog would
-  have. Until then such a job draws power the controller does not plan for.
-
-The grace period keeps the two from racing the hooks: a Prolog still running, or spooled and
-about to be forwarded, registers the job itself. A job the head knows in any state (finished
-included) is never adopted again, and a job whose comment cannot be read is adopted without a
-deadline, not skipped: its GPUs draw power either way.
+"""The head's reconcile with Slurm's queue (`reconcile_with_slurm`): it finishes jobs Slurm no
+longer runs, updates time limits and starts, and adopts jobs that never registered. What Slurm
+runs is the truth. Slurm is reached only through `slurm/`, the one layer that runs its programs
+(`tests/unit/test_import_graph.py`). Design: DESIGN.md, "Safety" (The reconcile); test:
+`tests/unit/test_coordinator_reconcile.py`.
 """
 
 from __future__ import annotations
@@ -62,7 +46,9 @@ def adoptable(job: SlurmJob, *, now_s: float, grace_s: float) -> bool:
 
 
 def adopt(coordinator: Coordinator, job: SlurmJob, *, tz: tzinfo | None = None) -> list[str]:
-    """Register ``job`` on every node Slurm placed it; returns the nodes registered."""
+    """Register ``job`` on every node and GPU Slurm placed it, as its Prolog would have, with
+    the deadline its comment asks for (else ``--deadline``, else its time limit:
+    `effective_deadline`; none when the comment cannot be read); returns the nodes registered."""
     request = _request(job, tz)
     submit_s = job.submit_s if job.submit_s is not None else job.start_s
     deadline = effective_deadline(
@@ -127,7 +113,9 @@ def reconcile_with_slurm(
     grace_s: float,
     tz: tzinfo | None = None,
 ) -> ReconcileResult:
-    """One reconcile pass: finish what Slurm no longer runs, adopt what it runs unregistered."""
+    """One reconcile pass: finish what Slurm no longer runs, take Slurm's time limit and start
+    where they differ from the registration's (they bound the work of a job that does not say
+    its own), and adopt what it runs unregistered for longer than ``grace_s``."""
     finished = deregister_gone(coordinator, running.keys(), grace_s=grace_s)
     # one read for the jobs registered now; only the rest (rare) are looked up one by one,
     # for a finished job must not be adopted again either

@@ -1,9 +1,7 @@
-"""The API's write path: nodes and jobs registered into the store, jobs in group commits.
-
-Registrations that arrive together commit together (`GroupCommit`): a burst of Prologs pays one
-durable commit, not one each, and each caller is answered only once its registration has
-committed. Any thread may call; writes that read then write the store hold one lock. Writes the
-store and nothing else: the loop takes the jobs from the store at its next interval.
+"""The API's write path (`Registrations`): nodes and jobs into the store, jobs in group commits, so
+that a burst of Prologs pays one durable commit and each is answered once its own has committed.
+It writes the store and nothing else. Design: DESIGN.md, "The head's API" (Group commit); tests:
+`tests/integration/test_registration_commit.py`, `tests/unit/test_coordinator_api.py`.
 """
 
 from __future__ import annotations
@@ -91,7 +89,8 @@ class Registration:
 
 class Registrations:
     """Node and job registrations into one `Store`; ``committed`` is called (on the committing
-    thread) after each batch that registered a job."""
+    thread) after each batch that registered a job. Any thread may call; writes that read then
+    write the store hold one lock. The loop takes the jobs from the store at its next interval."""
 
     def __init__(
         self,
@@ -112,6 +111,8 @@ class Registrations:
         self._typed_nodes: dict[str, str] = {}  # committed nodes with a GPU type (registration)
 
     def agent_url(self, node: str) -> str:
+        """The agent URL of a node first seen in a registration: ``http://<node>:<listen_port>``,
+        or `ssh_url` with ``node.transport = ssh``; an announce (`register_node`) names its own."""
         if self._node_transport == "ssh":
             return ssh_url(node)
         return f"http://{node}:{self._agent_port}"

@@ -1,10 +1,7 @@
-"""The jobs the head plans for: the store's active jobs at the last reconcile, and which of them
-the controller holds a row for (`RunningJobs`), since which interval.
-
-A job joins the controller once its nodes answer and its GPUs' type is known, taking back its
-stored model, and leaves when it ends, a node of its is away, its GPUs change or one of them
-refuses its setpoint (step 1 in `slurm_cdgpc.coordinator.daemon`). Reads the store's models;
-writes only that a job runs (`Roster.mark_started`).
+"""The jobs the head plans for (`Roster`): the store's active jobs at the last reconcile, and which
+of them the controller holds a row for (`RunningJobs`), since which interval. It reads the
+store's models and writes only that a job runs (`Roster.mark_started`). Rules: DESIGN.md,
+"Safety" and "Boards"; test: `tests/unit/test_coordinator_daemon.py`.
 """
 
 from __future__ import annotations
@@ -25,7 +22,12 @@ logger = logging.getLogger(__name__)
 
 
 class Roster:
-    """Active jobs by id, their GPUs, and the interval each controlled one joined."""
+    """Active jobs by id, their GPUs, and the interval each controlled one joined.
+
+    A job joins the controller once its nodes answer and its GPUs' type is known, taking back
+    its stored model, and leaves when it ends, a node of its is away, its GPUs change or one of
+    them refuses its setpoint.
+    """
 
     def __init__(
         self, store: Store, running: RunningJobs, controller: EconomicMPC, family: str
