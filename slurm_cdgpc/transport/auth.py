@@ -1,45 +1,9 @@
-"""Request authentication and authorisation: the only module that knows MUNGE.
-
-A request is ``(method, path, body)``. A credential binds the method, the path, the SHA-256 of the
-body, a timestamp and a random nonce, and is one ASCII line, ready for an HTTP header::
-
-    munge MUNGE:<base64>:                                   MUNGE (the default)
-    hmac-sha256 <uid>:<gid>:<time_s>:<nonce>:<mac>          shared-key HMAC-SHA256
-
-MUNGE: `MungeSigner` pipes the canonical payload into ``munge``; `MungeVerifier` pipes the
-credential into ``unmunge``, which returns the sender's uid and gid (vouched for by munged), MUNGE's
-own encode time and TTL, and the payload, which must match the request. munged also refuses
-replayed and expired credentials on its own.
-
-HMAC-SHA256: the key lives in a root-only file (owned by root, no group/other permissions, at least
-32 bytes; see `HmacKey.load`). The credential carries the uid/gid the signer *claims*, and nothing
-vouches for that claim except that only root can read the key. HMAC principals are therefore
-root/SlurmUser-equivalent: `AccessPolicy` grants them node operations whatever they claim, and admin
-operations only with ``hmac_is_admin=True``. A deployment that needs per-user identity (who changed
-the budget) uses MUNGE. The claimed ids are kept in the `Principal` for the audit trail only.
-
-Both schemes then pass the same freshness and replay checks (`ReplayCache`); a nonce is recorded
-only after every other check passed, so a refused request changes nothing.
-
-Replies are signed too, so that whatever answers on a daemon's port cannot pass for it. The
-answering daemon signs each answer to an authenticated request with its own signer
-(`Signer.sign_reply`, header `REPLY_HEADER`), binding the request's nonce, who answers (a
-node's name, or `HEAD_RESPONDER`), the leader epoch, the status and the SHA-256 of the body;
-the client checks it against the nonce it sent and what it expected (`Signer.verify_reply`)::
-
-    munge MUNGE:<base64>:                                   MUNGE, minted by root (or the head's
-                                                            user, for the head's answers)
-    hmac-sha256 <uid>:<gid>:<epoch>:<mac>                   shared-key HMAC-SHA256
-
-A reply payload starts with its own purpose tag, so a request credential never passes as a
-reply, nor a reply as a request. A reply needs no replay cache: its nonce is the request's,
-fresh for each request, and a client accepts only the one it sent.
-
-Errors: refusals are `AuthError` (an `InputError`; HTTP 401), and `ForbiddenError` when an
-authenticated principal may not do the operation (HTTP 403). `AuthUnavailableError` (a
-`SoftError`; HTTP 503) means ``munge``/``unmunge`` could not run; `KeyFileError` (a `FatalError`)
-is a key file we refuse to use. Every message is one line and never contains a credential or a
-key.
+"""Request and reply authentication (MUNGE or root-only HMAC) and the access policy: the only module
+that knows MUNGE and reads the HMAC key. A refused request changes nothing, and no error names a
+credential or a key. It never reaches `agent/` or `coordinator/`
+(`tests/unit/test_import_graph.py`). Design: DESIGN.md, "Authentication" and "The exchange"
+(Signed answers); tests: `tests/unit/test_transport_auth.py`, `tests/security/test_replay.py`,
+`tests/security/test_reply_auth.py`.
 """
 
 from __future__ import annotations
@@ -127,7 +91,8 @@ _MUNGE_INVALID: Final = frozenset({2, 3, 8, 9, 10, 11, 12, 13, 14, 18})
 
 
 class AuthError(InputError):
-    """A request could not be authenticated or is not allowed: refused with a one-line reason."""
+    """A request could not be authenticated or is not allowed: refused with a one-line reason
+    (HTTP 401; `ForbiddenError` 403)."""
 
 
 class MalformedCredentialError(AuthError):
@@ -151,7 +116,7 @@ class ForbiddenError(AuthError):
 
 
 class AuthUnavailableError(SoftError):
-    """``munge``/``unmunge`` could not run (missing, timed out, munged not running)."""
+    """``munge``/``unmunge`` could not run (missing, timed out, munged not running): HTTP 503."""
 
 
 class KeyFileError(FatalError):
@@ -620,7 +585,13 @@ def _hmac_reply_message(reply: Reply, uid: int, gid: int, epoch: int) -> bytes:
 
 
 class HmacSigner:
-    """Signs with the shared key; claims this process's uid/gid unless told otherwise."""
+    """Signs with the shared key; claims this process's uid/gid unless told otherwise. Nothing
+    vouches for the claim (`AccessPolicy` treats every key holder as root-equivalent): the ids
+    are kept in the `Principal` for the audit trail only. The credentials, one ASCII line each::
+
+        hmac-sha256 <uid>:<gid>:<time_s>:<nonce>:<mac>      a request
+        hmac-sha256 <uid>:<gid>:<epoch>:<mac>               a reply
+    """
 
     scheme: Final = HMAC_SCHEME
     in_process: Final = True
@@ -881,7 +852,9 @@ class MungeSigner:
 
     A reply is accepted only from root (agents run as root), or, for the head's answers
     (`HEAD_RESPONDER`), from one of ``head_uids`` too: the accounts besides root that the
-    agents let send setpoints (``auth.slurm_user``), under which alone a head can work."""
+    agents let send setpoints (``auth.slurm_user``), under which alone a head can work. A
+    request's credential and a reply's are both ``munge MUNGE:<base64>:``; each payload starts
+    with its own purpose tag, so neither passes for the other."""
 
     scheme: Final = MUNGE_SCHEME
 
@@ -950,7 +923,10 @@ def _uids_text(uids: frozenset[int]) -> str:
 
 
 class MungeVerifier:
-    """Checks MUNGE credentials by running ``unmunge``; the uid/gid are munged's, not a claim."""
+    """Checks MUNGE credentials by running ``unmunge``; the uid/gid are munged's, not a claim.
+    ``unmunge`` also gives MUNGE's own encode time and TTL, and the payload, which must match
+    the request; munged refuses replayed and expired credentials itself, and the shared checks
+    (`ReplayCache`) run as well."""
 
     scheme: Final = MUNGE_SCHEME
 

@@ -1,10 +1,8 @@
-"""Signers and verifiers built from the ``[auth]`` section: one place for every daemon and hook.
-
-The HMAC key file must be root-only (`HmacKey.load` checks); MUNGE talks to the configured
-munged socket. Verifiers carry a replay cache sized by the allowed clock skew. A MUNGE signer
-accepts the head's signed answers from root or ``auth.slurm_user`` (the accounts the agents let
-send setpoints), and the agents' from root only. `munge_works` says whether this machine's
-munged answers at all (the demo picks MUNGE when it does).
+"""Signers and verifiers built from the ``[auth]`` section, one place for every daemon and hook. The
+HMAC key must be root-only (`HmacKey.load`); a MUNGE signer takes the head's signed answers from
+root or ``auth.slurm_user`` (`head_uids`), the agents' from root only. It never reaches `agent/`
+or `coordinator/` (`tests/unit/test_import_graph.py`). Design: DESIGN.md, "Authentication";
+test: `tests/security/test_reply_auth.py`.
 """
 
 from __future__ import annotations
@@ -54,7 +52,8 @@ def verifier_from_config(config: Config) -> Verifier:
 
 
 def munge_works(timeout_s: float = 3.0) -> bool:
-    """Whether a credential from ``munge -n`` decodes with ``unmunge`` (munged is up)."""
+    """Whether a credential from ``munge -n`` decodes with ``unmunge`` (munged is up): the demo
+    picks MUNGE when it does."""
     import shutil  # noqa: PLC0415 (the Prolog imports this module and never asks)
 
     munge, unmunge = shutil.which("munge"), shutil.which("unmunge")

@@ -1,30 +1,9 @@
-"""The head's HTTP server: one event-loop thread for every socket, a few threads for the work.
-
-A server with a thread per connection, each blocked in ``recv``, was the head's cost of a
-burst of Prologs: 200 threads waking for their bytes, then again for their commit, held the one
-core the GIL allows. Here one thread owns every socket (``epoll``
-through `selectors`): it accepts, reads until a request is whole (the header block and
-``Content-Length`` bytes of body), and writes answers. A whole request goes to a small pool of
-worker threads that run the same `JsonHandler` on the buffered bytes, so routing, checks,
-limits and error answers are the handler's, byte for byte. A handler may `JsonHandler.defer`
-its answer (the head's registrations wait for their group commit without holding a worker);
-whoever completes it hands the bytes back to the loop.
-
-Several servers may share one `EventLoop` (and its thread): ``bench exchange`` serves a few
-hundred node agents from each of its processes that way, one listener each. With ``workers=0``
-handlers run on the loop's thread itself, with no hand-over: what ``cdgpc-noded`` does, whose
-one request per interval takes a millisecond and would only pay for the two thread switches.
-A server with workers may still choose requests to handle on the loop's thread
-(`EventedHttpServer.inline`: those whose handler blocks on nothing), and is told when each turn
-of the loop ends (`EventedHttpServer.turn_ended`), to finish together what those requests
-queued: the head checks HMAC-signed registrations that way and commits each turn's at once.
-
-The bounds: ``max_connections`` open at once and ``max_per_peer`` from
-one address (over either, a connection is closed at once), ``request_timeout_s`` for a
-connection's whole life however slowly its peer sends, and the body cap (the handler's). A
-header block over `MAX_HEADER_BLOCK_BYTES` is refused with 431 (414 when its request line alone
-is) without waiting for its end. The search for a block's end resumes where the last read left
-it: a peer trickling a block costs each read its new bytes, not the whole block again.
+"""The event-loop HTTP server the head and the agents share (`EventLoop`, `EventedHttpServer`): one
+thread owns every socket, and worker threads (none on the agent) run `JsonHandler` on each whole
+request. It keeps the connection, peer, lifetime and header-block bounds. It never reaches
+`agent/` or `coordinator/` (`tests/unit/test_import_graph.py`). Design: DESIGN.md, "The head's
+API" and "Safety" (slow peers); tests: `tests/unit/test_transport_server.py`,
+`tests/unit/test_transport_evented_scan.py`, `tests/security/test_slow_peers.py`.
 """
 
 from __future__ import annotations
@@ -62,8 +41,8 @@ _RECV_BYTES: Final = 65536
 #: connections accepted per wake-up, so that reading and answering are not starved by a burst
 _ACCEPTS_PER_TURN: Final = 64
 #: how often the open connections are checked against their deadlines (a connection is cut at
-#: most this much after its time: a sweep of a few hundred, not a heap entry per connection
-#: ever accepted, which at thousands of requests a second held tens of thousands for 10 s)
+#: most this much after its time: a sweep of the open ones, not a heap entry per connection
+#: ever accepted, which a burst fills with one per request for a whole request timeout)
 _SWEEP_S: Final = 0.1
 #: how long a refused peer's unread bytes are read and dropped before its connection is closed
 #: (closed with them unread, the kernel resets it, and the peer may lose the answer)
@@ -107,14 +86,23 @@ class EventedHttpServer:
     servers that its users need (``port``, ``serve_forever``, ``shutdown``, ``server_close``).
 
     Without ``loop`` it has one of its own, with ``workers`` threads, run by `serve_forever`.
-    Given a shared ``loop``, whoever made the loop runs it; ``workers`` is then the loop's.
+    Given a shared ``loop``, whoever made the loop runs it; ``workers`` is then the loop's
+    (``bench exchange`` serves a few hundred agents from each of its processes that way).
+
+    The bounds: ``max_connections`` open at once and ``max_per_peer`` from one address (over
+    either, a connection is closed at once), ``request_timeout_s`` for a connection's whole life
+    however slowly its peer sends, and the body cap (the handler's). A header block over
+    `MAX_HEADER_BLOCK_BYTES` is refused with 431 (414 when its request line alone is) without
+    waiting for its end; the search for a block's end resumes where the last read left it, so a
+    trickled block costs each read its new bytes, not the whole block again. A handler may
+    `JsonHandler.defer` its answer (a registration waits for its group commit without holding a
+    worker); whoever completes it hands the bytes back to the loop.
     """
 
     #: the listen backlog: a burst of Prologs (a large array job starting) must queue, not be
     #: refused by the kernel (the standard library's default is 5). A connection the backlog
     #: cannot take is not refused but its SYN dropped, and the client retries one second later
-    #: (then three): with 128, 200 simultaneous Prologs met exactly that second as their p99.
-    #: Linux caps it at ``net.core.somaxconn`` (4096 since 5.4).
+    #: (DESIGN.md, "The head's API"). Linux caps it at ``net.core.somaxconn`` (4096 since 5.4).
     request_queue_size = 1024
 
     def __init__(
@@ -161,7 +149,8 @@ class EventedHttpServer:
 
     def inline(self, request: bytes) -> bool:
         """Whether to handle ``request`` (whole, as received) on the loop's thread rather than
-        hand it to a worker: only for a handler that blocks on nothing."""
+        hand it to a worker: only for a handler that blocks on nothing (the head's HMAC-signed
+        registrations)."""
         return False
 
     def turn_ended(self) -> None:
@@ -599,9 +588,8 @@ class EventLoop:
             return
         # the handler and its ``deliver`` form a cycle: broken here (or by ``deliver`` itself,
         # when the handler deferred), every request's objects go as soon as it is answered,
-        # not at the collector's next pass. Left to the collector they were most of what it
-        # walked: a tenth of the head's CPU under a burst of Prologs, and full passes of
-        # 13-40 ms with the GIL held.
+        # not at the collector's next pass, which would walk them with the GIL held
+        # (DESIGN.md, "The head's API": The collector).
         h.deliver = None
         if failed:
             self.answer(conn, b"", True)

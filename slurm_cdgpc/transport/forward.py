@@ -1,27 +1,8 @@
-"""``cdgpc-noded exchange [--config PATH]``: the node's end of the SSH transport.
-
-The head runs this through ``ssh NODE cdgpc-noded exchange`` (`slurm_cdgpc.transport.ssh`). It
-reads one `ExchangeRequest` JSON from stdin (at most `MAX_MESSAGE_BYTES`) after the head's
-credential for it (an ``Authorization:`` line), hands both to the agent running on this node
-(``POST /v1/exchange`` on ``node.listen_port``, on loopback when the agent listens on every
-address), and writes the agent's answer to stdout as it came, after the agent's reply
-credential (an ``X-Cdgpc-Reply-Auth:`` line): the head checks that credential against the
-request it signed, so whatever answers on the agent's port instead of the agent is refused
-there. The agent checks the credential and the request exactly as for an exchange over HTTP:
-this program adds no way in that root on the node did not already have. A request that names
-another node is refused by the agent, changing nothing, and its one-line reason is the error
-printed here.
-
-A head older than this agent sends the bare JSON, unsigned, and reads bare JSON: the request is
-then signed with this node's credentials (``auth.method``: MUNGE, or the root-only HMAC key; the
-SSH session runs as root, so it can use either), and the agent's answer checked here before
-its JSON is written.
-
-On any failure it writes nothing to stdout, ``Error: <one line>`` to stderr, and exits non-zero
-(2: bad request or configuration, 1: the agent could not be reached or refused).
-
-It reaches the agent over HTTP only and imports nothing of `slurm_cdgpc.agent`
-(`tests/unit/test_import_graph.py`).
+"""``cdgpc-noded exchange``: the node's end of the SSH transport. It relays one signed exchange from
+stdin to the local agent and the agent's signed answer to stdout, adding no way in that root on
+the node did not already have. It reaches the agent over HTTP only, never `agent/`
+(`tests/unit/test_import_graph.py`). Tests: `tests/unit/test_transport_ssh.py`,
+`tests/integration/test_ssh_live.py`; design: DESIGN.md, "The exchange" (Over SSH).
 """
 
 from __future__ import annotations
@@ -66,6 +47,18 @@ class AgentUnreachableError(SoftError):
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """``cdgpc-noded exchange [--config PATH]``, run by the head as ``ssh NODE cdgpc-noded
+    exchange`` (`slurm_cdgpc.transport.ssh`).
+
+    Stdin: the head's credential (an ``Authorization:`` line), then one `ExchangeRequest` JSON
+    (at most `MAX_MESSAGE_BYTES`), which go to the agent (``POST /v1/exchange`` on
+    ``node.listen_port``, on loopback when it listens on every address). Stdout: the agent's
+    reply credential (an ``X-Cdgpc-Reply-Auth:`` line), then its answer as it came. A bare,
+    unsigned request (a head older than this agent) is signed with this node's credentials and
+    the agent's answer checked here (`forward`). On any failure nothing goes to stdout,
+    ``Error: <one line>`` to stderr, and the exit status is 2 (a bad request or configuration)
+    or 1 (the agent could not be reached, or refused: a request for another node, say).
+    """
     parser = argparse.ArgumentParser(
         prog="cdgpc-noded exchange",
         description="Forward one exchange request (stdin) to the local agent; print its answer.",

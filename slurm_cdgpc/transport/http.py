@@ -1,22 +1,9 @@
-"""The head's HTTP client: exchanges with every node agent at once, and admin requests to cdgpcd.
-
-Every request is signed (`slurm_cdgpc.transport.auth.Signer`) over its method, path and body and
-carries the credential in one ``Authorization`` header, and every answer to a signed request
-must carry the answering daemon's reply credential (``X-Cdgpc-Reply-Auth``) bound to that
-request's nonce, the node (or the head) and the leader epoch expected, and the answer's status
-and body; an answer without it is no answer. Besides the agent's server and the head's API
-server, this is the only module that speaks HTTP.
-
-`NodeExchanger` sends one `ExchangeRequest` to each node concurrently, one connection per
-node, each with its own timeout; a node that does not answer in time, refuses, or answers
-garbage comes back as a `NodeFailure` with a one-line reason, never as an exception: one dead
-node must not stop the control loop. Every bound here is on a whole request, not on each socket
-operation: a peer that accepts and then trickles its reply a byte at a time is cut off when its
-time is up, like a silent one. Plain-HTTP nodes are served by one event loop on the
-calling thread (`_Round`): non-blocking sockets under ``epoll``, so a thousand nodes cost a
-thousand sockets, not a thousand thread switches. ``https://`` nodes, and credentials that
-take a process to make or check (MUNGE), go through a thread pool. `HeadClient` is what
-``cdgpc-admin`` and the hooks use to talk to ``cdgpcd`` (and the hooks to their node's agent).
+"""The head's HTTP client: `NodeExchanger` (every node agent at once, each failure a `NodeFailure`,
+never an exception) and `HeadClient` (``cdgpc-admin`` and the hooks to ``cdgpcd``, the hooks to
+their agent). Every request is signed, every answer must carry its reply credential, and every
+bound is on a whole request. It never reaches `agent/` or `coordinator/`
+(`tests/unit/test_import_graph.py`). Design: DESIGN.md, "The exchange"; tests:
+`tests/unit/test_transport_exchange.py`, `tests/security/test_reply_auth.py`.
 """
 
 from __future__ import annotations
@@ -126,7 +113,7 @@ class _Endpoint:
         if self.literal_family is None:
             infos = socket.getaddrinfo(self.host, self.port, type=socket.SOCK_STREAM)
             addresses = [_Address(family, sockaddr) for family, _, _, _, sockaddr in infos]
-        else:  # no address lookup: 30 of a Prolog's 70 us
+        else:  # a literal address: no lookup (DESIGN.md, "The head's API", on what one costs)
             addresses = [_Address(self.literal_family, (self.host, self.port))]
         error: OSError = OSError(f"no address for {self.host}")
         for family, sockaddr in addresses:
@@ -390,6 +377,13 @@ def error_text(data: bytes) -> str:
 
 class NodeExchanger:
     """Concurrent, signed exchanges with node agents (``POST /v1/exchange``).
+
+    Plain-HTTP nodes are served by one event loop on the calling thread (`_Round`): non-blocking
+    sockets under ``epoll``, one connection per node, so a thousand nodes cost a thousand
+    sockets, not a thousand thread switches. ``https://`` nodes, and credentials that take a
+    process to make or check (MUNGE), go through a thread pool. A node that does not answer in
+    time, refuses or answers garbage is a `NodeFailure` with a one-line reason: one dead node
+    must not stop the control loop.
 
     Every node has ``timeout_s`` to accept the connection and then ``timeout_s`` to answer once
     its request is written; the whole round ends after ``2 * timeout_s`` whatever happens. An

@@ -1,7 +1,7 @@
-"""Exchanges with every node over the transport its URL names: ``http(s)://`` or ``ssh://``.
-
-The two exchangers run at the same time (the SSH batch on a thread of its own), so a cluster
-that mixes transports still finishes an interval's exchange within one per-node timeout.
+"""Exchanges with every node over the transport its URL names (`RoutingExchanger`: ``http(s)://``
+or ``ssh://``), both at once (the SSH batch on a thread of its own), so a cluster that mixes them
+still finishes within one per-node timeout. It never reaches `agent/` or `coordinator/`
+(`tests/unit/test_import_graph.py`). Test: `tests/unit/test_transport_routing.py`.
 """
 
 from __future__ import annotations

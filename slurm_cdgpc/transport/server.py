@@ -1,15 +1,8 @@
-"""The request handler both HTTP servers share, and the bounds they keep.
-
-`JsonHandler` parses a request and writes a JSON answer; the head's API and every node agent
-serve it from an event loop (`slurm_cdgpc.transport.evented`), which hands it each request
-whole, buffered. `PeerLimit` is the per-address connection bound. Together with the loop they
-keep a slow or hostile peer from starving the others:
-
-- at most ``max_connections`` connections are served at once, and at most ``max_per_peer`` from
-  one address (a connection over either bound is closed at once);
-- a connection lives at most ``request_timeout_s`` in all, however slowly its peer trickles
-  bytes: a socket timeout alone bounds each read, and a peer sending a byte every few seconds
-  held a slot for as long as it liked (32 such connections froze a node agent's exchanges).
+"""`JsonHandler`, the request handler both HTTP servers share, and `PeerLimit`, the per-address
+connection bound: with the event loop (`slurm_cdgpc.transport.evented`) they keep a slow or
+hostile peer from starving the others. It never reaches `agent/` or `coordinator/`
+(`tests/unit/test_import_graph.py`). Bounds: DESIGN.md, "Safety" (slow peers, requests framed
+two ways); tests: `tests/unit/test_transport_server.py`, `tests/security/test_http_framing.py`.
 """
 
 from __future__ import annotations

@@ -1,30 +1,9 @@
-"""The head's SSH transport: ``ssh NODE cdgpc-noded exchange``, the same JSON as over HTTP.
-
-For sites that would rather not open a port on every node: `SshExchanger` runs, for each node
-and concurrently, ::
-
-    ssh -o BatchMode=yes -o ConnectTimeout=<s> [-F FILE] [-o OPTION ...] -- HOST <remote command>
-
-with the `ExchangeRequest` JSON on stdin, signed by the head as over HTTP (an ``Authorization:``
-line before the body), and reads the agent's `ExchangeResponse` JSON from stdout after its
-reply credential (an ``X-Cdgpc-Reply-Auth:`` line). On the node, ``cdgpc-noded exchange``
-(`slurm_cdgpc.transport.forward`) hands the request with the head's credential to the local agent,
-which authenticates it exactly as an HTTP exchange, and relays the agent's signed answer; the
-head checks that answer as it checks one over HTTP, end to end, so nothing that answers on the
-agent's port instead of the agent can pass for it. SSH authenticates the head to the node (and
-the node to the head: host keys).
-
-Safety: no shell on our side (an argv list); the host is checked with
-`slurm_cdgpc.wire.protocol.check_node_name` before it reaches argv, and follows ``--``, so a node
-named ``-oProxyCommand=...`` can never become an option; the remote command's words are quoted
-for the remote shell. ``BatchMode`` and ``ConnectTimeout`` come first, and ssh keeps the first
-value it is given, so configured options cannot turn on password prompts. Each ssh runs in a
-session of its own and is killed, with whatever it started, when its node's time is up; its
-stdout and stderr are capped. Every failure comes back as a `NodeFailure` with a one-line reason,
-never as an exception: one dead node must not stop the control loop.
-
-The host is the node's name, or the host of a stored ``ssh://HOST[:PORT]`` agent URL, so a node's
-`NodeTarget.url` can say which transport it uses (see `ssh_url`).
+"""The head's SSH transport (`SshExchanger`): ``ssh NODE cdgpc-noded exchange`` with the same signed
+JSON as over HTTP, its answer checked end to end. No shell, node names checked and placed after
+``--``, every failure a `NodeFailure`. It never reaches `agent/` or `coordinator/`
+(`tests/unit/test_import_graph.py`). Design: DESIGN.md, "The exchange" (Over SSH); tests:
+`tests/unit/test_transport_ssh.py`, `tests/integration/test_ssh_live.py`,
+`tests/security/test_injection.py`.
 """
 
 from __future__ import annotations
@@ -148,7 +127,15 @@ class _Finished:
 
 
 class SshExchanger:
-    """Concurrent exchanges with node agents through ``ssh HOST cdgpc-noded exchange``.
+    """Concurrent exchanges with node agents through ``ssh HOST cdgpc-noded exchange``::
+
+        ssh -o BatchMode=yes -o ConnectTimeout=S [-F FILE] [-o OPT ...] [-p PORT] -- HOST COMMAND
+
+    with the head's credential (an ``Authorization:`` line) and the `ExchangeRequest` JSON on
+    stdin, and the agent's reply credential (an ``X-Cdgpc-Reply-Auth:`` line) and its
+    `ExchangeResponse` JSON on stdout (`slurm_cdgpc.transport.forward`). The host is the node's
+    name, or the host of its ``ssh://HOST[:PORT]`` agent URL (`ssh_url`). The remote command's
+    words are quoted for the remote shell; stdout and stderr are capped.
 
     ``options`` are ``Key=value`` ssh options passed as ``-o`` (``User=root``,
     ``IdentityFile=/etc/cdgpc/ssh/id_ed25519``, ``UserKnownHostsFile=...``); ``config_file`` is
