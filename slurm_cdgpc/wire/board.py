@@ -1,10 +1,8 @@
-"""A GPU board as its node describes it to the head: `BoardDescription` and the plain data in it.
-
-`BoardDescription` is what an agent sends about each GPU (`GpuDevice.describe`): NVML's own
-name, clock table and power-limit range. Its wire format (`to_dict`/`from_dict`) is JSON-safe
-and bounded; `from_dict` refuses anything else with one line naming the field. Standard library
-and `slurm_cdgpc.errors` only, like all of `slurm_cdgpc.wire`; the controller's type for a board
-is `slurm_cdgpc.gpu.board.spec_from_board`.
+"""A GPU board as its node describes it to the head (`BoardDescription`, from
+`GpuDevice.describe`), with a bounded, JSON-safe wire form whose parser refuses anything else in
+one line naming the field. Standard library and `slurm_cdgpc.errors` only, like all of `wire/`
+(`tests/unit/test_import_graph.py`). Design: DESIGN.md, "Boards"; test:
+`tests/unit/test_gpu_board.py`.
 """
 
 from __future__ import annotations

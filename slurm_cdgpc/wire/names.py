@@ -1,8 +1,6 @@
-"""The one grammar of each name the head and the nodes exchange: job id, node name, account.
-
-Job ids are what Slurm writes: ``SLURM_JOB_ID`` ``123`` (32 bits: at most 10 digits, from 1), an
-array task ``123_4`` or a heterogeneous job's component ``123+1``; no part has a leading zero.
-Standard library (and `slurm_cdgpc.errors`) only: the Prolog and jobs' progress client use it.
+"""The one grammar of each name the head and the nodes exchange: job id, node name, account. The
+Prolog and jobs' progress client use it, so it reaches only the standard library and
+`slurm_cdgpc.errors` (`tests/unit/test_import_graph.py`). Test: `tests/unit/test_wire_names.py`.
 """
 
 from __future__ import annotations
@@ -13,6 +11,8 @@ from typing import Final
 from slurm_cdgpc.errors import InputError, one_line
 
 _NUMBER: Final = r"(?:0|[1-9][0-9]{0,9})"
+#: a job id as Slurm writes it: ``SLURM_JOB_ID`` ``123`` (32 bits: at most 10 digits, from 1),
+#: an array task ``123_4`` or a heterogeneous job's component ``123+1``; no leading zeros
 JOB_ID: Final = re.compile(rf"[1-9][0-9]{{0,9}}(?:[_+]{_NUMBER})?")
 #: a host name as Slurm and DNS write it: 1..255 characters, letters or digits at both ends
 NODE_NAME: Final = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9._-]{0,253}[A-Za-z0-9])?")

@@ -1,42 +1,9 @@
-"""The messages between the head and a node agent, and the progress line jobs send to the agent.
-
-Every message is one JSON object, version 1, at most `MAX_MESSAGE_BYTES`. Parsing is strict:
-wrong types (``true`` is not an integer, ``"3"`` is not a number), out-of-range values, NaN or
-Infinity, duplicate keys and unknown keys are all refused with a one-line `ProtocolError` naming
-the field, e.g. ``setpoints[2].graphics_mhz: must be an integer in 1..100000, got -5``. A peer
-that speaks a newer version is refused, never half-understood.
-
-Exchange request (head → agent, ``POST /v1/exchange``)::
-
-    {"version": 1, "node": "node1", "interval": 42, "lease_expires_s": 1767225690.0,
-     "setpoints": [{"gpu": 0, "job_id": "123", "graphics_mhz": 1200, "memory_mhz": null}],
-     "release": [3], "epoch": 7}
-
-``node`` names the one node the request is for: the credential binds the body, so a request
-captured on its way to one agent and replayed to another is refused there (`NodeAgent.exchange`)
-instead of setting that node's clocks and renewing its lease.
-
-A setpoint may carry ``power_limit_w``, the guard rail under its clocks (the board's software
-power limit, which the agent clips into the board's range); it is written only when set, so a
-head with the rail off sends exactly what an older agent parses.
-
-``release`` lists GPUs whose job ended: the agent resets them to default clocks. A GPU may not be
-both set and released in one request. ``epoch`` (optional, absent means 0) is the sending head's
-leader epoch (`slurm_cdgpc.store.leader`): an agent refuses a request whose epoch is lower than
-the highest it has seen, so a head that lost the leader lock cannot change anything. It is
-written only when not 0, so a sender without a leader lock sends exactly what it always did.
-
-Exchange response (agent → head): per-GPU readings taken BEFORE the request's setpoints and
-releases were applied, so each describes the interval that just ended, with the ``locked`` clocks
-and ``job_id`` that were in force during it and ``read_s``, the agent's monotonic time of the
-reading (the head divides energy-counter differences by it); measurement fields are null when
-the GPU could not be read, or when one value was implausible, and ``error`` says why. Then the
-latest progress each job reported (one entry per job and reporting uid), and the setpoints the
-agent ``refused`` (with the reason). See `ExchangeResponse`.
-
-This module imports only the standard library, `slurm_cdgpc.errors`, the id grammars of
-`slurm_cdgpc.wire.names` and, when a response carries boards, `slurm_cdgpc.wire.board`: the
-progress client uses it inside training jobs.
+"""The messages between the head and a node agent, and the progress line jobs send: one JSON object
+each, version 1, at most `MAX_MESSAGE_BYTES`, parsed strictly (a `ProtocolError` line naming the
+field). It reaches only the standard library, `slurm_cdgpc.errors` and the rest of `wire/`: the
+progress client uses it inside training jobs (`tests/unit/test_import_graph.py`). Design:
+DESIGN.md, "The exchange" (The messages); tests: `tests/unit/test_wire_protocol.py`,
+`tests/security/test_fuzz.py`.
 """
 
 from __future__ import annotations
@@ -320,7 +287,19 @@ class Setpoint:
 
 @dataclass(frozen=True)
 class ExchangeRequest:
-    """What the head sends every interval: setpoints, released GPUs and the lease expiry."""
+    """What the head sends every interval (``POST /v1/exchange``): setpoints, released GPUs
+    and the lease expiry::
+
+        {"version": 1, "node": "node1", "interval": 42, "lease_expires_s": 1767225690.0,
+         "setpoints": [{"gpu": 0, "job_id": "123", "graphics_mhz": 1200, "memory_mhz": null}],
+         "release": [3], "epoch": 7}
+
+    ``release`` lists GPUs whose job ended: the agent resets them to default clocks; a GPU may
+    not be both set and released in one request. ``epoch`` is written only when not 0, and a
+    setpoint's ``power_limit_w`` only when set, so a sender without them sends exactly what an
+    older agent parses. A bad field is refused in one line, e.g. ``setpoints[2].graphics_mhz:
+    must be an integer in 1..100000, got -5``.
+    """
 
     interval: int
     lease_expires_s: float  # epoch seconds
@@ -660,7 +639,15 @@ def _parse_list(
 
 @dataclass(frozen=True)
 class ExchangeResponse:
-    """What the agent answers: readings of every GPU, job progress, refused setpoints."""
+    """What the agent answers: readings of every GPU, job progress, refused setpoints.
+
+    Each `GpuReport` is read BEFORE the request's setpoints and releases were applied, so it
+    describes the interval that just ended, with the ``locked`` clocks and ``job_id`` in force
+    during it and ``read_s``, the agent's monotonic time of the reading (the head divides
+    energy-counter differences by it); its measurements are null when the GPU could not be read
+    or a value was implausible, and ``error`` says why. ``progress`` holds the latest report of
+    each job and reporting uid, ``refused`` the setpoints refused with the reason.
+    """
 
     node: str
     time_s: float  # epoch seconds on the agent
