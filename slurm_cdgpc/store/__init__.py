@@ -1,14 +1,7 @@
-"""The head's database: budget history, jobs, nodes, per-job models, measurements, decisions.
-
-SQLite or PostgreSQL through SQLAlchemy 2.0. Build an engine from the configured URL, bring the
-schema up to date, then pass a `Store` to whoever needs it::
-
-    engine = make_engine(config.store.url)
-    upgrade(engine)
-    store = Store(engine)
-
-The schema lives in versioned SQL files under ``sql/`` (`slurm_cdgpc.store.migrate`);
-`slurm_cdgpc.store.schema` describes the same tables to the ORM.
+"""The head's database (`Store`): budget history, jobs, nodes, per-job models, measurements and
+decisions, on SQLite or PostgreSQL through SQLAlchemy 2.0. It records and never decides: it never
+reaches `coordinator/` (`tests/unit/test_import_graph.py`). Tests:
+`tests/integration/test_store.py`, `tests/faults/test_store_faults.py`.
 """
 
 from __future__ import annotations

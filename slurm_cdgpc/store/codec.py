@@ -1,7 +1,7 @@
-"""Portable bytes for the float arrays of the model state: little-endian IEEE 754 float64.
-
-Every bit survives (NaN payloads, signed zeros, subnormals), on any machine and either database.
-The shape is not stored: the reader knows it (θ is (k,), P is (k, k)) and checks the length.
+"""Portable bytes for the float arrays of the model state: little-endian IEEE 754 float64, every bit
+kept (NaN payloads, signed zeros, subnormals) on any machine and either database. The shape is
+not stored: the reader knows it and checks the length. Like all of `store/`, it never reaches
+`coordinator/`. Test: `tests/integration/test_store.py`.
 """
 
 from __future__ import annotations

@@ -1,14 +1,7 @@
-"""Connecting to the database (SQLite or PostgreSQL) and translating its errors, once.
-
-No module-level engine: `make_engine` builds one from a URL and the caller passes it on.
-
-SQLite: foreign keys on and WAL (readers never block the writer) on every new connection. The
-driver's own transaction handling is switched off (it does not wrap DDL and begins lazily) and
-replaced by an explicit ``BEGIN``, or ``BEGIN IMMEDIATE`` for writes: every write is one
-transaction that takes the write lock up front, so two writers wait for each other instead of
-failing on a lock upgrade. PostgreSQL: driver psycopg 3; ``postgresql://`` means
-``postgresql+psycopg://``; a session whose transaction sits idle for `IDLE_IN_TRANSACTION_S` is
-ended by the server (its locks released).
+"""Connecting to the database (`make_engine`: SQLite or PostgreSQL, no module-level engine) and
+translating its errors, once; on SQLite every write takes the write lock up front. Like all of
+`store/`, it never reaches `coordinator/` (`tests/unit/test_import_graph.py`). Design:
+DESIGN.md, "The head's API" and "Standby heads"; test: `tests/integration/test_store.py`.
 """
 
 from __future__ import annotations
@@ -36,8 +29,8 @@ SQLITE_BUSY_TIMEOUT_S = 30.0
 #: SQLite: a connection's own commit checkpoints the write-ahead log only once it holds this
 #: many pages (about 40 MB; SQLite's default is 1,000). cdgpcd checkpoints once an interval
 #: from its control loop (`Store.checkpoint`), so that the API's event loop, which commits
-#: registrations itself, is not the one copying the log into the database (36 ms for 4 MB
-#: here); this is the backstop should the control loop stop.
+#: registrations itself, is not the one copying the log into the database (see DESIGN.md,
+#: "The head's API"); this is the backstop should the control loop stop.
 WAL_AUTOCHECKPOINT_PAGES = 10_000
 #: PostgreSQL ends a session whose transaction sat idle this long (a head paused mid-write, its
 #: locks held: the leader row, a job's row); no transaction of ours waits on the client
@@ -54,7 +47,15 @@ class StoreBusyError(StoreError):
 
 
 def make_engine(url: str, *, echo: bool = False) -> Engine:
-    """An engine for a ``sqlite:///…`` or ``postgresql[+psycopg]://…`` URL (no connection yet)."""
+    """An engine for a ``sqlite:///…`` or ``postgresql[+psycopg]://…`` URL (no connection yet).
+
+    SQLite: foreign keys on and WAL (readers never block the writer) on every new connection;
+    the driver's own transaction handling (it does not wrap DDL, and begins lazily) is replaced
+    by an explicit ``BEGIN``, or ``BEGIN IMMEDIATE`` for writes, so two writers wait for each
+    other instead of failing on a lock upgrade. PostgreSQL: psycopg 3 (``postgresql://`` means
+    ``postgresql+psycopg://``), and a session whose transaction sits idle for
+    `IDLE_IN_TRANSACTION_S` is ended by the server, its locks released.
+    """
     try:
         parsed = make_url(url)
     except ArgumentError as e:

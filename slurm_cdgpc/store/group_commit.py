@@ -1,25 +1,8 @@
-"""Group commit: writes that arrive together share one transaction, and so one disk flush.
-
-Each durable commit costs a flush of the write-ahead log (SQLite) or of the WAL to disk
-(PostgreSQL), and a database has one writer at a time either way. When many Prologs register at
-once, one transaction per request queues every request behind every other one's flush; one
-transaction for all the requests waiting at that moment pays the flush once.
-
-No thread of its own: the first caller to find no batch in progress leads one. It takes every
-request queued so far (its own included), applies them in one call, hands each caller its own
-outcome, and passes the lead to the first request that queued meanwhile. A caller returns only
-once the batch holding its request has committed (or failed), so nothing is acknowledged before
-it is durable, and a caller's exception never reaches another caller unless the whole batch
-failed.
-
-`GroupCommit.submit_later` queues a request with a function to call with its outcome instead
-of waiting for it (the head's event-loop front end answers registrations that way, without a
-thread per request): nobody waits on such a request, so whoever leads keeps leading through it.
-
-A thread that must never block (an event loop's) queues with ``lead=False`` and commits what
-it queued at a moment of its choosing with `GroupCommit.lead_queued`, giving a batch function
-that refuses to wait (`WouldBlockError`, before it has done anything): the batch then stays
-queued as it was, and a thread that may wait commits it.
+"""Group commit (`GroupCommit`): writes that arrive together share one transaction, and so one
+flush. It has no thread of its own, and nothing is acknowledged before it is durable. It imports
+nothing of the package; like all of `store/`, it never reaches `coordinator/`
+(`tests/unit/test_import_graph.py`). Design: DESIGN.md, "The head's API" (Group commit); tests:
+`tests/unit/test_group_commit.py`, `tests/integration/test_registration_commit.py`.
 """
 
 from __future__ import annotations
@@ -45,8 +28,8 @@ class WouldBlockError(Exception):
 class _Ticket(Generic[T, R]):
     item: T
     #: set when a waiting caller (`GroupCommit.submit`) has its outcome or the lead; None for
-    #: `GroupCommit.submit_later`, where nobody waits (building an Event per request showed as
-    #: a fifth of the serving threads' samples in a profile of a registration burst)
+    #: `GroupCommit.submit_later`, where nobody waits (an Event per request costs the head's
+    #: CPU under a burst: DESIGN.md, "The head's API")
     ready: threading.Event | None = None
     lead: bool = False
     #: called with the outcome by the leading thread (`GroupCommit.submit_later`)
@@ -67,7 +50,17 @@ class GroupCommit(Generic[T, R]):
 
     ``apply`` must commit before it returns (its result is what the callers are told), return one
     outcome per item in order, and raise only when nothing of the batch was committed: every
-    caller of that batch then gets the exception.
+    caller of that batch then gets the exception; no other caller's exception reaches one.
+
+    The first caller to find no batch in progress leads one: it takes every request queued so
+    far (its own included), applies them in one call, hands each caller its own outcome, and
+    passes the lead to the first request that queued meanwhile. A caller returns only once the
+    batch holding its request has committed (or failed). `submit_later` queues a request with a
+    function to call with its outcome instead (nobody waits on it, so whoever leads keeps
+    leading through it). A thread that must never block (an event loop's) queues with
+    ``lead=False`` and commits at a moment of its choosing with `lead_queued`, giving a batch
+    function that refuses to wait (`WouldBlockError`, before it has done anything): the batch
+    then stays queued as it was, and a thread that may wait commits it.
     """
 
     def __init__(

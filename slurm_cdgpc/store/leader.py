@@ -1,34 +1,8 @@
-"""The leader lock: which ``cdgpcd`` may push setpoints, and the epoch that fences out the others.
-
-Any number of ``cdgpcd`` processes may share one store: one is active, the others wait as
-standbys. They contend for the single row of the ``leader`` table (migration 0002):
-
-- **acquire** takes the row when it is free or its lease has expired, and raises ``epoch`` in
-  the same statement, to the database's clock in milliseconds or by one, whichever is more. Two
-  standbys that try at once are serialised by the database (the row lock on PostgreSQL, the
-  write lock on SQLite): one wins, the other sees a live lease.
-- **confirm** (renew) moves the expiry on, only ``WHERE holder = me AND epoch = mine``: a head
-  whose lock was taken over finds no row to update and learns it lost, whatever its clock says.
-- **release** frees the row on a clean stop so that a standby takes over at its next try
-  instead of waiting for the lease to run out. The epoch stays: the next holder raises it.
-
-The epoch is the fencing token. Every exchange carries it and an agent refuses an epoch older
-than the newest it has seen (`slurm_cdgpc.agent.node`), so a head that was paused after its last
-successful confirm and wakes up after a standby took over cannot change a clock: the lock alone
-could not promise that, a paused process does not know it is late. Epochs follow the clock so
-that a store created afresh, or restored from a backup, still hands out epochs above those the
-agents have seen (a plain counter would start again at 1, and every agent would refuse the head).
-The store is fenced too: a head renews the lease inside the transaction that records its
-interval (``confirm(within=...)``), so the record commits only if the lock is still its own, and
-a head paused before that commit writes nothing when it wakes. On PostgreSQL the renewal holds
-the leader row until the commit; a head paused right there would hold off a standby's takeover,
-so its server ends any transaction left idle for `IDLE_IN_TRANSACTION_S`
-(`slurm_cdgpc.store.engine`).
-
-Clocks: expiries are written and compared on the database's clock (PostgreSQL:
-``clock_timestamp()`` of the server; SQLite, which only one host can share: that host's clock),
-never a head's, so the heads' clocks may disagree. The lease should be shorter than the agents'
-lease, so that a standby takes over before the agents fall to their safe cap.
+"""The leader lock (`LeaderLock`): which ``cdgpcd`` may push, and the epoch that fences out the
+others, at the agents and in the store's own transaction. Expiry runs on the database's clock,
+never a head's. Like all of `store/`, it never reaches `coordinator/`
+(`tests/unit/test_import_graph.py`). Design: DESIGN.md, "Standby heads"; tests:
+`tests/unit/test_head_standby.py`, `tests/integration/test_leader.py`.
 """
 
 from __future__ import annotations
@@ -89,7 +63,9 @@ def default_holder() -> str:
 
 
 class LeaderLock:
-    """One process's handle on the leader lock (not thread safe: the control loop owns it)."""
+    """One process's handle on the leader lock (not thread safe: the control loop owns it):
+    the single row of the ``leader`` table (migration 0002). ``lease_s`` should be shorter than
+    the agents' lease, so that a standby takes over before the agents fall to their safe cap."""
 
     def __init__(self, engine: Engine, holder: str, lease_s: float) -> None:
         if not (0 < len(holder) <= _MAX_HOLDER_CHARS and holder.isprintable()):
@@ -175,7 +151,8 @@ class LeaderLock:
         ).rowcount
 
     def release(self) -> None:
-        """Free the lock if this process still holds it (a standby then takes it at once)."""
+        """Free the lock if this process still holds it (a standby then takes it at once). The
+        epoch stays: the next holder raises it."""
         if self._epoch is None:
             return
         epoch, self._epoch = self._epoch, None

@@ -1,14 +1,7 @@
-"""Versioned schema migrations: plain SQL files, ``sql/<dialect>/NNNN_name.sql``.
-
-`upgrade` applies the pending ones in order, each in its own transaction together with its row
-in ``schema_version`` (so a failed migration leaves the previous version intact; PostgreSQL and
-SQLite both roll back DDL). Running it again applies nothing. Two processes upgrading at once are
-serialised (PostgreSQL: an advisory lock; SQLite: the write lock), and the second finds nothing
-left to do.
-
-A file holds statements separated by ``;`` at the end of a line; ``--`` starts a comment. The
-first migration creates ``schema_version`` itself. The files live in the top-level ``sql/``;
-``slurm_cdgpc/sql`` links to it, so a wheel carries them as package data (`sql_dir`).
+"""Versioned schema migrations (`upgrade`): plain SQL files, ``sql/<dialect>/NNNN_name.sql``, each
+applied in its own transaction with its row in ``schema_version``, so a failed one leaves the
+previous version intact; running it again applies nothing. Like all of `store/`, it never reaches
+`coordinator/` (`tests/unit/test_import_graph.py`). Test: `tests/integration/test_store.py`.
 """
 
 from __future__ import annotations
@@ -84,7 +77,10 @@ def current_version(engine: Engine) -> int:
 
 
 def upgrade(engine: Engine, root: Path | None = None) -> list[int]:
-    """Apply the pending migrations in order; returns the versions applied (empty: up to date)."""
+    """Apply the pending migrations in order; returns the versions applied (empty: up to date).
+    Two processes upgrading at once are serialised (PostgreSQL: an advisory lock; SQLite: the
+    write lock), and the second finds nothing left to do; PostgreSQL and SQLite both roll back
+    DDL. The first migration creates ``schema_version`` itself."""
     dialect = engine.dialect.name
     available = migrations(dialect, root)
     latest = available[-1].version if available else 0

@@ -1,6 +1,6 @@
-"""What the store hands out and takes in: small frozen dataclasses, never ORM rows.
-
-Times are UNIX epoch seconds, powers watts, clocks MHz.
+"""What the store hands out and takes in: small frozen dataclasses, never ORM rows. Times are UNIX
+epoch seconds, powers watts, clocks MHz. Like all of `store/`, it never reaches `coordinator/`
+(`tests/unit/test_import_graph.py`). Test: `tests/integration/test_store.py`.
 """
 
 from __future__ import annotations

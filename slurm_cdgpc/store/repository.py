@@ -1,10 +1,8 @@
-"""`Store`: every read and write the daemons and `cdgpc-admin` make, each one transaction.
-
-Writes are atomic: a crash or an error midway leaves the database as it was. Several writes can be
-made atomic together with ``with store.transaction(): ...`` (the head writes one interval's
-decision, models and measurements that way, so a restart finds the old interval or the new one,
-never half of it). Methods return frozen records (`slurm_cdgpc.store.records`), never ORM rows.
-The store records; it never decides.
+"""`Store`: every read and write the daemons and ``cdgpc-admin`` make, each one transaction, several
+atomic together with ``store.transaction()``; it returns frozen records
+(`slurm_cdgpc.store.records`), never ORM rows. It records and never decides: it never reaches
+`coordinator/` (`tests/unit/test_import_graph.py`). Tests: `tests/integration/test_store.py`,
+`tests/faults/test_store_faults.py`.
 """
 
 from __future__ import annotations
@@ -845,9 +843,8 @@ class _JobSql:
     """The registration's three hot statements as the driver's own SQL, for one dialect.
 
     Through SQLAlchemy Core each statement cost more than the database's work on it (building
-    the statement, its cache key, the per-row parameter processing), and a batch of 40
-    registrations spent 2.3-3.3 ms in the store, a third of the head's CPU under a burst of
-    Prologs; as driver SQL the same batch takes 1.2 ms. They still run on the session's
+    the statement, its cache key, the per-row parameter processing; for how much, see
+    DESIGN.md, "The head's API"). They still run on the session's
     connection, in its transaction, with SQLAlchemy's error handling. The columns are plain
     text, floats and integers, which both drivers bind and return as they are.
     """

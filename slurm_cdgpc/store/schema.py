@@ -1,8 +1,8 @@
-"""The store's tables as SQLAlchemy 2.0 typed ORM classes.
-
-The schema itself is created by the versioned SQL files in ``sql/`` (`slurm_cdgpc.store.migrate`);
-these classes must describe the same tables and columns, which a test checks on SQLite and
-PostgreSQL. Times are UNIX epoch seconds (``*_s``, float), powers watts, clocks MHz.
+"""The store's tables as SQLAlchemy 2.0 typed ORM classes. The versioned SQL files make the schema
+(`slurm_cdgpc.store.migrate`); these classes must describe the same tables and columns, which
+`tests/integration/test_store.py` checks on SQLite and PostgreSQL. Times are UNIX epoch seconds
+(``*_s``, float), powers watts, clocks MHz. Like all of `store/`, it never reaches
+`coordinator/`.
 """
 
 from __future__ import annotations
