@@ -854,8 +854,8 @@ class NodeAgent:
             "epoch": self._epoch,
             "locks": locks,
         }
-        # json.dumps, not json.dump: dump streams through the pure-Python encoder, five times
-        # slower, and this runs on every exchange on every node
+        # json.dumps, not json.dump: dump streams through the pure-Python encoder, far slower,
+        # and this runs on every exchange on every node
         data = (json.dumps(document, separators=(",", ":")) + "\n").encode()
         tmp = self.state_file.with_name(f".node-state.{self.state_file.name}.tmp")
         try:

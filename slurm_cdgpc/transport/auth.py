@@ -125,7 +125,7 @@ class KeyFileError(FatalError):
 
 @dataclass(frozen=True)
 class Principal:
-    """Who sent a request. With HMAC the ids are the signer's claim (see the module docstring)."""
+    """Who sent a request. With HMAC the ids are only the signer's claim (`HmacSigner`)."""
 
     uid: int
     gid: int
@@ -440,7 +440,7 @@ def _split_credential(credential: str, scheme: str) -> str:
     return token
 
 
-#: seconds a uid's account name is remembered (the lookup was 3 % of the head's CPU per request)
+#: seconds a uid's account name is remembered (DESIGN.md, "The head's API": its lookup's cost)
 _USER_NAME_TTL_S: Final = 60.0
 _user_names: dict[int, tuple[float, str | None]] = {}
 
@@ -647,7 +647,8 @@ class HmacSigner:
 
 
 class HmacVerifier:
-    """Checks shared-key credentials; see the module docstring for what the claimed uid means."""
+    """Checks shared-key credentials; what the claimed uid means: `HmacSigner`, and DESIGN.md,
+    "Authentication"."""
 
     scheme: Final = HMAC_SCHEME
     in_process: Final = True

@@ -1,8 +1,8 @@
 """The event-loop HTTP server the head and the agents share (`EventLoop`, `EventedHttpServer`): one
 thread owns every socket, and worker threads (none on the agent) run `JsonHandler` on each whole
 request. It keeps the connection, peer, lifetime and header-block bounds. It never reaches
-`agent/` or `coordinator/` (`tests/unit/test_import_graph.py`). Design: DESIGN.md, "The head's
-API" and "Safety" (slow peers); tests: `tests/unit/test_transport_server.py`,
+`agent/` or `coordinator/` (`tests/unit/test_import_graph.py`). Design: DESIGN.md,
+"The head's API" and "Safety" (slow peers); tests: `tests/unit/test_transport_server.py`,
 `tests/unit/test_transport_evented_scan.py`, `tests/security/test_slow_peers.py`.
 """
 

@@ -238,7 +238,7 @@ class _HeaderError(Exception):
 class Headers:
     """A request's header fields: `get` and `get_all` case-insensitive, `items` in order; what
     `http.client.HTTPMessage` offers the handlers, at a fraction of its cost (it runs every
-    field through the `email` package: a tenth of the head's CPU per registration)."""
+    field through the `email` package: DESIGN.md, "The head's API")."""
 
     __slots__ = ("_by_name", "_fields")
 
