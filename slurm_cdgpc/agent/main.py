@@ -1,6 +1,7 @@
 """``cdgpc-noded [--config PATH] [--node-name NAME]``: builds the node agent from the configuration
 and runs it (HTTP listener, progress socket, spool forwarding, lease ticks); ``cdgpc-noded
-exchange`` is `slurm_cdgpc.transport.forward`. Nothing here decides: `NodeAgent` does. Tests:
+exchange`` is `slurm_cdgpc.transport.forward`. Nothing here decides: `NodeAgent` does. Like all
+of `agent/`, it never reaches `control/` (`tests/unit/test_import_graph.py`). Tests:
 `tests/integration/test_agent_live.py`, `tests/integration/test_systemd_live.py`; design:
 DESIGN.md, "Safety" (The lease) and "Under systemd".
 """

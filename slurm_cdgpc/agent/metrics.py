@@ -1,6 +1,7 @@
 """Prometheus exposition of ``cdgpc-noded`` (``GET /metrics``): the lease, the exchanges, the
 process, from a registry of its own (`AgentMetrics.registry`), never the library's global one.
-No label names a job, a user or a GPU. The series: DESIGN.md, "Metrics"; tests:
+No label names a job, a user or a GPU. Like all of `agent/`, it never reaches `control/`
+(`tests/unit/test_import_graph.py`). The series: DESIGN.md, "Metrics"; tests:
 `tests/unit/test_metrics.py`, `tests/integration/test_metrics_live.py`.
 """
 

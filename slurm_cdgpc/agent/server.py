@@ -1,6 +1,7 @@
 """The agent's HTTP routes (`_ROUTES`: ``/v1/exchange``, ``/v1/hold``, ``/v1/release``,
 ``/v1/health``, ``/metrics``) over the shared `JsonHandler`. Every answer to a request whose
-credential checked out is signed. Tests: `tests/unit/test_transport_exchange.py`,
+credential checked out is signed. Like all of `agent/`, it never reaches `control/`
+(`tests/unit/test_import_graph.py`). Tests: `tests/unit/test_transport_exchange.py`,
 `tests/security/test_http_framing.py`, `tests/security/test_reply_auth.py`; design: DESIGN.md,
 "The exchange" (Signed answers).
 """

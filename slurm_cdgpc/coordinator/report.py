@@ -1,7 +1,7 @@
 """One control interval as the API, the metrics and the tests see it: `IntervalReport`, with a
 `JobView` per active job. Built by the loop at the end of each interval and replaced whole, so
-the API's threads read it without a lock (DESIGN.md, "Data flow"); nothing here reaches the store
-or the nodes. Test: `tests/unit/test_coordinator_daemon.py`.
+the API's threads read it without a lock (DESIGN.md, "Data flow"); nothing here reads the store
+or talks to the nodes. Test: `tests/unit/test_coordinator_daemon.py`.
 """
 
 from __future__ import annotations
