@@ -1,8 +1,8 @@
 """The head as a simulator policy (``simulate --engine head``): the digital twin (`HeadTwin`).
 
-It decides nothing itself, and like every policy but the oracle it never reaches the plant. What
-a report must hold to be trusted: DESIGN.md, "Models" (What a sample is); tests:
-`tests/unit/test_sim_twin.py`, `tests/unit/test_sim_policies.py`.
+A `Policy`, not a `PlantPolicy`: it never reaches the plant, and it decides nothing itself. What
+a report must hold to be trusted: DESIGN.md, "Models" (What a sample is); test:
+`tests/unit/test_sim_twin.py`.
 """
 
 from __future__ import annotations
