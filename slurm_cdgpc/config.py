@@ -1,18 +1,8 @@
 """The one configuration file, ``/etc/cdgpc/cdgpc.toml``, typed and validated at load.
 
-Precedence, highest first: explicit overrides (the command line) > environment variables
-``CDGPC_<SECTION>_<KEY>`` (``CDGPC_HEAD_URL``, ``CDGPC_CONTROL_INTERVAL``) > the file > defaults.
-``daemon/cdgpc.toml`` documents every key.
-
-Every value given anywhere is checked, and every error is one line naming where the value came
-from and the key: ``cdgpc.toml: control.interval: must be a duration like 30s, got 'fast'``.
-Unknown sections and keys are errors, in the file and in ``CDGPC_<SECTION>_*`` variables alike:
-a typo must not silently fall back to a default. Other ``CDGPC_*`` variables (``CDGPC_DEBUG``,
-``CDGPC_CONFIG``, ``CDGPC_DATA_DIR``) are not settings and are left alone.
-
-This module imports only the standard library, `slurm_cdgpc.units` and `slurm_cdgpc.wire.names`:
-the Prolog and Epilog read the head's and the local agent's URLs from it and must start in
-milliseconds.
+``daemon/cdgpc.toml`` documents every key. Standard library, `errors`, `units` and `wire.names`
+only: the Prolog and Epilog read the head's and the local agent's URLs from it and must start in
+milliseconds (`tests/unit/test_import_graph.py`). Test: `tests/unit/test_config.py`.
 """
 
 from __future__ import annotations
@@ -321,7 +311,7 @@ class StoreConfig:
 
 @dataclass(frozen=True)
 class ControlConfig:
-    """[control]: the controller solved every interval (DESIGN.md, "Control core").
+    """[control]: the controller solved every interval (DESIGN.md, "Controller").
 
     These defaults are the controller's (`slurm_cdgpc.control.empc.ControllerSettings`): cdgpcd
     and the simulator's ``cdgpc`` policy run with them.
@@ -535,6 +525,14 @@ def load_config(
     may be absent: defaults then). ``env``: the environment (default ``os.environ``).
     ``overrides``: command-line values keyed ``"section.key"`` (``{"control.interval": "10s"}``);
     ``None`` values mean "not given" and are skipped.
+
+    Precedence, highest first: ``overrides`` > environment variables ``CDGPC_<SECTION>_<KEY>``
+    (``CDGPC_HEAD_URL``, ``CDGPC_CONTROL_INTERVAL``) > the file > defaults. Every value given
+    anywhere is checked, and every error is one line naming where the value came from and the
+    key: ``cdgpc.toml: control.interval: must be a duration like 30s, got 'fast'``. Unknown
+    sections and keys are errors, in the file and in ``CDGPC_<SECTION>_*`` variables alike: a
+    typo must not silently fall back to a default. Other ``CDGPC_*`` variables
+    (``CDGPC_DEBUG``, ``CDGPC_CONFIG``, ``CDGPC_DATA_DIR``) are not settings and are left alone.
     """
     env = os.environ if env is None else env
     values: _Values = {}

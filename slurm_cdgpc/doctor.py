@@ -1,8 +1,8 @@
 """``cdgpc-admin doctor``: is this node set up for slurm-cdgpc, and if not, what to fix.
 
-Every check reads; none changes a GPU, a lock or a limit (clock control is checked by the
-privileges it needs, not by setting a clock). Each answers ok or not, with one line of detail
-and, when not ok, one line saying what to do.
+Every check reads; none changes a GPU, a lock or a limit. It runs no Slurm or MUNGE program
+itself: `slurm/` and `transport/` do (`tests/unit/test_import_graph.py`). Test:
+`tests/unit/test_doctor.py`.
 """
 
 from __future__ import annotations
@@ -26,6 +26,9 @@ CAP_SYS_ADMIN_BIT = 21
 
 @dataclass(frozen=True)
 class Check:
+    """One check's answer: ok or not, one line of detail and, when not ok, one line saying what
+    to do. Clock control is checked by the privileges it needs, not by setting a clock."""
+
     name: str
     ok: bool
     detail: str

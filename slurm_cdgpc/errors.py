@@ -1,10 +1,8 @@
-"""One exception root for the whole project.
+"""One exception root for the whole project (`CdgpcError`), and `one_line` for every message.
 
-`SoftError` means "log it and carry on" (one GPU fell off the bus, one node did not answer);
-`FatalError` means the component cannot do its job (no permission to set clocks, no NVML at all).
-Bad input from a person or a peer is an `InputError`: a one-line message, and nothing changes.
-Vendor exceptions are translated once, at their seam, with ``raise ... from e``. `one_line` makes
-any text that goes into a log line or an error message one printable line.
+Vendor exceptions are translated once, at their seam, with ``raise ... from e``. The ground
+floor: standard library only (`tests/unit/test_import_graph.py`). Test:
+`tests/unit/test_errors.py`.
 """
 
 from __future__ import annotations
@@ -45,15 +43,18 @@ class CdgpcError(Exception):
 
 
 class SoftError(CdgpcError):
-    """A local failure: log it, count it, keep the control loop running."""
+    """A local failure: log it, count it, keep the control loop running (one GPU fell off the
+    bus, one node did not answer)."""
 
 
 class FatalError(CdgpcError):
-    """The component cannot work as configured; stop and say why."""
+    """The component cannot work as configured; stop and say why (no permission to set clocks,
+    no NVML at all)."""
 
 
 class InputError(CdgpcError, ValueError):
-    """Bad input (a budget, a deadline, a clock, a file): refused with a one-line reason."""
+    """Bad input from a person or a peer (a budget, a deadline, a clock, a file): refused with a
+    one-line reason, and nothing changes."""
 
 
 class GpuError(SoftError):

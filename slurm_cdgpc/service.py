@@ -1,10 +1,7 @@
-"""Process plumbing shared by the daemons (``cdgpcd``, ``cdgpc-noded``).
+"""Process plumbing shared by the daemons (``cdgpcd``, ``cdgpc-noded``): `serve` and `settle_heap`.
 
-Logs go to stderr, one line per event (journald adds time stamps); when stderr is the journal's
-stream, each line carries its syslog priority (`slurm_cdgpc.systemd.JournalFormatter`), so
-``journalctl -p err`` finds the errors. ``CDGPC_DEBUG=1`` logs at debug level and shows
-tracebacks. A `CdgpcError` ends the process with ``Error: <one line>`` and exit status 2 for bad
-input (configuration), 1 otherwise.
+Standard library, `errors` and `systemd` only. Design: DESIGN.md, "Under systemd" (log
+priorities) and "The head's API" (the collector); test: `tests/unit/test_systemd.py`.
 """
 
 from __future__ import annotations
@@ -34,18 +31,23 @@ def settle_heap() -> None:
     statements, the store's jobs) out of the cyclic collector's reach (`gc.freeze`).
 
     The collector's full pass walks every live object, and the head's start-up leaves hundreds
-    of thousands: each pass took 40–50 ms, with the GIL held, and stalled every request in
-    flight. Under ``bench register --concurrency 200`` those passes were the p99 (118–145 ms;
-    82–86 ms with the collector off). After the freeze a full pass walks only what was
-    allocated since; garbage made at start-up is collected first, not kept forever. The price:
-    a start-up object that later falls out of use inside a reference cycle is never reclaimed,
-    a one-time cost bounded by the start-up heap."""
+    of thousands: each pass held the GIL and stalled every request in flight, and those passes
+    were the registration p99 (DESIGN.md, "The head's API"). After the freeze a full pass walks
+    only what was allocated since; garbage made at start-up is collected first, not kept
+    forever. The price: a start-up object that later falls out of use inside a reference cycle
+    is never reclaimed, a one-time cost bounded by the start-up heap."""
     gc.collect()
     gc.freeze()
 
 
 def serve(prog: str, body: Callable[[], int]) -> int:
-    """Set up logging, run ``body``, and turn our errors into one line and an exit status."""
+    """Set up logging, run ``body``, and turn our errors into one line and an exit status.
+
+    Logs go to stderr, one line per event (journald adds time stamps); when stderr is the
+    journal's stream, each line carries its syslog priority (`JournalFormatter`), so
+    ``journalctl -p err`` finds the errors. ``CDGPC_DEBUG=1`` logs at debug level and shows
+    tracebacks. A `CdgpcError` ends the process with ``Error: <one line>`` and exit status 2
+    for bad input (configuration), 1 otherwise."""
     debug = debug_enabled()
     journal = stream_is_journal(sys.stderr)
     handler = logging.StreamHandler(sys.stderr)

@@ -1,12 +1,8 @@
 """What the daemons tell systemd, without libsystemd: notifications and log priorities.
 
-`Notifier` sends sd_notify(3) datagrams (``READY=1``, ``WATCHDOG=1``, ``STOPPING=1``,
-``STATUS=...``) to ``$NOTIFY_SOCKET``; without one (not started by systemd) it sends nothing.
-`ProgressWatchdog` feeds the watchdog from a thread while a loop shows progress.
-`JournalFormatter` prefixes each line with its syslog priority (``<3>`` for an error, as
-sd-daemon(3)'s ``SD_ERR``) so journald files it at that priority; `stream_is_journal` says when
-stderr is connected to the journal (``$JOURNAL_STREAM``). DESIGN.md, "Under systemd", says
-which daemon sends what and when.
+`Notifier` and `ProgressWatchdog` (sd_notify(3)), `JournalFormatter` and `stream_is_journal`
+(sd-daemon(3)). Standard library only. Design: DESIGN.md, "Under systemd" (which daemon sends
+what and when); tests: `tests/unit/test_systemd.py`, `tests/integration/test_systemd_live.py`.
 """
 
 from __future__ import annotations
@@ -28,10 +24,12 @@ JOURNAL_STREAM_ENV: Final = "JOURNAL_STREAM"
 
 
 class Notifier:
-    """sd_notify(3) over ``$NOTIFY_SOCKET`` (a path, or ``@name`` for an abstract socket).
+    """sd_notify(3) over ``$NOTIFY_SOCKET`` (a path, or ``@name`` for an abstract socket):
+    ``READY=1``, ``WATCHDOG=1``, ``STOPPING=1``, ``STATUS=...``.
 
-    Every method is a no-op without a socket. A message that cannot be sent is logged once
-    and dropped: the service manager's bookkeeping never stops a daemon."""
+    Every method is a no-op without a socket (not started by systemd). A message that cannot
+    be sent is logged once and dropped: the service manager's bookkeeping never stops a daemon.
+    """
 
     def __init__(
         self,
@@ -175,8 +173,9 @@ def syslog_priority(levelno: int) -> int:
 
 
 class JournalFormatter(logging.Formatter):
-    """Every line of a record, a traceback's too, starts with ``<priority>``: journald makes
-    each line an entry, and reads the priority from the prefix (and strips it)."""
+    """Every line of a record, a traceback's too, starts with ``<priority>`` (``<3>`` for an
+    error, as sd-daemon(3)'s ``SD_ERR``): journald makes each line an entry, and reads the
+    priority from the prefix (and strips it)."""
 
     def format(self, record: logging.LogRecord) -> str:
         prefix = f"<{syslog_priority(record.levelno)}>"

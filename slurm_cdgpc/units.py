@@ -1,8 +1,8 @@
 """Reading and printing the quantities people type: power (``450kW``) and durations (``90s``).
 
-The one duration grammar: a span is one or more parts ``<digits>[.<digits>] <unit>``, units
-``ms s m min h d`` in any case (``90s``, ``1.5h``, ``1h30m``, ``250ms``). ``daemon/job_submit.lua``
-mirrors it. Standard library only: the Prolog imports this.
+The one duration grammar (`span_s`), mirrored by ``daemon/job_submit.lua``. The ground floor:
+standard library and `errors` only, as the GPU floor and the Prolog import it
+(`tests/unit/test_import_graph.py`). Test: `tests/unit/test_units.py`.
 """
 
 from __future__ import annotations
@@ -39,7 +39,10 @@ def parse_power_w(text: str) -> float:
 
 
 def span_s(text: str) -> float | None:
-    """The seconds of a span (``90s``, ``1.5h``, ``1h30m``, ``250ms``); None if ``text`` is none."""
+    """The seconds of a span (``90s``, ``1.5h``, ``1h30m``, ``250ms``); None if ``text`` is none.
+
+    A span is one or more parts ``<digits>[.<digits>] <unit>``, units ``ms s m min h d`` in any
+    case."""
     if SPAN.fullmatch(text) is None:
         return None
     return sum(float(n) * _SPAN_UNITS[unit.lower()] for n, unit in _SPAN_PART.findall(text))

@@ -1,12 +1,8 @@
-"""From continuous clocks to the clocks a GPU accepts (DESIGN.md, "Controller").
+"""From continuous clocks to the clocks a GPU accepts: `ClockGrid` and `discretise`.
 
-1. Floor every job's clocks to the nearest supported level at or below the continuous optimum.
-   Power is increasing in the clock, so the plan stays within budget.
-2. Greedy fill: rank one-level upgrades by marginal benefit over marginal cost,
-   w (T(x) − T(x⁺)) / (g (P(x⁺) − P(x))), and take them in that order while the leftover budget
-   lasts; repeat for a few rounds (a job may climb more than one level).
-
-Everything is vectorised over jobs; the per-type loops run over a handful of GPU types.
+The controller's math: never reaches `store/`, `transport/`, `agent/`, `coordinator/` or `cli/`
+(`tests/unit/test_import_graph.py`). Design: DESIGN.md, "Controller" (5, Clocks); tests:
+`tests/unit/test_control_discrete.py`.
 """
 
 from __future__ import annotations
@@ -150,7 +146,16 @@ def discretise(
     x_m: FloatArray,
     max_rounds: int = 8,
 ) -> DiscretePlan:
-    """Floor the step-0 continuous clocks to supported levels, then fill the budget greedily."""
+    """Floor the step-0 continuous clocks to supported levels, then fill the budget greedily.
+
+    1. Floor every job's clocks to the highest supported level at or below the continuous
+       optimum. Power is increasing in the clock, so the plan stays within budget.
+    2. Greedy fill: rank one-level upgrades by marginal benefit over marginal cost,
+       w (T(x) − T(x⁺)) / (g (P(x⁺) − P(x))), and take them in that order while the leftover
+       budget lasts; repeat for up to ``max_rounds`` rounds (a job may climb more than one level).
+
+    Vectorised over jobs; the per-type loops run over a handful of GPU types.
+    """
     g_top, m_top = grid.top_mhz(types)
     w = problem.weight[0]
     budget = float(problem.budget_w[0])

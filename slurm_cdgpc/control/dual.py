@@ -1,22 +1,9 @@
-"""Lagrangian dual decomposition of the economic MPC step (Kang et al., IEEE TIE 2022).
+"""Lagrangian dual decomposition of one control step (Kang et al., IEEE TIE 2022).
 
-For H independent budgets × N jobs (the controller passes one, H = 1) and prices λ_h ≥ 0, the
-Lagrangian
-
-    Σ_n w_n T_n(x_n) + λ (Σ_n g_n P_n(x_n) − B)
-
-splits into one small problem per job and clock, each with a closed-form minimiser (the
-"best response"). The head only needs the scalar dual gradient per step,
-
-    G(λ) = Σ_n g_n P_n(x*_n(λ)) − B,
-
-which is continuous and non-increasing in λ. Three ways to find the price where G crosses zero,
-all stopping on the feasible side, −tol·B ≤ G(λ) ≤ 0:
-
-- ``gradient``: the paper's projected dual ascent λ ← [λ + G(λ)/L]₊, step 1/L from the Lipschitz
-  constant of G (L = Σ g² m(x_hi)² / μ, μ = 2 w b_c / x_hi³ the strong convexity of w b_c/x);
-- ``bisection`` on log λ (≈ 35–50 evaluations);
-- ``newton``: safeguarded Newton on log λ with G'(λ) in closed form (≈ 5–10 evaluations).
+`DualProblem` is the step's problem and each job's closed-form best response; `solve_price`
+finds the price. The controller's math: never reaches `store/`, `transport/`, `agent/`,
+`coordinator/` or `cli/` (`tests/unit/test_import_graph.py`). Design: DESIGN.md, "Controller"
+(3, Price); tests: `tests/unit/test_control_dual.py`.
 """
 
 from __future__ import annotations
@@ -44,7 +31,14 @@ class StepStatus(StrEnum):
 
 @dataclass(frozen=True)
 class DualProblem:
-    """One control step's continuous problem: H steps × N jobs, clocks normalised to (0, 1]."""
+    """One control step's continuous problem: H steps × N jobs, clocks normalised to (0, 1].
+
+    For H independent budgets (the controller passes one, H = 1) and prices λ_h ≥ 0, the
+    Lagrangian Σ_n w_n T_n(x_n) + λ (Σ_n g_n P_n(x_n) − B) splits into one small problem per job
+    and clock, each with a closed-form minimiser (`best_response`). The price needs only the
+    scalar dual gradient G(λ) = Σ_n g_n P_n(x*_n(λ)) − B (`gradient`), which is continuous and
+    non-increasing in λ.
+    """
 
     family: PowerFamily
     gpus: FloatArray  # g (N,)
@@ -153,7 +147,15 @@ def solve_price(
     warm_price: FloatArray | None = None,
     max_evaluations: int = 100_000,
 ) -> DualResult:
-    """The price per step at which the jobs' power meets the budget, from the feasible side."""
+    """The price per step at which the jobs' power meets the budget, from the feasible side.
+
+    Every mode stops with −tol·B ≤ G(λ) ≤ 0:
+
+    - ``gradient``: the paper's projected dual ascent λ ← [λ + G(λ)/L]₊, step 1/L from the
+      Lipschitz constant of G (`DualProblem.lipschitz`);
+    - ``bisection`` on log λ;
+    - ``newton``: safeguarded Newton on log λ with G'(λ) in closed form (`_newton`).
+    """
     if mode not in MODES:
         raise InputError(f"unknown dual mode {mode!r} (known: {', '.join(MODES)})")
     if not tol > 0:

@@ -1,18 +1,9 @@
-"""The economic MPC: every control interval, clocks for every running job (DESIGN.md).
+"""The economic MPC: `EconomicMPC.step` gives every running job its clocks, once an interval.
 
-One step:
-1. learn: RLS update of every job's power and iteration-time model from the last interval;
-2. offset: δ ← (1−η) δ + η (Σ P_meas − Σ P_plan) / Σ P_plan over the settled jobs' plans;
-3. weights: w_n = R_n / max(D_n − t, Δt), so w_n T_n(f) is the job's deadline pressure, then
-   the rules (`ControllerSettings`): triage, the drain, the pressure of jobs without a deadline;
-4. budget: B_eff = (B − P_uncontrolled − ε B) / (1 + δ), ε = max(ε₀, c/√N); an unmeasured job
-   runs at its top clock counted at its power limit;
-5. price: dual decomposition (`dual.py`), re-solved once with the exploration margin held back;
-6. clocks: floor to supported levels at or above the clock floor (below it when nothing above
-   fits, with ``floor_fallback``) and greedy fill (`discrete.py`).
-
-Every decision rule is a field of `ControllerSettings`; its defaults are the shipped
-configuration's (`slurm_cdgpc.config.ControlConfig`), which cdgpcd and the simulator both use.
+Every rule is a field of `ControllerSettings`, whose defaults are `config.ControlConfig`'s. The
+controller's math: never reaches `store/`, `transport/`, `agent/`, `coordinator/` or `cli/`
+(`tests/unit/test_import_graph.py`). Design: DESIGN.md, "Controller"; tests:
+`tests/unit/test_control_empc.py`, `tests/unit/test_one_brain.py`.
 """
 
 from __future__ import annotations
@@ -230,6 +221,18 @@ class EconomicMPC:
         measured: Measurements | None = None,
         queue: QueueState | None = None,
     ) -> Decision:
+        """One interval's clocks for every job in ``jobs``:
+
+        1. learn: RLS update of every job's power and iteration-time model from ``measured``;
+        2. offset: δ ← (1−η) δ + η (Σ P_meas − Σ P_plan) / Σ P_plan over the settled jobs' plans;
+        3. weights: w_n = R_n / max(D_n − t, Δt), so w_n T_n(f) is the job's deadline pressure,
+           then the rules: triage, the drain, the pressure of jobs without a deadline;
+        4. budget: B_eff = (B − P_uncontrolled − ε B) / (1 + δ), ε = max(ε₀, c/√N); an
+           unmeasured job runs at its top clock counted at its power limit;
+        5. price: `solve_price`, re-solved once with the exploration margin held back;
+        6. clocks: floor to supported levels at or above the clock floor (below it when nothing
+           above fits, with ``floor_fallback``) and greedy fill (`discretise`).
+        """
         s = self.settings
         t0 = time.perf_counter()
         learn = None

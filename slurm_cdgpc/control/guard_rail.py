@@ -1,15 +1,9 @@
 """The power-limit guard rail: each controlled GPU's power limit, set under its planned clocks.
 
-The clocks are the lever; the limit only catches a model that under-predicts, within the
-firmware's ~1 s instead of the next interval. Per job j on g_j GPUs with planned power P_j (all
-its GPUs, `Decision.job_power_w`) and margin m:
-
-    L_j = clip(P_j / g_j · (1 + m), L_min, L_default)
-
-never above the board's default limit (the rail only tightens what the board boots with) and
-never below its minimum. The head (`slurm_cdgpc.coordinator.jobs.RunningJobs.setpoints`) and the
-closed loop (`slurm_cdgpc.sim.closed_loop`) both take it from here; the agent clips it again into
-the board it actually has.
+The head (`slurm_cdgpc.coordinator.jobs.RunningJobs.setpoints`) and the closed loop
+(`slurm_cdgpc.sim.closed_loop`) take it from here. The controller's math: never reaches `store/`,
+`transport/`, `agent/`, `coordinator/` or `cli/` (`tests/unit/test_import_graph.py`). Design:
+DESIGN.md, "Boards" (The power-limit guard rail); tests: `tests/faults/test_guard_rail.py`.
 """
 
 from __future__ import annotations
@@ -30,7 +24,12 @@ def power_limits_w(
 ) -> FloatArray | None:
     """Per job, the power limit of each of its GPUs (W); None when the rail is off (margin 0).
 
-    A job whose planned power is not finite gets its board's default limit."""
+    For job j on g_j GPUs with planned power P_j (all its GPUs, `Decision.job_power_w`) and
+    margin m, L_j = clip(P_j / g_j · (1 + m), L_min, L_default): never above the board's default
+    limit (the rail only tightens what the board boots with), never below its minimum, and the
+    board's default for a job whose planned power is not finite. The clocks are the lever; the
+    limit only catches a model that under-predicts, within the firmware's ~1 s averaging window
+    instead of the next interval. The agent clips it again into the board it actually has."""
     if not margin >= 0:
         raise InputError(f"the power-limit margin must be at least 0, got {margin}")
     if margin == 0:

@@ -1,10 +1,8 @@
 """How much of its Slurm time limit a job's work takes, learned from the jobs that ended.
 
-Users ask for more time than their jobs use, often several times more (Tsafrir, Etsion and
-Feitelson, IEEE TPDS 2007). A job that says no total needs at most its limit at top clocks; the
-controller sharpens that bound to the ``quantile`` of the shares that ended jobs used (their
-work at top clocks over their limit): a bound that held for that share of them. Until
-``min_jobs`` have ended, and for a job that has outlived the learned share, the share is 1.
+The controller's math: never reaches `store/`, `transport/`, `agent/`, `coordinator/` or `cli/`
+(`tests/unit/test_import_graph.py`). Design: DESIGN.md, "Controller" (1, Weights: work from the
+time limit) and "Progress"; tests: `tests/unit/test_control_empc.py`.
 """
 
 from __future__ import annotations
@@ -16,7 +14,13 @@ from slurm_cdgpc.model.families import FloatArray
 
 
 class LimitShare:
-    """The ``quantile`` of the last ``window`` ended jobs' work over their time limit."""
+    """The ``quantile`` of the last ``window`` ended jobs' work over their time limit.
+
+    A job that says no total needs at most its limit at top clocks; the controller sharpens that
+    bound to `share`, a bound that held for ``quantile`` of the ended jobs (their work at top
+    clocks over their limit). Until ``min_jobs`` have ended the share is 1, and the controller
+    gives a job that has outlived it its whole limit.
+    """
 
     def __init__(self, quantile: float, min_jobs: int = 20, window: int = 2000) -> None:
         if not 0.0 < quantile <= 1.0:

@@ -1,11 +1,9 @@
 """The same continuous problem, stated for cvxpy: the reference our dual solvers must match.
 
-    minimise   Σ_n w_n (b_c/x_n + b_m m_n/x_m,n + b_e)
-    subject to Σ_n g_n P_n(x_n, x_m,n) ≤ B,   x_lo ≤ x ≤ x_hi,   x_m,lo ≤ x_m ≤ x_m,hi
-
-P is convex in the clocks for every family (non-negative clock coefficients), so the problem is
-DCP and any conic solver gives the global optimum. It is slow (a generic interior-point solve),
-which is the point of the decomposition; it is used on small instances, in tests and benchmarks.
+Slow (a generic interior-point solve), which is the point of the decomposition: for small
+instances, tests and `bench controller` only. The controller's math: never reaches `store/`,
+`transport/`, `agent/`, `coordinator/` or `cli/` (`tests/unit/test_import_graph.py`). Design:
+DESIGN.md, "Controller" (3, Price); tests: `tests/unit/test_control_dual.py`.
 """
 
 from __future__ import annotations
@@ -43,7 +41,14 @@ def _core_power(problem: DualProblem, x: cp.Variable) -> cp.Expression:
 
 
 def solve_reference(problem: DualProblem, step: int = 0) -> ReferenceSolution:
-    """Solve horizon step ``step`` of ``problem`` with cvxpy (Clarabel)."""
+    """Solve horizon step ``step`` of ``problem`` with cvxpy (Clarabel):
+
+        minimise   Σ_n w_n (b_c/x_n + b_m m_n/x_m,n + b_e)
+        subject to Σ_n g_n P_n(x_n, x_m,n) ≤ B,   x_lo ≤ x ≤ x_hi,   x_m,lo ≤ x_m ≤ x_m,hi
+
+    P is convex in the clocks for every family (non-negative clock coefficients), so the problem
+    is DCP and any conic solver gives the global optimum.
+    """
     n = problem.gpus.shape[0]
     w = problem.weight[step]
     b = problem.time_theta

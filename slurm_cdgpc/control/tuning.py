@@ -1,7 +1,9 @@
 """The controller as configured: ``[control]`` → the settings cdgpcd and the simulator share.
 
-`shipped` is what a site runs with the default configuration; `paper` is the same controller
-with the method as published (Kang et al. 2022): the linear power family and none of the rules.
+`shipped` is the default configuration's; `paper` is the method as published (Kang et al. 2022).
+The controller's math: never reaches `store/`, `transport/`, `agent/`, `coordinator/` or `cli/`
+(`tests/unit/test_import_graph.py`). Design: DESIGN.md, "Controller" (One brain); test:
+`tests/unit/test_one_brain.py`.
 """
 
 from __future__ import annotations

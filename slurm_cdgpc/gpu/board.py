@@ -1,9 +1,8 @@
 """The controller's GPU type for a board its node describes, and boards from ``nvidia-smi`` dumps.
 
-`spec_from_board` turns a `BoardDescription` (the wire form, `slurm_cdgpc.wire.board`) into a
-`GpuSpec`, so a board the catalog lacks is still controlled. `board_from_nvidia_smi_xml` reads
-the same facts from ``nvidia-smi -q -x`` output (recorded fixtures and tests). No I/O and no
-NVML here.
+No I/O and no NVML. Reaches only `gpu/`, `wire/`, `errors` and `units` of the package
+(`tests/unit/test_import_graph.py`). Design: DESIGN.md, "Boards"; tests:
+`tests/unit/test_gpu_board.py`, `tests/unit/test_coordinator_boards.py`.
 """
 
 from __future__ import annotations

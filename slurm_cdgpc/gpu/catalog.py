@@ -1,18 +1,9 @@
 """What we know about each GPU type: supported clocks, power-limit range, idle power, voltage knee.
 
-The simulated backend, the trace simulator and the model replay read GPU types from here; the NVML
-backend asks the device itself. Each value is marked where it comes from:
-
-* [measured] a device reported it (``nvidia-smi`` output published with the clock tables in
-  ``tests/data/nvml`` or in public bug reports quoting ``nvidia-smi -q``);
-* [fitted] fitted to the Perseus/Zeus measurements in ``data/`` (see `slurm_cdgpc.gpu.plant`);
-* [inferred] not measured for this exact part: taken from a sibling part or a vendor figure.
-
-Clock lists are generated from max, min and step; where a real list is known (V100-PCIE, A100-PCIE,
-H100 NVL in ``data/gpu-clock-tables``; A10G, T4 and the A100-SXM4 in the telegraf ``nvidia-smi -q
--x`` dumps of ``data/nvidia-smi-dumps``) the generator reproduces it exactly, and the catalog's unit
-tests check it against the copies in ``tests/data/nvml``. A board the catalog lacks is described by
-its agent instead (`slurm_cdgpc.gpu.board`).
+Read by the simulated backend, the trace simulator and the model replay; the NVML backend asks
+the device, and a board the catalog lacks is described by its agent (`slurm_cdgpc.gpu.board`).
+Reaches only `gpu/`, `wire/`, `errors` and `units` of the package
+(`tests/unit/test_import_graph.py`). Test: `tests/unit/test_gpu_catalog.py`.
 """
 
 from __future__ import annotations
@@ -76,6 +67,15 @@ def _table(lists: Mapping[int, tuple[int, ...]]) -> ClockTable:
     )
 
 
+#: Every catalogued type. Each value is marked where it comes from: [measured] a device reported
+#: it (``nvidia-smi`` output published with the clock tables in ``tests/data/nvml`` or in public
+#: bug reports quoting ``nvidia-smi -q``); [fitted] fitted to the Perseus/Zeus measurements in
+#: ``data/`` (see `slurm_cdgpc.gpu.plant`); [inferred] not measured for this exact part: taken
+#: from a sibling part or a vendor figure. Clock lists are generated from max, min and step
+#: (`_levels`); where a real list is known (V100-PCIE, A100-PCIE, H100 NVL in
+#: ``data/gpu-clock-tables``; A10G, T4 and the A100-SXM4 in the telegraf ``nvidia-smi -q -x``
+#: dumps of ``data/nvidia-smi-dumps``) the generator reproduces it exactly, and the catalog's
+#: unit tests check it against the copies in ``tests/data/nvml``.
 _SPECS: Final[tuple[GpuSpec, ...]] = (
     # V100-SXM2: mem 877 and max 1530 [measured a]; 7.5 MHz steps as on the measured
     # V100-PCIE list, down to 135 (the idle clock seen on V100-SXM2 [measured f]); limit 150–300 W

@@ -1,15 +1,8 @@
-"""The GPU interface every backend implements, and the set of GPUs a node owns.
+"""The GPU interface every backend implements (`GpuDevice`), and the GPUs a node owns (`GpuSet`).
 
-Units are in the names: clocks in MHz, power in W, energy in J. Integer milliwatts and
-millijoules exist only inside the NVML backend.
-
-Clock control uses *locked* clocks (application clocks are deprecated since CUDA 13). We lock a
-range ``[lowest supported, cap]`` rather than pinning a single clock, so idle GPUs still drop to
-their idle clock; see research notes on "prefer cap over pin". NVML cannot read a lock back, so
-every backend records what it set (`GpuDevice.locked`), and `lock_overridden` tells from readings
-when another process changed it. Power limits are the guard rail under the locks: what this process
-set is recorded too (`GpuDevice.power_limit_set_w`); the limit the firmware enforces, after every
-other limiter (a BMC, another ``nvidia-smi -pl``), is in each `GpuReading`.
+Units are in the names: clocks in MHz, power in W, energy in J. Reaches only `gpu/`, `wire/`,
+`errors` and `units` of the package (`tests/unit/test_import_graph.py`). Tests:
+`tests/unit/test_gpu_simulated.py`, `tests/unit/test_gpu_nvml.py`.
 """
 
 from __future__ import annotations
@@ -65,7 +58,17 @@ class GpuReading:
 
 
 class GpuDevice(ABC):
-    """One physical GPU. Getters never need root; setters do on real hardware."""
+    """One physical GPU. Getters never need root; setters do on real hardware.
+
+    Clock control uses *locked* clocks (application clocks are deprecated since CUDA 13): a range
+    ``[lowest supported, cap]`` rather than a single clock, so idle GPUs still drop to their idle
+    clock. NVML cannot read a lock back, so every backend records what it set (`locked`), and
+    `lock_overridden` tells from readings when another process changed it. Power limits are the
+    guard rail under the locks: what this process set is recorded too (`power_limit_set_w`); the
+    limit the firmware enforces, after every other limiter (a BMC, another ``nvidia-smi -pl``),
+    is in each `GpuReading`. Integer milliwatts and millijoules exist only inside the NVML
+    backend.
+    """
 
     index: int
     uuid: str

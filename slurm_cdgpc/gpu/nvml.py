@@ -1,18 +1,8 @@
-"""The NVML backend: real NVIDIA GPUs through nvidia-ml-py (the only module that imports pynvml).
+"""The NVML backend: real NVIDIA GPUs through nvidia-ml-py (`NvmlGpu`, `open_nvml_gpus`, `probe`).
 
-Integer milliwatts and millijoules stay inside this module; everything leaving it is in W and J.
-Every NVML call runs inside `_nvml_errors`, which translates `pynvml.NVMLError` once, through
-`_ERROR_CLASSES`, into the project's exception root.
-
-Clocks are capped with locked clocks over the range ``[lowest supported, cap]``, never with
-application clocks. Memory is locked only on parts that list several memory clocks. Power limits
-(the guard rail) are set with the v1 call, in integer mW, never ``_v2`` (nvidia-ml-py 13.615.71
-ignores its return code); there is no reset call, so a reset sets the default limit. This module
-never sets persistence mode and never resets a GPU; `probe` calls getters only.
-
-Energy: `GpuReading.energy_j` is NVML's total-energy counter (Volta and newer). Where the counter is
-NOT_SUPPORTED (pre-Volta), `read` integrates its own power samples instead (trapezoid rule, starting
-at 0 J at the first reading), so the value is only as good as the caller's sampling rate.
+The only module that imports pynvml; every NVML call runs inside `_nvml_errors`, and nothing here
+sets persistence mode or resets a GPU. Reaches only `gpu/`, `wire/`, `errors` and `units` of the
+package (`tests/unit/test_import_graph.py`). Test: `tests/unit/test_gpu_nvml.py`.
 """
 
 from __future__ import annotations
@@ -113,7 +103,17 @@ def _text(value: object) -> str:
 
 
 class NvmlGpu(GpuDevice):
-    """One physical NVIDIA GPU. ``clock`` stamps readings (injectable for tests)."""
+    """One physical NVIDIA GPU. ``clock`` stamps readings (injectable for tests).
+
+    Integer milliwatts and millijoules stay inside; everything leaving is in W and J. Clocks are
+    capped with locked clocks over ``[lowest supported, cap]``, never with application clocks;
+    memory is locked only on parts that list several memory clocks. Power limits are set with the
+    v1 call, in integer mW, never ``_v2`` (nvidia-ml-py 13.615.71 ignores its return code); there
+    is no reset call, so a reset sets the default limit. `GpuReading.energy_j` is NVML's
+    total-energy counter (Volta and newer); where it is NOT_SUPPORTED (pre-Volta), `read`
+    integrates its own power samples (trapezoid rule from 0 J at the first reading), only as
+    good as the caller's sampling rate.
+    """
 
     def __init__(
         self,

@@ -1,43 +1,8 @@
-"""The ground truth of simulated GPUs: power and iteration time of N jobs, vectorised over jobs.
+"""The ground truth of simulated GPUs (`Plant`): power and iteration time of N jobs, vectorised.
 
-This is the "plant" the controller is tested against, so it is deliberately NOT the controller's
-model family (P linear or bent in the clock, T = b_c/x + b_e). Per job, on a GPU type with max
-clocks f_max and f_m,max, busy-floor power B, core dynamic power D and voltage rise r:
-
-* Voltage knee: V is flat at its floor below the knee f_k and rises linearly above it, so busy
-  power is ≈ linear in f below the knee and ≈ cubic near f_max:
-      ν(f) = (1 + r·clip((f − f_k)/(f_max − f_k), 0, 1)) / (1 + r)        (V(f)/V(f_max))
-      P_busy(f) = P_idle + B·m(f_m) + u·D·(f/f_max)·ν(f)²                 (u = activity)
-* Saturating iteration time: a compute part t_c and a memory part t_m combine as a p-norm (a soft
-  maximum; p per workload and GPU type, 4–12), so raising the clock stops helping once the memory
-  part dominates; t_o is time with the GPU waiting (input pipeline, communication) at
-  P_wait = P_idle + B·m(f_m)/2:
-      t_b(f) = ((t_c·f_max/f)^p + (t_m·f_m,max/f_m)^p)^(1/p),   T = t_b + t_o
-      P = (t_b·P_busy + t_o·P_wait) / T                                  (iteration average)
-  (for input-bound jobs with little activity the busy share grows at low clocks, so their nearly
-  flat average power may dip by a few percent as the clock rises: real, and not in any model family)
-* Power-limit plateau: the firmware lowers the applied clock to the highest clock whose busy power
-  fits the enforced limit (times a per-type target just under it) and never below the lowest
-  supported clock, so time stops improving when the limit binds (the SW_POWER_CAP throttle).
-* Measurement noise: seeded multiplicative noise on power and time (`observe`).
-
-Calibration (``calibration_report`` recomputes these errors from ``data/``):
-
-* A100-SXM4-80GB and A40 hardware and the BLOOM stage workloads: one least-squares fit per GPU
-  (scipy ``least_squares`` on relative errors, the knee fixed at the catalog value) to every
-  stage/instruction/clock of the Perseus stage profiles. Perseus's A100 drew up to 474 W, so it is
-  fitted and evaluated as the 500 W board it must have been.
-* V100-PCIE-32GB hardware: the same fit to the three highest-power series of each network in the
-  Zeus V100 power-limit sweep; per-network workloads: one series each (the `_ZEUS_SERIES`) on
-  V100-PCIE-32GB and, with the Perseus A40 hardware held fixed, on A40.
-* Everything marked [inferred] is not fitted: other GPU types get a busy floor of 5 % of TDP, a
-  voltage rise of 0.25 (all three fits gave 0.18–0.26) and D such that an activity-1 job would
-  draw 1.15 × TDP at max clock (the fitted A100 and A40: 1.05 and 1.24 of their boards' limits);
-  a workload keeps its reference calibration (p included) and scales its time by `relative_time`.
-
-Hopper's 1 s averaging of GetPowerUsage is not part of the plant (it is a property of the reading,
-not of the GPU): the simulated device averages over its own history; `windowed_power_w` gives the
-cluster simulator the same answer for one change per window.
+Deliberately not the controller's model family. Reaches only `gpu/`, `wire/`, `errors` and
+`units` of the package (`tests/unit/test_import_graph.py`). Calibration: DESIGN.md, "Simulator"
+(Plant), recomputed from the data by `calibration_report`; tests: `tests/unit/test_gpu_plant.py`.
 """
 
 from __future__ import annotations
@@ -83,6 +48,11 @@ class HardwareCalibration:
     source: str = field(default="inferred", compare=False)
 
 
+#: One least-squares fit per GPU (scipy ``least_squares`` on relative errors, the knee fixed at
+#: the catalog value): the A100 and A40 to every stage/instruction/clock of the Perseus BLOOM
+#: stage profiles, the V100 to the three highest-power series of each network in the Zeus V100
+#: power-limit sweep. Every other type takes `hardware_calibration`'s [inferred] rule, and a
+#: workload keeps its reference calibration (p included) and scales its time by `relative_time`.
 _FITTED_HARDWARE: Final[Mapping[str, HardwareCalibration]] = MappingProxyType(
     {
         # Perseus A100 stage profiles, 608 points; cap target 0.97 [inferred] at the 500 W board.
@@ -419,6 +389,19 @@ class Plant:
     ``spec_index[i]`` selects job i's GPU type in ``specs``. Clock and limit arguments are scalars
     or arrays of shape (N,); ``memory_mhz=None`` means each GPU's highest memory clock and
     ``limit_w=None`` its default power limit. All methods are pure: the plant has no state.
+
+    Per job, on a GPU type with busy-floor power B, core dynamic power D and voltage rise r:
+
+    * Voltage knee: V is flat at its floor below the knee f_k and rises linearly above it, so
+      busy power (`busy_power_w`) is ≈ linear in f below the knee and ≈ cubic near f_max.
+    * Saturating iteration time: a compute part t_c and a memory part t_m combine as a p-norm (a
+      soft maximum, p per workload and GPU type), so raising the clock stops helping once the
+      memory part dominates; t_o is time with the GPU waiting (input pipeline, communication)
+      at P_wait = P_idle + B·m(f_m)/2 (`iteration_time_s`, `true_power_w`).
+    * Power-limit plateau: the firmware lowers the applied clock to the highest clock whose busy
+      power fits the enforced limit (times a per-type target just under it), never below the
+      lowest supported clock (`limit_clock_mhz`, `step`): the SW_POWER_CAP throttle.
+    * Measurement noise: seeded multiplicative noise on power and time (`observe`).
     """
 
     def __init__(
@@ -514,7 +497,11 @@ class Plant:
     def true_power_w(
         self, graphics_mhz: npt.ArrayLike, memory_mhz: npt.ArrayLike | None = None
     ) -> FloatArray:
-        """Iteration-average power at the applied clocks: (t_b·P_busy + t_o·P_wait) / T."""
+        """Iteration-average power at the applied clocks: (t_b·P_busy + t_o·P_wait) / T.
+
+        For input-bound jobs with little activity the busy share grows at low clocks, so their
+        nearly flat average power may dip slightly as the clock rises: real, and not in any
+        model family."""
         busy, total = self._times(graphics_mhz, memory_mhz)
         wait_w = self.idle_power_w + WAIT_FLOOR_SHARE * self._floor_w(memory_mhz)
         busy_w = self.busy_power_w(graphics_mhz, memory_mhz)
@@ -599,6 +586,9 @@ def windowed_power_w(
 
     P_read = P_now once the step is older than the window, else the time-weighted blend
     (since·P_now + (window − since)·P_before) / window. Exact for one change per window.
+    Hopper's 1 s averaging of GetPowerUsage is a property of the reading, not of the GPU, so it
+    is not in `Plant`: the simulated device averages over its own history, and this gives the
+    cluster simulator the same answer.
     """
     window = np.asarray(window_s, dtype=np.float64)
     since = np.asarray(since_change_s, dtype=np.float64)

@@ -1,35 +1,9 @@
-"""The simulated backend: GPUs whose physics is `slurm_cdgpc.gpu.plant`, on an injectable clock.
+"""The simulated backend: `SimulatedGpu`, the plant (`slurm_cdgpc.gpu.plant`) behind `GpuDevice`.
 
-A `SimulatedGpu` behaves like the NVML backend where the controller can see it: clocks outside
-the device's list are refused before anything changes; a lock is the range [lowest, cap] and is
-recorded (memory is locked only on parts that list several memory clocks); setting the same lock
-twice makes one "driver call" (`clock_writes`). Between calls the GPU runs on its own: with a job
-attached, the applied clock is min(cap, the highest clock within the enforced power limit) and
-iterations advance at the plant's iteration time; without one it idles at its idle clock and idle
-power. The energy counter integrates the TRUE power and never decreases; `read` reports power
-with seeded noise, averaged over the last second on Hopper (`GpuSpec.power_average_window_s`).
-A power limit is held as the firmware holds it, over a 1 s average (`SimulatedGpu._refresh`):
-right after a change that makes it bind, the instantaneous power may exceed it for a few tens of
-milliseconds. A GPU may also be built from a recorded `BoardDescription` (a board the catalog
-lacks: its type is `spec_from_board`), and describes itself as NVML would (`describe`).
-
-Time comes from ``time_source`` (default `time.monotonic`); tests and accelerated demos pass a
-`ManualClock`. State advances lazily, on every call, so nothing runs in the background.
-
-Fault hooks for fault tests, plain attributes that may be flipped at any time:
-``fail_clock_writes`` (lock and reset raise `GpuError`, nothing changes), ``fail_reads`` (`read`
-raises `GpuLostError`), ``report_garbage_power`` (`read` reports NaN, 0 W, −1 W and
-4 294 967.295 W = 0xFFFFFFFF mW in turn, while the energy counter stays true),
-``fail_power_limit_writes`` (setting or resetting a limit raises `PowerLimitPermissionError`, as
-NO_PERMISSION does) and ``power_brake`` (HW power brake: the clock halves, HW_POWER_BRAKE). Other
-limiters, for coexistence tests: `SimulatedGpu.set_external_power_cap_w` (a BMC or someone's
-``nvidia-smi -pl``: the enforced limit drops below ours) and `SimulatedGpu.override_lock` (another
-process changed the lock: the clock differs from ours; `slurm_cdgpc.gpu.device.lock_overridden`).
-
-A process that cannot reach those attributes (a running ``cdgpc-noded``) takes them from a
-`FaultFile` (`install_faults`): the fault tests start the agent with ``CDGPC_SIMULATED_FAULTS``
-naming one, and rewrite it to inject or heal a fault while the agent runs. It is never read
-unless that variable is set, and only by the simulated backend: no NVML GPU can be made to fail.
+Refuses what NVML refuses, runs on an injectable clock, and takes faults from a `FaultFile`.
+Reaches only `gpu/`, `wire/`, `errors` and `units` of the package
+(`tests/unit/test_import_graph.py`). Design: DESIGN.md, "The demo" (faults); tests:
+`tests/unit/test_gpu_simulated.py`, `tests/faults/test_fault_file.py`.
 """
 
 from __future__ import annotations
@@ -179,7 +153,10 @@ def _describe(rules: Mapping[int | None, frozenset[str]]) -> str:
 
 
 def install_faults(gpus: GpuSet, path: Path) -> FaultFile:
-    """Let the rules of the file at ``path`` drive the fault hooks of every simulated GPU."""
+    """Let the rules of the file at ``path`` drive the fault hooks of every simulated GPU.
+
+    For a process whose GPUs a test cannot reach (a running ``cdgpc-noded``, started with
+    ``CDGPC_SIMULATED_FAULTS`` naming the file); never used unless that variable is set."""
     faults = FaultFile(path)
     for device in gpus:
         if isinstance(device, SimulatedGpu):
@@ -189,7 +166,28 @@ def install_faults(gpus: GpuSet, path: Path) -> FaultFile:
 
 class SimulatedGpu(GpuDevice):
     """One simulated GPU of type `spec` (a catalog type, or a recorded `BoardDescription` whose
-    type is `spec_from_board`); deterministic for a given seed, index and time source."""
+    type is `spec_from_board`); deterministic for a given seed, index and time source.
+
+    It behaves like the NVML backend where the controller can see it: clocks outside the list
+    are refused before anything changes; a lock is the range [lowest, cap] and is recorded
+    (memory is locked only on parts that list several memory clocks); setting the same lock
+    twice makes one "driver call" (`clock_writes`). Between calls the GPU runs on its own: with
+    a job attached, the applied clock is min(cap, the highest clock within the enforced power
+    limit) and iterations advance at the plant's iteration time; without one it idles at its
+    idle clock and idle power. The energy counter integrates the true power and never
+    decreases; `read` reports power with seeded noise, averaged over
+    `GpuSpec.power_average_window_s` (Hopper). A power limit is held over a `LIMIT_WINDOW_S`
+    average (`_refresh`). Time comes from ``time_source``; state advances lazily, on every
+    call, so nothing runs in the background.
+
+    Fault hooks, plain attributes that may be flipped at any time (or driven by a `FaultFile`):
+    ``fail_clock_writes`` (lock and reset raise `GpuError`, nothing changes), ``fail_reads``
+    (`read` raises `GpuLostError`), ``report_garbage_power`` (`read` reports each of
+    `_GARBAGE_POWER_W` in turn, the last 0xFFFFFFFF mW, while the energy counter stays true),
+    ``fail_power_limit_writes`` (setting or resetting a limit raises
+    `PowerLimitPermissionError`, as NO_PERMISSION does) and `power_brake`. Other limiters:
+    `set_external_power_cap_w` and `override_lock`.
+    """
 
     def __init__(
         self,

@@ -1,37 +1,9 @@
 """Jobs that run on a node's simulated GPUs, for ``cdgpc-noded`` with ``node.backend = simulated``.
 
-Without this, simulated GPUs idle: the agent sets clocks and reads power, but nothing trains. The
-demo's trace replayer plays Slurm's part, and on a real cluster Slurm, not the agent, starts a
-job's processes on its node; so the replayer does the same here, through a launch directory on
-the node's own disk, and the agent's network API keeps carrying only what the head may do.
-
-Two environment variables switch it on (they are not configuration keys: only the demo sets
-them, and a production agent must never read them from its config file):
-
-``CDGPC_SIMULATED_JOBS``
-    the launch directory. The replayer writes ``<job_id>.json`` (atomically) to start a job:
-    ``{"job_id": "1001", "gpus": [0, 1], "workload": "resnet50", "iterations": 50000,
-    "iteration_time_s": 0.16}``. The runner attaches the workload's calibrated profile on this
-    node's GPU type (`slurm_cdgpc.gpu.plant`) to every listed GPU, with the iteration time at top
-    clocks replaced by ``iteration_time_s`` when given (a trace knows duration / iterations), and
-    reports the job's progress (the slowest GPU's whole iterations: a synchronous job runs at the
-    pace of its slowest GPU) through the `Reporter` it is given: the agent's writes to the
-    node's progress socket, exactly as a training job does with ``cdgpc-progress``. When the job
-    has done ``iterations`` its GPUs idle and the runner writes ``<job_id>.exit``: the job's
-    processes ended. Removing the launch file (the replayer's Epilog) forgets the job, idling
-    its GPUs if it was still running (cancelled).
-``CDGPC_SIMULATED_SPEED``
-    simulated seconds per wall-clock second for the GPUs' work (default 1). Power is still
-    watts; iterations, energy and Hopper's power averaging run on the accelerated clock. Leases,
-    intervals and progress time stamps stay in wall-clock time, so a job's iteration time as the
-    head measures it is the simulated one divided by the speed (its deadline is scaled alike).
-
-The agent's threads and the runner's both use the GPUs: every public call of a `SharedSimulatedGpu`
-holds one lock per node (a `SimulatedGpu` advances its state lazily on every call, which is not
-safe from two threads at once).
-
-Like all of `slurm_cdgpc.gpu`, this module imports nothing above the GPU floor
-(`tests/unit/test_import_graph.py`): whoever builds the runner hands it the way to report.
+Switched on by environment variables, never configuration keys. Reaches only `gpu/`, `wire/`,
+`errors` and `units` of the package (`tests/unit/test_import_graph.py`): whoever builds the
+runner hands it the way to report. Design: DESIGN.md, "The demo"; test:
+`tests/unit/test_gpu_workloads.py`.
 """
 
 from __future__ import annotations
@@ -57,7 +29,12 @@ from slurm_cdgpc.wire.board import BoardDescription
 
 logger = logging.getLogger(__name__)
 
+#: the launch directory a `JobRunner` reads
 JOBS_DIR_ENV: Final = "CDGPC_SIMULATED_JOBS"
+#: simulated seconds per wall-clock second for the GPUs' work (default 1): iterations, energy and
+#: Hopper's power averaging run on the accelerated clock, power is still watts; leases,
+#: intervals and progress time stamps stay in wall-clock time, so a job's iteration time as the
+#: head measures it is the simulated one divided by the speed (its deadline is scaled alike)
 SPEED_ENV: Final = "CDGPC_SIMULATED_SPEED"
 #: how often the runner looks for launched and removed jobs and reports progress (wall seconds)
 POLL_PERIOD_S: Final = 0.25
@@ -84,7 +61,10 @@ class AcceleratedClock:
 
 
 class SharedSimulatedGpu(SimulatedGpu):
-    """A `SimulatedGpu` whose public calls hold a lock shared with the job runner."""
+    """A `SimulatedGpu` whose public calls hold a lock shared with the job runner.
+
+    The agent's threads and the runner's both use the GPUs, and a `SimulatedGpu` advances its
+    state lazily on every call, which is not safe from two threads at once: one lock per node."""
 
     def __init__(self, *args: Any, lock: threading.RLock, **kwargs: Any) -> None:
         self._shared_lock = lock
@@ -191,7 +171,19 @@ class _Running:
 
 
 class JobRunner:
-    """Starts, advances and ends the jobs the launch directory names (see the module docstring)."""
+    """Starts, advances and ends the jobs the launch directory names.
+
+    The replayer writes ``<job_id>.json`` (atomically) to start a job: ``{"job_id": "1001",
+    "gpus": [0, 1], "workload": "resnet50", "iterations": 50000, "iteration_time_s": 0.16}``.
+    The runner attaches the workload's calibrated profile on this node's GPU type to every
+    listed GPU, with the iteration time at top clocks replaced by ``iteration_time_s`` when
+    given (a trace knows duration / iterations), and reports the job's progress (the slowest
+    GPU's whole iterations: a synchronous job runs at the pace of its slowest GPU) through
+    ``report``, as a training job does with ``cdgpc-progress``. When the job has done
+    ``iterations`` its GPUs idle and the runner writes ``<job_id>.exit``: the job's processes
+    ended. Removing the launch file (the replayer's Epilog) forgets the job, idling its GPUs if
+    it was still running (cancelled).
+    """
 
     def __init__(
         self,

@@ -1,17 +1,9 @@
-"""The automatic progress hook: a PyTorch job reports its optimizer steps to the node agent with
-no change to its code.
+"""The automatic progress hook: a PyTorch job reports its optimizer steps, with no change to it.
 
-Loaded as a top-level module, by `sitecustomize` (the TaskProlog appends this directory to the
-job's PYTHONPATH) or by `slurm_cdgpc.integrations`, into the job's own Python: any CPython >= 3.8
-with nothing of ours installed. So: standard library only, Python 3.8 syntax, no thread, no
-import of torch (a `sys.meta_path` finder waits for the job's), and nothing raised into the job.
-
-Each optimizer step counts (per optimizer; the step is the most any optimizer took, so a GAN's
-two optimizers make one step per iteration). At most once per ``$CDGPC_PROGRESS_INTERVAL``
-seconds (default 1), inside the step that crosses it, one non-blocking send of one line to
-``$CDGPC_NODE_PROGRESS_SOCKET`` (else ``/run/cdgpc/progress.sock``); a send that cannot go at
-once is dropped. One more at exit if the step moved. Only the first task of the job on a node
-reports (``LOCAL_RANK`` and ``SLURM_LOCALID`` unset or 0); ``CDGPC_PROGRESS=off`` turns it off.
+It runs inside the job's own Python (any CPython >= 3.8, nothing of ours installed): standard
+library only, Python 3.8 syntax, no thread, no import of torch, nothing raised into the job
+(`tests/unit/test_import_graph.py`). Design: DESIGN.md, "Progress"; tests:
+`tests/unit/test_progress_hook.py`, `tests/integration/test_progress_hook_live.py`.
 """
 
 from __future__ import annotations
@@ -94,7 +86,16 @@ def interval_of(env: Mapping[str, str]) -> float:
 
 
 class Reporter:
-    """Counts steps and sends them, rate-limited and without ever waiting on the agent."""
+    """Counts steps and sends them, rate-limited and without ever waiting on the agent.
+
+    Each optimizer step counts (per optimizer; the step is the most any optimizer took, so a
+    GAN's two optimizers make one step per iteration). At most once per ``interval_s``
+    (``$CDGPC_PROGRESS_INTERVAL``, default 1 s), inside the step that crosses it, one
+    non-blocking send of one line to ``path`` (``$CDGPC_NODE_PROGRESS_SOCKET``, else
+    `DEFAULT_SOCKET`); a send that cannot go at once is dropped. One more at exit if the step
+    moved. Only the first task of the job on a node reports (``LOCAL_RANK`` and
+    ``SLURM_LOCALID`` unset or 0).
+    """
 
     def __init__(
         self,
@@ -320,7 +321,11 @@ def get_reporter(env: Mapping[str, str] | None = None) -> Reporter | None:
 
 
 def install() -> bool:
-    """Count the optimizer steps of the torch this process imports; False when off."""
+    """Count the optimizer steps of the torch this process imports; False when off.
+
+    Loaded as a top-level module, by `sitecustomize` (the TaskProlog appends this directory to
+    the job's PYTHONPATH) or by `slurm_cdgpc.integrations`; a `sys.meta_path` finder waits for
+    the job's own import of torch. ``CDGPC_PROGRESS=off`` turns it off."""
     try:
         if job_id_of(os.environ) is None:
             return False

@@ -1,10 +1,9 @@
 """slurm-cdgpc's sitecustomize: installs the automatic progress hook (`_cdgpc_progress_hook`),
-then runs the next ``sitecustomize`` on sys.path (the distribution's, a later PYTHONPATH
-entry's, site-packages'), as Python would have without this one.
+then runs the next ``sitecustomize`` on sys.path, as Python would have without this one.
 
-The TaskProlog appends this directory to a job's PYTHONPATH, so a sitecustomize of the job's
-own earlier on PYTHONPATH wins and this one never runs: by design, it never replaces theirs.
-Standard library only, Python 3.8 syntax; it prints nothing and starts no thread.
+A job's own sitecustomize earlier on PYTHONPATH wins and this one never runs: it never replaces
+theirs. Standard library only, Python 3.8 syntax, nothing printed, no thread
+(`tests/unit/test_import_graph.py`). Test: `tests/unit/test_progress_hook.py`.
 """
 
 # no "from __future__ import annotations": an older Python (3.6) then still runs the next
@@ -31,8 +30,9 @@ def _same_dir(entry: str, here: str) -> bool:
 
 
 def _chain() -> None:
-    """Import the next sitecustomize with this directory off sys.path. Its own errors reach
-    site.py, which reports them as it would have (one line on stderr)."""
+    """Import the next sitecustomize (the distribution's, a later PYTHONPATH entry's,
+    site-packages') with this directory off sys.path. Its own errors reach site.py, which
+    reports them as it would have (one line on stderr)."""
     try:
         here = os.path.realpath(os.path.dirname(os.path.abspath(__file__)))
         ours = [(i, entry) for i, entry in enumerate(sys.path) if _same_dir(entry, here)]

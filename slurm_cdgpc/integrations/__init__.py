@@ -1,9 +1,9 @@
 """Callbacks that tell the node agent a framework's step and total (Lightning, Transformers,
 Keras); each module imports without its framework, and its class says what to install.
 
-They report through the automatic progress hook's one reporter (`slurm_cdgpc/hook`), loaded by
-path when the TaskProlog did not put it in the process: one rate limit, one socket protocol,
-and the step is the larger of the framework's and the optimizer steps the hook counts.
+They report through the automatic progress hook's one reporter (`progress_hook`): one rate
+limit, one socket protocol. Design: DESIGN.md, "Progress"; tests:
+`tests/unit/test_progress_hook.py`, `tests/integration/test_progress_hook_live.py`.
 """
 
 from __future__ import annotations
@@ -27,7 +27,10 @@ class ProgressHook(Protocol):
 
 
 def progress_hook() -> ProgressHook:
-    """The process's one `_cdgpc_progress_hook` module (imported from ``HOOK_DIR`` if absent)."""
+    """The process's one `_cdgpc_progress_hook` module (imported from ``HOOK_DIR`` if absent).
+
+    Loaded by path when the TaskProlog did not put it in the process, so the step reported is
+    the larger of the framework's and the optimizer steps the hook counts."""
     module = sys.modules.get(HOOK_MODULE)
     if module is None:
         spec = importlib.util.spec_from_file_location(HOOK_MODULE, HOOK_DIR / f"{HOOK_MODULE}.py")

@@ -1,9 +1,8 @@
 """The online estimator: per-job power and iteration-time models, learned by RLS as jobs run.
 
-Holds, for N running jobs, what the controller needs to know about each one: its GPU count, the
-normalisation of its clocks, whether its memory clock is adjustable, the knee of its GPU type,
-and two RLS banks (power per GPU, seconds per iteration). No offline profiling: a job starts from
-a prior built from its GPU type and learns from every interval's measurements.
+The controller's math: never reaches `store/`, `transport/`, `agent/`, `coordinator/` or `cli/`
+(`tests/unit/test_import_graph.py`). Design: DESIGN.md, "Models" (RLS, What a sample is); tests:
+`tests/unit/test_control_empc.py`, `tests/unit/test_closed_loop.py`.
 """
 
 from __future__ import annotations
@@ -131,7 +130,13 @@ def time_prior(statics: JobStatics, iteration_s: FloatArray | None = None) -> Fl
 
 
 class JobEstimator:
-    """Power and iteration-time models of every running job, learned online."""
+    """Power and iteration-time models of every running job, learned online.
+
+    Holds, for N running jobs, what the controller needs to know about each one: its GPU count,
+    the normalisation of its clocks, whether its memory clock is adjustable, the knee of its GPU
+    type, and two RLS banks (power per GPU, seconds per iteration). No offline profiling: a job
+    starts from a prior built from its GPU type and learns from every interval's measurements.
+    """
 
     def __init__(self, settings: EstimatorSettings | None = None) -> None:
         self.settings = settings or EstimatorSettings()

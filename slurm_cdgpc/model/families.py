@@ -1,22 +1,8 @@
 """Model families: how a job's per-GPU power and iteration time depend on its clocks.
 
-Clocks enter normalised, x = f / f_max (core) and x_m = f_m / f_m,max (memory), which keeps the
-RLS covariance well conditioned. Every family is linear in its parameters, so RLS fits it, and
-convex and increasing in the core clock, so the controller's per-job subproblem keeps a closed form.
-
-Power per GPU:  P = Σ_j a_j h_j(x) + a_m x_m + a_e      (family chooses the core basis h_j)
-Iteration time: T = b_c / x + b_m / x_m + b_e          (all families)
-
-On HBM parts (one memory clock) the memory columns are masked to zero, so a_m and b_m stay at
-their prior and the memory clock is fixed at its only value.
-
-Families:
-- ``linear``: h(x) = x, the paper's published model.
-- ``bent``: h(x) = max(x, x³/k²), k = the GPU type's voltage-floor knee (normalised). Measured
-  GPU power falls steeply with the clock above the knee and slowly below it; this family keeps
-  three parameters, like ``linear``, and halves the one-step prediction error on the A100 sweeps
-  (see `slurm_cdgpc.model.replay`).
-- ``cubic``: h(x) ∈ {x, x³}, one more parameter, no knee needed.
+The controller's math: never reaches `store/`, `transport/`, `agent/`, `coordinator/` or `cli/`
+(`tests/unit/test_import_graph.py`). Design: DESIGN.md, "Models"; tests:
+`tests/unit/test_model_families.py`.
 """
 
 from __future__ import annotations
@@ -41,7 +27,16 @@ def time_regressors(x: FloatArray, x_m: FloatArray, mem_mask: FloatArray) -> Flo
 
 
 class PowerFamily(ABC):
-    """A core-clock basis for the power model, with what the controller needs from it."""
+    """A core-clock basis for the power model, with what the controller needs from it.
+
+    Clocks enter normalised, x = f / f_max (core) and x_m = f_m / f_m,max (memory), which keeps
+    the RLS covariance well conditioned. Per GPU, P = Σ_j a_j h_j(x) + a_m x_m + a_e (the family
+    chooses the core basis h_j); for every family T = b_c / x + b_m / x_m + b_e
+    (`time_regressors`). Every family is linear in its parameters, so RLS fits it, and convex
+    and increasing in the core clock, so the controller's per-job subproblem keeps a closed
+    form. On HBM parts (one memory clock) the memory columns are masked to zero, so a_m and b_m
+    stay at their prior and the memory clock is fixed at its only value.
+    """
 
     name: ClassVar[str]
     core_params: ClassVar[int]
@@ -123,6 +118,8 @@ class PowerFamily(ABC):
 
 
 class LinearPower(PowerFamily):
+    """h(x) = x: the paper's published model."""
+
     name = "linear"
     core_params = 1
 
@@ -142,12 +139,16 @@ class LinearPower(PowerFamily):
 
 
 class BentPower(PowerFamily):
+    """h(x) = max(x, x³/k²), k the GPU type's voltage-floor knee (normalised): measured GPU power
+    falls steeply with the clock above the knee and slowly below it. Three parameters, like
+    `LinearPower`."""
+
     name = "bent"
     core_params = 1
 
     def basis(self, x: FloatArray, knee_x: FloatArray) -> FloatArray:
         # h(x) = max(x, x³/k²): linear below the knee, cubic above, continuous at k
-        # (products, not powers: numpy's x**3 is a general pow, twice the time at 100,000 jobs)
+        # (products, not powers: numpy's x**3 is a general pow, and slower)
         return np.maximum(x, x * x * x / (knee_x * knee_x))[..., None]
 
     def marginal(self, a: FloatArray, x: FloatArray, knee_x: FloatArray) -> FloatArray:
@@ -170,6 +171,8 @@ class BentPower(PowerFamily):
 
 
 class CubicPower(PowerFamily):
+    """h(x) ∈ {x, x³}: one more parameter, no knee needed."""
+
     name = "cubic"
     core_params = 2
 

@@ -1,17 +1,8 @@
-"""Replay a measured clock or power-limit sweep through the online estimator.
+"""Replay a measured clock or power-limit sweep through the online estimator (``model replay``).
 
-Each series of a sweep (a pipeline stage and instruction in Perseus, a training configuration in
-Zeus) becomes one job of a `JobEstimator`; all series step together, points in descending knob
-order from the top, as a controller walking a job down from its top clock would see them. Every
-point is predicted *before* the estimator learns from it; the score is the mean absolute
-percentage error of those predictions after the first ``skip`` points of each series.
-
-Formats:
-- ``perseus``: columns stage, instruction, frequency (locked SM clock, MHz), time (s per
-  micro-batch instruction), energy (J); power = energy / time.
-- ``zeus``: columns dataset, network, batch_size, optimizer, power_limit (W), time_per_epoch (s),
-  average_power (W). The knob is the power limit, normalised by the series' highest limit, in
-  place of the clock.
+The controller's math: never reaches `store/`, `transport/`, `agent/`, `coordinator/` or `cli/`
+(`tests/unit/test_import_graph.py`). Design: DESIGN.md, "Models" (the power family); test:
+`tests/unit/test_model_replay.py`.
 """
 
 from __future__ import annotations
@@ -76,7 +67,15 @@ def detect_format(header: list[str]) -> str:
 
 
 def load_sweep(path: Path, fmt: str | None = None) -> tuple[Sweep, str]:
-    """Read a sweep CSV; returns the padded series and the format name."""
+    """Read a sweep CSV; returns the padded series and the format name.
+
+    - ``perseus``: columns stage, instruction, frequency (locked SM clock, MHz), time (s per
+      micro-batch instruction), energy (J); power = energy / time. A series is one stage and
+      instruction.
+    - ``zeus``: columns dataset, network, batch_size, optimizer, power_limit (W), time_per_epoch
+      (s), average_power (W); a series is one training configuration. The knob is the power
+      limit, normalised by the series' highest limit, in place of the clock.
+    """
     try:
         with path.open(newline="", encoding="utf-8") as fh:
             reader = csv.DictReader(fh)
@@ -147,7 +146,12 @@ def replay(
     settings: EstimatorSettings | None = None,
     skip: int = 3,
 ) -> ReplayResult:
-    """Predict each point before learning it; MAPE over the points after the first ``skip``."""
+    """Predict each point before learning it; MAPE over the points after the first ``skip``.
+
+    Each series becomes one job of a `JobEstimator`; all series step together, points in
+    descending knob order from the top, as a controller walking a job down from its top clock
+    would see them. The score is the mean absolute percentage error of those predictions.
+    """
     est = JobEstimator(settings)
     s_count, width = sweep.knob.shape
     one = np.ones(s_count)

@@ -1,20 +1,8 @@
-"""Vectorised recursive least squares over all jobs at once.
+"""Vectorised recursive least squares over all jobs at once (`Rls`).
 
-One `Rls` holds N independent estimators of k parameters each: θ (N, k) and covariance P (N, k, k).
-Exponentially weighted RLS (Haykin, *Adaptive Filter Theory*), per job n:
-
-    e = y − φᵀθ                  a-priori error
-    K = Pφ / (ϕ + φᵀPφ)          gain, ϕ = forgetting factor
-    θ ← θ + K e
-    P ← (P − K (Pφ)ᵀ) / ϕ
-
-Safeguards, all vectorised:
-- non-negativity projection of chosen parameters (keeps the controller's subproblem convex);
-- covariance bound: P is rescaled when tr P exceeds ``max_trace`` (no wind-up when the regressor
-  stops moving, e.g. a job held at one clock for hours);
-- outlier skip: once a job has ``warmup`` updates, a sample with |e| > κ σ̂ (σ̂² an exponentially
-  weighted mean of e²) is not learned from (checkpoints, evaluation phases), but counts towards σ̂
-  so that a persistent change is accepted after a few intervals.
+The controller's math: never reaches `store/`, `transport/`, `agent/`, `coordinator/` or `cli/`
+(`tests/unit/test_import_graph.py`). Design: DESIGN.md, "Models" (RLS); tests:
+`tests/unit/test_model_rls.py`.
 """
 
 from __future__ import annotations
@@ -72,7 +60,25 @@ class RlsState:
 
 
 class Rls:
-    """N independent k-parameter RLS estimators, updated together."""
+    """N independent k-parameter RLS estimators, updated together: θ (N, k), P (N, k, k).
+
+    Exponentially weighted RLS (Haykin, *Adaptive Filter Theory*), per job n:
+
+        e = y − φᵀθ                  a-priori error
+        K = Pφ / (ϕ + φᵀPφ)          gain, ϕ = forgetting factor
+        θ ← θ + K e
+        P ← (P − K (Pφ)ᵀ) / ϕ
+
+    Safeguards, all vectorised:
+
+    - non-negativity projection of the ``nonneg`` parameters (keeps the controller's subproblem
+      convex);
+    - covariance bound: P is rescaled when tr P exceeds ``max_trace`` (no wind-up when the
+      regressor stops moving, e.g. a job held at one clock for hours);
+    - outlier skip: once a job has ``warmup`` updates, a sample with |e| > κ σ̂ (σ̂² an
+      exponentially weighted mean of e²) is not learned from (checkpoints, evaluation phases),
+      but counts towards σ̂ so that a persistent change is accepted after a few intervals.
+    """
 
     def __init__(
         self,

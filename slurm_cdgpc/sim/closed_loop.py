@@ -1,19 +1,8 @@
-"""The controller driving simulated GPUs, one control interval at a time.
+"""The controller driving simulated GPUs, one control interval at a time (`ClosedLoop`).
 
-A `Fleet` is a set of running jobs on simulated GPUs: per job a GPU type, a GPU count, a
-ground-truth workload (`slurm_cdgpc.gpu.plant`, calibrated on real measurements), remaining
-iterations and a deadline. `ClosedLoop` runs the real control path against it each interval:
-
-    measurements of the last interval → JobEstimator (RLS) → EconomicMPC → clocks → plant
-
-The controller never sees the plant's parameters, only noisy per-job power, iteration times and
-applied clocks, as a head daemon would receive them from its node agents.
-
-With ``power_limit_margin`` above 0 each job's GPUs also get the head's guard rail
-(`slurm_cdgpc.control.guard_rail`) as their power limit, which the plant holds as the firmware
-does. ``power_scale`` multiplies every job's true power from the next interval on (a workload
-that draws more than its model learned, e.g. 1.1): the plant under limit L with power scaled by
-s is the plant under L / s with its power times s, exactly.
+The controller never sees the plant's parameters, only what a head receives from its agents.
+Tests: `tests/unit/test_closed_loop.py` (the golden runs DESIGN.md's "Safety" cites) and
+`bench controller`.
 """
 
 from __future__ import annotations
@@ -58,7 +47,9 @@ DEFAULT_MIX: tuple[tuple[str, float], ...] = (
 
 @dataclass
 class Fleet:
-    """Running jobs on simulated GPUs (arrays of shape (N,), one row per job)."""
+    """Running jobs on simulated GPUs (arrays of shape (N,), one row per job): per job a GPU
+    type, a GPU count, a ground-truth workload (`slurm_cdgpc.gpu.plant`, calibrated on real
+    measurements), remaining iterations and a deadline."""
 
     specs: tuple[GpuSpec, ...]
     gpu_type: IntArray
@@ -140,7 +131,17 @@ class IntervalRecord:
 
 
 class ClosedLoop:
-    """Controller, estimator and plant, stepped one interval at a time."""
+    """Controller, estimator and plant, stepped one interval at a time:
+
+        measurements of the last interval → JobEstimator (RLS) → EconomicMPC → clocks → plant
+
+    The controller sees only noisy per-job power, iteration times and applied clocks. With
+    ``power_limit_margin`` above 0 each job's GPUs also get the head's guard rail
+    (`slurm_cdgpc.control.guard_rail`) as their power limit, which the plant holds as the
+    firmware does. `power_scale` multiplies every job's true power from the next interval on (a
+    workload that draws more than its model learned, e.g. 1.1): the plant under limit L with
+    power scaled by s is the plant under L / s with its power times s, exactly.
+    """
 
     def __init__(
         self,

@@ -1,39 +1,8 @@
-"""Trace-driven cluster simulator: FIFO placement, a control loop, the calibrated plant.
+"""Trace-driven cluster simulator (`Simulator`): FIFO placement, control loop, calibrated plant.
 
-Every ``interval_s`` (one control interval, default 60 s), at the interval's start ``t``:
-
-1. jobs submitted at or before ``t`` join the queue (so a job waits for the next boundary);
-   a job asking for more GPUs than the whole fleet is rejected and counted, never queued;
-2. strict FIFO first-fit: the queue's head is placed if it fits, then the next, and so on; the
-   first job that does not fit blocks every job behind it (no backfilling: the simplest rule,
-   and it makes queueing delay a pure consequence of how fast the running jobs finish, which
-   is what a power policy changes). A job of g ≤ GPUs-per-node GPUs takes the first node with
-   g free GPUs; a larger job takes ⌈g / n⌉ entirely free nodes, first within one node group,
-   else across groups in order (the last node holds the remainder). A job that names GPU types
-   (``gpu_type`` ``T4|P100``, as Alibaba's ``gpu_spec`` or a ``--constraint``) goes only on nodes
-   of those types among the fleet's; when the fleet has none of them (a what-if on another
-   fleet) it goes on any node, and the run logs how many jobs that was;
-3. the policy sees a `ClusterView` (what a real system knows: measurements of the last
-   interval, GPU counts and types, deadlines, reported progress, the budget; never the plant)
-   and returns `Setpoints` (graphics/memory clock locks and/or per-GPU power limits per job);
-   what a job reports follows its progress source (`slurm_cdgpc.sim.reporting`, drawn per job
-   from the seed): ``reported`` shows steps, iteration time and total; ``steps`` steps and
-   iteration time, no total or remaining work; ``time-limit`` and ``none`` nothing, as a live
-   head sees a job that never reports. Every job but a ``none`` one has a Slurm time limit
-   (the trace's, else drawn from a `TimeLimitModel`), and the view shows it with the start;
-4. the plant runs every job for the interval at its applied clock. A job's workload is drawn
-   per GPU type from its model name (`draw_workloads`); its iteration time is scaled so that
-   iterations × time per iteration at max clocks (default limit) is the trace's duration. A job
-   spanning GPU types runs as its slowest type (the slowest GPU paces a synchronous job);
-5. progress: ΔR = Δt / T; a job with R ≤ Δt / T finishes at t + R·T (interpolated), its GPUs
-   draw idle power for the rest of the interval and are free at the next boundary. A job
-   still running at start + time limit is killed there, as Slurm does (it never finishes, so
-   a deadline job misses; `SimulationResult.killed`);
-6. cluster power over the interval: busy GPUs at plant power, idle GPUs at their idle power.
-
-Intervals with nothing running or queued are skipped (their idle energy is still counted).
-Measurements are interval means with seeded noise (`Plant.observe`); Hopper's 1 s power
-averaging does not matter at interval means and is not modelled here.
+Policies see a `ClusterView`, never the plant; only a `PlantPolicy` is handed it. Design:
+DESIGN.md, "Simulator"; tests: `tests/unit/test_sim_cluster.py`,
+`tests/unit/test_sim_policies.py`.
 """
 
 from __future__ import annotations
@@ -260,7 +229,35 @@ class _Running:
 
 
 class Simulator:
-    """Replays `trace` on `fleet` under one policy (module docstring)."""
+    """Replays `trace` on `fleet` under one policy.
+
+    Every ``interval_s`` (one control interval, default 60 s), at the interval's start ``t``:
+
+    1. jobs submitted at or before ``t`` join the queue (so a job waits for the next boundary);
+       a job asking for more GPUs than the whole fleet is rejected and counted, never queued;
+    2. strict FIFO first-fit (`_place`): the first job that does not fit blocks every job
+       behind it. A job of g ≤ GPUs-per-node GPUs takes the first node with g free GPUs; a
+       larger job takes ⌈g / n⌉ entirely free nodes, first within one node group, else across
+       groups in order (the last node holds the remainder). A job that names GPU types goes
+       only on nodes of those types (`allowed_nodes`);
+    3. the policy sees a `ClusterView` (measurements of the last interval, GPU counts and types,
+       deadlines, reported progress, the budget) and returns `Setpoints`; what a job reports
+       follows its progress source (`_as_seen`), and every job but a ``none`` one has a Slurm
+       time limit (the trace's, else drawn from a `TimeLimitModel`);
+    4. the plant runs every job for the interval at its applied clock. A job's workload is drawn
+       per GPU type from its model name (`draw_trace_workloads`), its iteration time scaled so
+       that iterations × time per iteration at max clocks is the trace's duration; a job
+       spanning GPU types runs as its slowest type;
+    5. progress: ΔR = Δt / T; a job with R ≤ Δt / T finishes at t + R·T (interpolated), its
+       GPUs draw idle power for the rest of the interval and are free at the next boundary. A
+       job still running at start + time limit is killed there, as Slurm does
+       (`SimulationResult.killed`);
+    6. cluster power over the interval: busy GPUs at plant power, idle GPUs at idle power.
+
+    Intervals with nothing running or queued are skipped (their idle energy is still counted).
+    Measurements are interval means with seeded noise (`Plant.observe`); Hopper's 1 s power
+    averaging does not matter at interval means and is not modelled here.
+    """
 
     def __init__(
         self,

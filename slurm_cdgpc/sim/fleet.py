@@ -1,10 +1,7 @@
 """The simulated cluster's hardware: groups of identical nodes, parsed from ``--fleet``.
 
-A fleet spec is a comma-separated list of ``NODESxGPUS:TYPE`` groups, e.g.
-``64x8:A100-SXM4-80GB,32x8:V100-SXM2`` (64 nodes of 8 A100s, then 32 nodes of 8 V100s). The
-order is the placement order: first-fit scans nodes group by group. `default_fleet` sizes a
-homogeneous A100 fleet from a trace: the time-weighted 90th percentile of the GPUs the trace
-would keep busy if every job started at submission and ran at max clocks, in whole 8-GPU nodes.
+The order of the groups is the placement order: first-fit scans nodes group by group. Design:
+DESIGN.md, "Simulator" (Placement); test: `tests/unit/test_sim_fleet.py`.
 """
 
 from __future__ import annotations
@@ -89,7 +86,10 @@ class FleetSpec:
 
 
 def parse_fleet(text: str) -> FleetSpec:
-    """``64x8:A100-SXM4-80GB,32x8:V100-SXM2`` → `FleetSpec`; malformed text is an `InputError`."""
+    """``64x8:A100-SXM4-80GB,32x8:V100-SXM2`` → `FleetSpec`; malformed text is an `InputError`.
+
+    A comma-separated list of ``NODESxGPUS:TYPE`` groups: here 64 nodes of 8 A100s, then 32
+    nodes of 8 V100s."""
     groups = []
     for part in text.split(","):
         match = _GROUP.fullmatch(part)
@@ -144,7 +144,9 @@ def concurrent_demand_quantile(
 
 
 def default_fleet(trace: Trace) -> FleetSpec:
-    """The trace's time-weighted p90 concurrent GPU demand, in whole 8-GPU A100 nodes (≥ 1)."""
+    """The trace's time-weighted p90 concurrent GPU demand, in whole 8-GPU A100 nodes (≥ 1):
+    the GPUs the trace would keep busy if every job started at submission and ran at max
+    clocks."""
     demand = concurrent_demand_quantile(
         trace.submit_s, trace.duration_s, trace.num_gpu, DEFAULT_QUANTILE
     )

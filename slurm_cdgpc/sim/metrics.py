@@ -1,38 +1,7 @@
 """What a replay is judged by (`Metrics`), computed from a `SimulationResult`.
 
-Definitions (a job "meets" its deadline when it finishes at or before it; a deadline job that
-never ran, being larger than the fleet, misses it):
-
-``jobs``, ``finished``, ``rejected``
-    Jobs in the trace; jobs that finished; jobs larger than the whole fleet (never queued).
-``deadline_jobs``, ``violations``, ``dvr``
-    Jobs with a deadline; those that miss it; violations / deadline_jobs.
-``violations_induced``, ``dvr_induced``
-    Deadline jobs that meet their deadline in the ``max-clock`` replay of the same seeded
-    workload (the reference) but miss it here; violations_induced / deadline_jobs (the same
-    denominator as ``dvr``). Judging a miss "unavoidable" from a job's actual start would depend
-    on the policy, since slowing jobs lengthens the queue; the reference run does not.
-``feasible_jobs``, ``violations_feasible``
-    Deadline jobs with deadline ≥ submission + duration at max clocks (they could make it if
-    they started at once); the misses among them.
-``binding_intervals``, ``power_mae_pct``
-    Intervals where the running jobs' max-clock demand (idle GPUs included) exceeds the budget,
-    i.e. the cap binds; mean |P − B| / B × 100 over them (P: cluster power over the interval).
-``over_budget_intervals_pct``, ``max_overshoot_pct``
-    Share of simulated intervals with P > 1.01 B, × 100; max over intervals of (P / B − 1) × 100
-    (negative: never above the budget).
-``energy_kwh``
-    Cluster energy over the replay, idle GPUs and idle gaps included.
-``mean_jct_s``, ``makespan_s``
-    Mean of finish − submission over finished jobs; last finish − first submission.
-``controller_ms_p50``
-    Median time of the policy's decision per interval, milliseconds.
-``killed_at_time_limit``
-    Jobs Slurm ended at their time limit (never finished; a deadline job among them misses).
-``by_job_type``
-    For traces that class their jobs (Chronus: strict, soft, best-effort), the deadline counts
-    above per class: ``deadline_jobs``, ``violations``, ``violations_induced``. Soft jobs are
-    judged by their first deadline, like strict ones; best-effort jobs carry none.
+Each field is defined on `Metrics`. Design: DESIGN.md, "Simulator" (Reference run, Results);
+test: `tests/unit/test_sim_metrics.py`.
 """
 
 from __future__ import annotations
@@ -59,28 +28,52 @@ OVER_BUDGET_TOLERANCE = 0.01
 
 @dataclass(frozen=True)
 class Metrics:
+    """One replay's figures. A job "meets" its deadline when it finishes at or before it; a
+    deadline job that never ran, being larger than the fleet, misses it."""
+
     policy: str
     fleet_gpus: int
     budget_w: float
+    #: jobs in the trace; jobs that finished; jobs larger than the whole fleet (never queued)
     jobs: int
     finished: int
     rejected: int
+    #: jobs with a deadline; those that miss it; violations / deadline_jobs
     deadline_jobs: int
     violations: int
     dvr: float
-    violations_induced: int | None  # None without a reference run
+    #: deadline jobs that meet their deadline in the ``max-clock`` replay of the same seeded
+    #: workload (the reference) but miss it here, None without a reference run; and over
+    #: deadline_jobs. Judging a miss "unavoidable" from a job's actual start would depend on the
+    #: policy, since slowing jobs lengthens the queue; the reference run does not.
+    violations_induced: int | None
     dvr_induced: float | None
+    #: deadline jobs with deadline ≥ submission + duration at max clocks (they could make it
+    #: if they started at once); the misses among them
     feasible_jobs: int
     violations_feasible: int
-    power_mae_pct: float | None  # None when the cap never binds
+    #: mean |P − B| / B × 100 over the binding intervals (P: cluster power over the interval),
+    #: None when the cap never binds
+    power_mae_pct: float | None
+    #: intervals where the running jobs' max-clock demand (idle GPUs included) exceeds the
+    #: budget, i.e. the cap binds
     binding_intervals: int
+    #: share of simulated intervals with P > (1 + `OVER_BUDGET_TOLERANCE`) B, × 100
     over_budget_intervals_pct: float
+    #: max over intervals of (P / B − 1) × 100 (negative: never above the budget)
     max_overshoot_pct: float
+    #: cluster energy over the replay, idle GPUs and idle gaps included
     energy_kwh: float
+    #: mean of finish − submission over finished jobs; last finish − first submission
     mean_jct_s: float
     makespan_s: float
+    #: median time of the policy's decision per interval, milliseconds
     controller_ms_p50: float
+    #: jobs Slurm ended at their time limit (never finished; a deadline job among them misses)
     killed_at_time_limit: int = 0
+    #: for traces that class their jobs (Chronus: strict, soft, best-effort), ``deadline_jobs``,
+    #: ``violations`` and ``violations_induced`` per class. Soft jobs are judged by their first
+    #: deadline, like strict ones; best-effort jobs carry none.
     by_job_type: dict[str, dict[str, int | None]] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:

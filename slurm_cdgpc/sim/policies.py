@@ -1,43 +1,9 @@
 """Power-capping policies for the cluster simulator, one interface (`Policy.decide`).
 
-Every policy but ``oracle`` sees only a `ClusterView` (measurements, job sizes and types,
-deadlines, reported progress, the budget) and has no path to the plant: the simulator hands the
-plant to `PlantPolicy` subclasses only, and ``oracle`` is the one. ``max-clock`` needs nothing.
-
-``cdgpc``
-    The controller cdgpcd runs (`EconomicMPC`), with the shipped configuration's settings
-    (`slurm_cdgpc.control.tuning.shipped`): every rule it applies is one of its settings, and
-    this adapter only turns the view into its inputs (jobs, measurements, the queue).
-``cdgpc-paper``
-    The same controller with the paper's settings (`slurm_cdgpc.control.tuning.paper`): the
-    linear power family and the deadline-aware weights w = R / max(D − t, Δt) alone.
-``max-clock``
-    No cap.
-``uniform-power-cap``
-    DCGM/Flux style: (budget − idle GPUs at idle power) / busy GPUs as every busy GPU's power
-    limit, clipped to its type's limit range.
-``uniform-clock``
-    One clock fraction for every job, the highest whose predicted power fits the budget. Power
-    is predicted by the same online estimator as cdgpc (bent family, RLS on measurements),
-    corrected by the measured relative miss of the last plans; unmeasured jobs count at their
-    power limit. Clocks are floored to each type's supported levels.
-``ear-greedy``
-    EAR style: each node starts from a share of the budget proportional to its GPUs' power
-    limits; nodes drawing well below their share (measured) release the excess down to 110 % of
-    their draw, and the released power is water-filled over the nodes pressing their cap. A
-    node's allocation, less its idle GPUs, becomes its busy GPUs' power limit.
-``static-gpu-freq``
-    As ``sbatch --gpu-freq``: a job runs its first interval at top clocks; from the measured
-    iteration time it gets, once, the lowest supported clock that still meets its deadline
-    assuming time ∝ 1 / clock (top clock when it has no deadline or cannot meet it), never below
-    0.5 of max. The uniform per-GPU power limit is the backstop that holds the budget.
-``oracle``
-    True plant, centralised: per job the true power and time on a grid of clocks, one price λ
-    found by bisection so that each job's argmin of w·T + λ·g·P fits the budget. Weights as
-    cdgpc's (with triage), from the true time at top clocks; clocks from 0.6 of max, lower only
-    when that does not fit. An upper bound on what a controller can know, not a competitor; it
-    is not an upper bound on deadline outcomes (24 clock levels, no greedy fill, and the
-    objective ignores queueing: on cluster07 at 0.7 it induced more misses than cdgpc).
+``cdgpc`` and ``cdgpc-paper`` are the controller cdgpcd runs (`Cdgpc`); every policy but the
+oracle sees only a `ClusterView` and has no path to the plant. Design: DESIGN.md, "Controller"
+(One brain) and "Simulator"; tests: `tests/unit/test_sim_policies.py`,
+`tests/unit/test_one_brain.py`.
 """
 
 from __future__ import annotations
@@ -120,6 +86,8 @@ class _Levels:
 
 
 class MaxClock(Policy):
+    """``max-clock``: no cap; it needs nothing, and is the reference run's policy."""
+
     name = "max-clock"
 
     def decide(self, view: ClusterView) -> Setpoints:
@@ -127,6 +95,9 @@ class MaxClock(Policy):
 
 
 class UniformPowerCap(Policy):
+    """``uniform-power-cap``, DCGM/Flux style: (budget − idle GPUs at idle power) / busy GPUs as
+    every busy GPU's power limit, clipped to its type's limit range (`uniform_limit_w`)."""
+
     name = "uniform-power-cap"
 
     def decide(self, view: ClusterView) -> Setpoints:
@@ -134,6 +105,11 @@ class UniformPowerCap(Policy):
 
 
 class EarGreedy(Policy):
+    """``ear-greedy``, EAR style: each node starts from a share of the budget proportional to its
+    GPUs' power limits; nodes drawing well below their share (measured) release the excess down
+    to `headroom` × their draw, and the released power is water-filled over the nodes pressing
+    their cap. A node's allocation, less its idle GPUs, becomes its busy GPUs' power limit."""
+
     name = "ear-greedy"
     #: a node drawing below this share of its allocation releases the excess
     release_below = 0.9
@@ -185,6 +161,12 @@ class EarGreedy(Policy):
 
 
 class StaticGpuFreq(Policy):
+    """``static-gpu-freq``, as ``sbatch --gpu-freq``: a job runs its first interval at top
+    clocks; from the measured iteration time it gets, once, the lowest supported clock that
+    still meets its deadline assuming time ∝ 1 / clock (top clock when it has no deadline or
+    cannot meet it), never below `STATIC_MIN_CLOCK_FRACTION` of max. The uniform per-GPU power
+    limit is the backstop that holds the budget."""
+
     name = "static-gpu-freq"
 
     def start(self, fleet: FleetSpec, budget_w: float, interval_s: float) -> None:
@@ -211,7 +193,12 @@ class StaticGpuFreq(Policy):
 
 
 class Cdgpc(Policy):
-    """The head's controller on the simulator's view: only turns the view into its inputs."""
+    """The head's controller on the simulator's view: only turns the view into its inputs.
+
+    ``cdgpc`` is `EconomicMPC` with the shipped configuration's settings
+    (`slurm_cdgpc.control.tuning.shipped`); ``cdgpc-paper`` the same controller with the
+    paper's (`slurm_cdgpc.control.tuning.paper`): the linear power family and the
+    deadline-aware weights w = R / max(D − t, Δt) alone."""
 
     def __init__(
         self,
@@ -284,6 +271,11 @@ class Cdgpc(Policy):
 
 
 class UniformClock(Policy):
+    """``uniform-clock``: one clock fraction for every job, the highest whose predicted power
+    fits the budget. Power is predicted by the same online estimator as cdgpc (bent family, RLS
+    on measurements), corrected by the measured relative miss of the last plans; unmeasured jobs
+    count at their power limit. Clocks are floored to each type's supported levels."""
+
     name = "uniform-clock"
 
     def start(self, fleet: FleetSpec, budget_w: float, interval_s: float) -> None:
@@ -325,6 +317,13 @@ class UniformClock(Policy):
 
 
 class Oracle(PlantPolicy):
+    """``oracle``: the true plant, centralised. Per job the true power and time on a grid of
+    `ORACLE_CLOCK_LEVELS` clocks, one price λ found by bisection so that each job's argmin of
+    w·T + λ·g·P fits the budget. Weights as cdgpc's (with triage), from the true time at top
+    clocks; clocks from ``min_clock_fraction`` of max, lower only when that does not fit. An
+    upper bound on what a controller can know, not on deadline outcomes (DESIGN.md, "Known
+    gaps")."""
+
     name = "oracle"
 
     def __init__(self, triage: bool = True, min_clock_fraction: float = 0.6) -> None:

@@ -1,6 +1,7 @@
 """``simulate --report DIR``: the metrics as JSON, three PNG plots and a Markdown summary.
 
-matplotlib is imported only here, lazily (the ``report`` extra), with the Agg backend.
+matplotlib is imported only here, lazily (the ``report`` extra), with the Agg backend. Test:
+`tests/unit/test_sim_cluster.py`.
 """
 
 from __future__ import annotations

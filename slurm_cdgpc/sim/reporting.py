@@ -1,32 +1,8 @@
 """What each simulated job tells the head: its progress source and its Slurm time limit.
 
-Both are drawn once per (trace job, seed), so every policy replays the same jobs. Progress
-sources, as the head meets them:
-
-``reported``
-    Steps and total known: ``iters=N`` in the Slurm comment, or a framework callback
-    (Lightning, HF Trainer) that reports its total.
-``steps``
-    Steps known, total not: the automatic PyTorch hook reports optimizer steps (so the
-    iteration time is measured) but no total.
-``time-limit``
-    Nothing reported (a non-Python job, or the hook off): only Slurm's time limit is known.
-``none``
-    Nothing reported and no time limit either (an UNLIMITED partition).
-
-The realistic mix (`REALISTIC`) is an assumption, not a measurement: about 0.8 of deep-learning
-training jobs run PyTorch (framework surveys of papers and repositories, e.g. Papers with Code's
-trend around 2023, where PyTorch is the large majority); of those, about a quarter say their
-total (``iters=`` or a Lightning / HF Trainer callback): reported 0.2, steps 0.6, and the other
-frameworks and non-Python jobs, time-limit 0.2; none 0 (every partition is assumed to set a
-limit).
-
-Time limits (`TimeLimitModel`): users over-request, their estimates are typically several times
-the actual run time (Tsafrir, Etsion & Feitelson, "Backfilling using system-generated
-predictions rather than user runtime estimates", IEEE TPDS 2007). The deep-learning traces
-replayed here (Philly via Chronus, ElasticFlow) carry no limits, so the default
-``uniform:1.5:3`` is a model: L = U(1.5, 3) × the job's run time at top clocks, rounded up to
-whole minutes as Slurm keeps them.
+Both are drawn once per (trace job, seed), so every policy replays the same jobs. The realistic
+mix and the limit model are assumptions: DESIGN.md, "Progress"; tests:
+`tests/unit/test_sim_cluster.py`, `tests/unit/test_sim_traces.py`.
 """
 
 from __future__ import annotations
@@ -44,7 +20,11 @@ from slurm_cdgpc.errors import InputError
 FloatArray = npt.NDArray[np.float64]
 IntArray = npt.NDArray[np.int64]
 
-#: progress sources, in the order their shares are written and drawn
+#: progress sources, in the order their shares are written and drawn: ``reported`` (steps and
+#: total: ``iters=N`` in the comment, or a framework callback that reports its total);
+#: ``steps`` (the automatic PyTorch hook: optimizer steps, so the iteration time is measured, but
+#: no total); ``time-limit`` (nothing reported, only Slurm's time limit known: a non-Python job,
+#: or the hook off); ``none`` (nothing reported and no time limit: an UNLIMITED partition)
 SOURCES: Final = ("reported", "steps", "time-limit", "none")
 REPORTED, STEPS, TIME_LIMIT, NONE = range(len(SOURCES))
 #: shares must sum to 1 within this
@@ -116,7 +96,8 @@ class ProgressMix:
         return np.searchsorted(edges, u, side="right").astype(np.int64)
 
 
-#: an assumption (module docstring): PyTorch ≈ 0.8 of jobs, a quarter of them say their total
+#: an assumption (DESIGN.md, "Progress"): PyTorch ≈ 0.8 of jobs, a quarter of them say their
+#: total; every partition sets a limit
 REALISTIC: Final = ProgressMix((0.2, 0.6, 0.2, 0.0))
 PRESETS: Final = {"all-reported": ProgressMix(), "realistic": REALISTIC}
 

@@ -1,13 +1,9 @@
 """Simulator sweeps: traces × seeds × budgets × progress mixes × policies, one replay per cell.
 
-A sweep is one directory, all that the machines running it share: ``sweep.json`` (the
-definition; a different one is refused), ``cells/KEY.json`` (one cell's coordinates and
-`Metrics`), ``references/TRACE_seedN.npz`` (the max-clock replay, per trace and seed, that
-`compute_metrics` counts induced misses against). Every file appears whole (temp file +
-``os.replace``) or not at all; a cell on disk is never run again. `run_cells` runs cells in this
-process, `run_local` on a process pool; nothing here runs a Slurm command. The time-limit
-model is one per sweep; a definition written before mixes and limits existed (``progress_shares``,
-no ``time_limit_model``) reads as those shares' mixes under the default model, keys unchanged.
+A sweep is one directory (`Sweep`), all that the machines running it share; `run_cells` runs
+cells in this process, `run_local` on a process pool. Nothing here runs a Slurm command
+(`tests/unit/test_import_graph.py`). Tests: `tests/unit/test_sim_sweep.py`,
+`tests/integration/test_sim_sweep_slurm.py`.
 """
 
 from __future__ import annotations
@@ -254,6 +250,10 @@ class SweepDefinition:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> SweepDefinition:
+        """The definition ``sweep.json`` holds. The time-limit model is one per sweep; a
+        definition written before mixes and limits existed (``progress_shares``, no
+        ``time_limit_model``) reads as those shares' mixes under the default model, keys
+        unchanged."""
         if data.get("version") != VERSION:
             raise InputError(f"sweep definition version {data.get('version')!r}, not {VERSION}")
         try:
@@ -396,7 +396,13 @@ def _exclusive(path: Path) -> Iterator[None]:
 
 @dataclass(frozen=True)
 class Sweep:
-    """A sweep's directory and its definition."""
+    """A sweep's directory and its definition.
+
+    ``sweep.json`` (the definition; a different one is refused), ``cells/KEY.json`` (one cell's
+    coordinates and `Metrics`), ``references/TRACE_seedN.npz`` (the max-clock replay, per trace
+    and seed, that `compute_metrics` counts induced misses against). Every file appears whole
+    (temp file + ``os.replace``) or not at all; a cell on disk is never run again.
+    """
 
     directory: Path
     definition: SweepDefinition

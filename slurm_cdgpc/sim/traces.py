@@ -1,79 +1,8 @@
 """Job traces for the cluster simulator: the `Trace` type, one loader per format, `load_trace`.
 
-A `Trace` holds one row per job, sorted by submission, with times in seconds. ``duration_s`` is
-the run time the trace measured; the simulator treats it as the duration at maximum clocks.
-Every loader is strict: what it cannot read raises `TraceFormatError` with one line,
-``file:line: column 'name': reason``, never a traceback. Jobs without GPUs are not jobs here:
-they are skipped, logged and counted in `Trace.skipped`.
-
-Formats (`load_trace` tells them apart by the header)
------------------------------------------------------
-``elasticflow``
-    Microsoft ITP clusters as published by ElasticFlow (microsoft/elasticflow-traces, MIT).
-    ``raw/clusterNN.csv``: ``job_id, submission_time, duration, num_gpu``.
-    ``with_deadlines/clusterNN.csv`` and ``195job.csv`` add ``num_iteration, model_name,
-    deadline, batch_size`` (columns in any order), made up by the ElasticFlow authors;
-    ``batch_size`` is not kept. Seconds since the start of collection; ``deadline`` is absolute,
-    on the same clock. No job classes.
-``chronus``
-    Philly-derived traces of Chronus (S-Lab-System-Group/ChronusArtifact, MIT; Philly
-    CC-BY-4.0), ``trace_job_Philly_{SLO,MIX1,MIX2}.csv``. The time unit is not documented; it
-    is minutes, converted to seconds here: submissions span 20,151 units (14 days), and the
-    Chronus scheduler counts ``hour_metric = 60`` units to the hour. ``expect_time_list`` holds
-    '-'-separated deadlines, ``expect_value_list`` the utility of meeting each (soft jobs:
-    four deadlines worth 10-8-5-2); the job's deadline is the FIRST one. It is an offset from
-    ``submit_time``, not an absolute time: for strict and soft jobs it is always 1.1-5 times the
-    duration, yet smaller than ``submit_time`` in 94 % of them, and Chronus itself computes
-    ``expect_time + job.submit_time``. For best-effort jobs the list holds ``submit_time``
-    itself, a placeholder: they get no deadline (NaN). ``job_type`` strict / soft / best becomes
-    "strict" / "soft" / "best-effort".
-``alibaba2023``
-    Pods of Alibaba's heterogeneous GPU cluster (alibaba/clusterdata, cluster-trace-gpu-v2023;
-    research or study use only; Weng et al., ATC'23), ``openb_pod_list_*.csv``. Read: ``name,
-    num_gpu, creation_time, deletion_time, scheduled_time, gpu_spec`` (seconds since the start of
-    the trace). Submission is ``creation_time``; duration is ``deletion_time - scheduled_time``,
-    or ``deletion_time - creation_time`` for pods never scheduled (then it is how long they waited
-    before deletion); pods alive at the end of the trace are cut there. ``gpu_spec`` (allowed GPU
-    types, '|'-separated, empty = any) becomes ``gpu_type``. ``gpu_milli`` (GPU sharing) is not
-    kept: a pod with ``num_gpu`` 1 counts as a whole GPU. The resampled lists without times
-    (``openb_pod_list_multigpu50.csv`` and kin) cannot be replayed. ``nodes_path``
-    (``openb_node_list_gpu_node.csv``) fills `Trace.cluster_gpus` and checks that every GPU type a
-    pod asks for exists.
-``cdgpc``
-    Our own CSV, for jobs of any Slurm cluster (below), or ``sacct`` output as it comes.
-
-The cdgpc CSV
--------------
-A header, then one row per job. Required columns: ``job_id, submit, start, end, num_gpu``.
-Optional: ``deadline, comment, gpu_type, job_type, model_name, iterations``. Others are ignored.
-
-* Times (``submit``, ``start``, ``end``, an absolute ``deadline``) are ISO 8601
-  (``2026-03-01T10:00:00``, with or without a UTC offset) or a bare number of seconds since the
-  Unix epoch; the trace holds epoch seconds. An ISO time without an offset is read in the local
-  time zone of the machine that loads it, as ``sacct`` prints local times: set ``TZ`` to the
-  cluster's zone.
-* ``duration_s = end - start``. A job whose ``start`` or ``end`` is empty, ``Unknown`` or ``None``
-  never ran or has not finished and is skipped, as is a job with ``num_gpu`` 0.
-* ``deadline``: empty (none), or a deadline as ``sbatch --comment=deadline=`` takes it
-  (`slurm_cdgpc.slurm.comment.parse_deadline`): an ISO 8601 time (without an offset: local
-  time), epoch seconds, or ``+`` a span after submission: ``+6h``, ``+90m``, ``+1h30m``,
-  ``+3600s``, ``+2d`` (m is minutes).
-* ``comment``: the job's Slurm comment with ``key=value`` items, as users give them to
-  ``sbatch --comment=deadline=2026-12-01T12:00,iters=5000``. ``deadline`` (same forms) and
-  ``iters`` are read where the ``deadline`` / ``iterations`` columns are absent or empty. An item
-  runs to the next comma; text around the items is ignored.
-* ``job_type``: strict, soft, best-effort (or best), or empty.
-
-``sacct`` output is read without conversion (it is recognised by its '|' separators)::
-
-    sacct --parsable2 --noheader -X --allusers --starttime 2026-01-01 --endtime now \\
-          --format=JobID,Submit,Start,End,AllocTRES,Comment > jobs.txt
-
-The six fields must come in this order (Comment last, so that it may hold '|'); a header line
-(without ``--noheader``) is skipped. The GPU count is ``gres/gpu=N`` in AllocTRES, the GPU type
-comes from ``gres/gpu:TYPE=N``; Slurm records them only with ``AccountingStorageTRES=gres/gpu``
-in slurm.conf. The Comment is read like the ``comment`` column. Job steps (a '.' in the JobID)
-and jobs that never started, are still running or had no GPUs are skipped.
+Every loader is strict: what it cannot read is one `TraceFormatError` line, never a traceback.
+Each format's columns are on its loader. Design: DESIGN.md, "Simulator" (Traces); tests:
+`tests/unit/test_sim_traces.py`, `tests/security/test_fuzz.py`.
 """
 
 from __future__ import annotations
@@ -225,7 +154,12 @@ class Trace:
 
 
 def load_trace(path: str | os.PathLike[str], format: str | None = None) -> Trace:
-    """Read a trace file; ``format`` (one of `FORMATS`) is detected from the header when None."""
+    """Read a trace file; ``format`` (one of `FORMATS`) is detected from the header when None.
+
+    ``duration_s`` is the run time the trace measured; the simulator treats it as the duration
+    at maximum clocks. Jobs without GPUs are not jobs here: they are skipped, logged and counted
+    in `Trace.skipped`.
+    """
     if format is not None and format not in FORMATS:
         raise InputError(f"unknown trace format {format!r}; known: {', '.join(FORMATS)}")
     name, text = _read_text(Path(path))
@@ -233,25 +167,87 @@ def load_trace(path: str | os.PathLike[str], format: str | None = None) -> Trace
 
 
 def elasticflow(path: str | os.PathLike[str]) -> Trace:
-    """Microsoft ITP jobs from microsoft/elasticflow-traces (``raw/`` or ``with_deadlines/``)."""
+    """Microsoft ITP jobs from microsoft/elasticflow-traces (``raw/`` or ``with_deadlines/``).
+
+    As published by ElasticFlow (MIT). ``raw/clusterNN.csv``: ``job_id, submission_time,
+    duration, num_gpu``. ``with_deadlines/clusterNN.csv`` and ``195job.csv`` add
+    ``num_iteration, model_name, deadline, batch_size`` (columns in any order), made up by the
+    ElasticFlow authors; ``batch_size`` is not kept. Seconds since the start of collection;
+    ``deadline`` is absolute, on the same clock. No job classes.
+    """
     return _elasticflow(*_read_text(Path(path)))
 
 
 def chronus(path: str | os.PathLike[str]) -> Trace:
-    """Philly jobs with SLOs from ChronusArtifact; minutes in the file, seconds in the trace."""
+    """Philly jobs with SLOs from ChronusArtifact; minutes in the file, seconds in the trace.
+
+    S-Lab-System-Group/ChronusArtifact (MIT; Philly CC-BY-4.0),
+    ``trace_job_Philly_{SLO,MIX1,MIX2}.csv``. Why the unit is minutes and the deadline an offset:
+    DESIGN.md, "Simulator" (Traces). ``expect_time_list`` holds '-'-separated deadlines,
+    ``expect_value_list`` the utility of meeting each (soft jobs: four deadlines worth
+    10-8-5-2); the job's deadline is the first one, added to ``submit_time`` as Chronus does.
+    For best-effort jobs the list holds ``submit_time`` itself, a placeholder: they get no
+    deadline (NaN). ``job_type`` strict / soft / best becomes "strict" / "soft" / "best-effort".
+    """
     return _chronus(*_read_text(Path(path)))
 
 
 def alibaba2023(
     path: str | os.PathLike[str], nodes_path: str | os.PathLike[str] | None = None
 ) -> Trace:
-    """GPU pods of Alibaba's 2023 trace; ``nodes_path`` adds the cluster's GPUs by type."""
+    """GPU pods of Alibaba's 2023 trace; ``nodes_path`` adds the cluster's GPUs by type.
+
+    alibaba/clusterdata, cluster-trace-gpu-v2023 (research or study use only; Weng et al.,
+    ATC'23), ``openb_pod_list_*.csv``. Read: ``name, num_gpu, creation_time, deletion_time,
+    scheduled_time, gpu_spec`` (seconds since the start of the trace). Submission is
+    ``creation_time``; duration is ``deletion_time - scheduled_time``, or ``deletion_time -
+    creation_time`` for pods never scheduled (how long they waited before deletion); pods alive
+    at the end of the trace are cut there. ``gpu_spec`` (allowed GPU types, '|'-separated, empty
+    = any) becomes ``gpu_type``. ``gpu_milli`` (GPU sharing) is not kept: a pod with ``num_gpu``
+    1 counts as a whole GPU. The resampled lists without times (``openb_pod_list_multigpu50.csv``
+    and kin) cannot be replayed. ``nodes_path`` (``openb_node_list_gpu_node.csv``) fills
+    `Trace.cluster_gpus` and checks that every GPU type a pod asks for exists.
+    """
     nodes = None if nodes_path is None else _alibaba_nodes(*_read_text(Path(nodes_path)))
     return _alibaba2023(*_read_text(Path(path)), nodes=nodes)
 
 
 def cdgpc(path: str | os.PathLike[str]) -> Trace:
-    """Our CSV of finished Slurm jobs, or ``sacct --parsable2`` output (module docstring)."""
+    """Our CSV of finished Slurm jobs, or ``sacct --parsable2`` output, for any Slurm cluster.
+
+    The CSV: a header, then one row per job. Required columns: ``job_id, submit, start, end,
+    num_gpu``. Optional: ``deadline, comment, gpu_type, job_type, model_name, iterations``.
+    Others are ignored.
+
+    * Times (``submit``, ``start``, ``end``, an absolute ``deadline``) are ISO 8601
+      (``2026-03-01T10:00:00``, with or without a UTC offset) or a bare number of seconds since
+      the Unix epoch; the trace holds epoch seconds. An ISO time without an offset is read in
+      the local time zone of the machine that loads it, as ``sacct`` prints local times: set
+      ``TZ`` to the cluster's zone.
+    * ``duration_s = end - start``. A job whose ``start`` or ``end`` is empty, ``Unknown`` or
+      ``None`` never ran or has not finished and is skipped, as is a job with ``num_gpu`` 0.
+    * ``deadline``: empty (none), or a deadline as ``sbatch --comment=deadline=`` takes it
+      (`slurm_cdgpc.slurm.comment.parse_deadline`): an ISO 8601 time (without an offset: local
+      time), epoch seconds, or ``+`` a span after submission: ``+6h``, ``+90m``, ``+1h30m``,
+      ``+3600s``, ``+2d`` (m is minutes).
+    * ``comment``: the job's Slurm comment with ``key=value`` items, as users give them to
+      ``sbatch --comment=deadline=2026-12-01T12:00,iters=5000``. ``deadline`` (same forms) and
+      ``iters`` are read where the ``deadline`` / ``iterations`` columns are absent or empty.
+      An item runs to the next comma; text around the items is ignored.
+    * ``job_type``: strict, soft, best-effort (or best), or empty.
+
+    ``sacct`` output is read without conversion (it is recognised by its '|' separators)::
+
+        sacct --parsable2 --noheader -X --allusers --starttime 2026-01-01 --endtime now \\
+              --format=JobID,Submit,Start,End,AllocTRES,Comment > jobs.txt
+
+    The six fields must come in this order (Comment last, so that it may hold '|'); a header
+    line (without ``--noheader``) is skipped. The GPU count is ``gres/gpu=N`` in AllocTRES, the
+    GPU type comes from ``gres/gpu:TYPE=N``; Slurm records them only with
+    ``AccountingStorageTRES=gres/gpu`` in slurm.conf. The Comment is read like the ``comment``
+    column. Job steps (a '.' in the JobID) and jobs that never started, are still running or had
+    no GPUs are skipped.
+    """
     return _cdgpc(*_read_text(Path(path)))
 
 

@@ -1,14 +1,8 @@
-"""The head as a simulator policy (``simulate --engine head``): the digital twin.
+"""The head as a simulator policy (``simulate --engine head``): the digital twin (`HeadTwin`).
 
-`HeadTwin` replays a trace through the real `Coordinator` (reconcile, measure, learn, solve,
-exchange, persist) over a SQLite store in a temporary directory, on a `ManualClock` that the
-simulator's interval moves. Each job registers as its Prolog would: deadline, total when it
-reports one, Slurm's time limit and its start. Its transport, `ViewTransport`, answers every
-node's exchange from the `ClusterView` as node agents do: readings taken before the exchange
-applies, energy counters, the lock in force, progress as root reports it (steps, and the total
-for a job that says it). It must not reach the plant, and it
-decides nothing: every clock the simulator applies is a setpoint the head sent. What a report
-must hold to be trusted is written in `slurm_cdgpc.coordinator.daemon` (its module docstring).
+A `Policy`, not a `PlantPolicy`: it never reaches the plant, and it decides nothing itself. What
+a report must hold to be trusted: DESIGN.md, "Models" (What a sample is); test:
+`tests/unit/test_sim_twin.py`.
 """
 
 from __future__ import annotations
@@ -178,7 +172,15 @@ def _release(engine: Engine, directory: tempfile.TemporaryDirectory[str]) -> Non
 
 
 class HeadTwin(Policy):
-    """cdgpc through the real head: registrations, the store, the exchange (module docstring).
+    """cdgpc through the real head: registrations, the store, the exchange.
+
+    It replays a trace through the real `Coordinator` (reconcile, measure, learn, solve,
+    exchange, persist) over a SQLite store in a temporary directory, on a `ManualClock` that the
+    simulator's interval moves. Each job registers as its Prolog would: deadline, total when it
+    reports one, Slurm's time limit and its start. Its transport, `ViewTransport`, answers every
+    node's exchange from the `ClusterView` as node agents do: readings taken before the exchange
+    applies, energy counters, the lock in force, progress as root reports it (steps, and the
+    total for a job that says it). Every clock the simulator applies is a setpoint the head sent.
 
     Call `close` (or use it as a context manager) when the replay is done: it disposes of the
     store and removes its directory; a twin that is dropped unclosed is cleaned up when collected.

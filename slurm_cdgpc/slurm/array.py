@@ -1,9 +1,9 @@
 """Slurm job arrays for batch work that outgrows one machine: ``sbatch --array`` and ``squeue``.
 
-`array_script` writes a bash script whose array task ``i`` runs the ``i``-th command line;
-`submit_array` submits it with ``sbatch --parsable`` and returns the job id; `array_active` and
-`wait_for_array` poll ``squeue``. Unlike the hooks, these run from an admin's shell: ``sbatch`` and
-``squeue`` come from ``PATH``, and the job inherits the caller's environment. Standard library only.
+Unlike the hooks, these run from an admin's shell: ``sbatch`` and ``squeue`` come from ``PATH``,
+and the job inherits the caller's environment. Standard library only; `slurm/` alone runs Slurm's
+commands (`tests/unit/test_import_graph.py`). Tests: `tests/unit/test_sim_sweep.py`,
+`tests/integration/test_sim_sweep_slurm.py`.
 """
 
 from __future__ import annotations

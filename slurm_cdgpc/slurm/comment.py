@@ -1,27 +1,9 @@
 """The one parser of what a user asks in ``sbatch --comment``: a deadline and an iteration count.
 
-`parse_deadline` is the one deadline grammar: the simulator's traces and ``cdgpc-admin`` read times
-with it too.
-
-Grammar (the same in ``job_submit.lua``, which refuses a malformed deadline at submit time)::
-
-    comment  := token ((',' | ASCII whitespace)+ token)*
-    token    := 'deadline=' deadline | 'iters=' count | anything else (left alone)
-    deadline := ISO 8601   YYYY-MM-DD[THH:MM[:SS[.ffffff]]][Z | ±HH[[:]MM]]
-                           (no zone: local time of the machine that parses, the head's zone)
-              | relative   '+' span (6h, 90m, 1h30m: `slurm_cdgpc.units`)  after the submit time
-              | epoch      digits                                 seconds since 1970 UTC
-    count    := digits (1 .. 2**53)
-
-Keys are case-insensitive; other text and other ``key=value`` pairs are left alone, since sites
-use ``--comment`` for other things too. A key given twice, an empty or malformed value is an
-`InputError` with one line such as ``cannot read deadline 'tomorow': use 2026-12-01T12:00 or +6h``.
-Nothing else is ever raised, whatever the text.
-
-Without a deadline in the comment, `effective_deadline` falls back to Slurm's own ``--deadline``,
-then to the start time plus the time limit.
-
-Standard library only: the Prolog imports this.
+`parse_deadline` is the one deadline grammar (the simulator's traces and ``cdgpc-admin`` read
+times with it too); ``daemon/job_submit.lua`` is its twin at submit time. Standard library and
+`errors`/`units` only: the Prolog imports it (`tests/unit/test_import_graph.py`). Tests:
+`tests/unit/test_slurm_comment.py`, `tests/security/test_fuzz.py`.
 """
 
 from __future__ import annotations
@@ -154,7 +136,24 @@ def parse_iterations(value: str) -> int:
 
 
 def parse_comment(text: str | None, *, tz: tzinfo | None = None) -> CommentRequest:
-    """The deadline and iteration count in a job comment (None or empty: nothing asked)."""
+    """The deadline and iteration count in a job comment (None or empty: nothing asked).
+
+    The grammar, the same in ``job_submit.lua`` (which refuses a malformed deadline at submit
+    time)::
+
+        comment  := token ((',' | ASCII whitespace)+ token)*
+        token    := 'deadline=' deadline | 'iters=' count | anything else (left alone)
+        deadline := ISO 8601   YYYY-MM-DD[THH:MM[:SS[.ffffff]]][Z | ±HH[[:]MM]]
+                               (no zone: local time of the machine that parses, the head's zone)
+                  | relative   '+' span (6h, 90m, 1h30m: `slurm_cdgpc.units`)  after submission
+                  | epoch      digits                                 seconds since 1970 UTC
+        count    := digits (1 .. 2**53)
+
+    Keys are case-insensitive; other text and other ``key=value`` pairs are left alone, since
+    sites use ``--comment`` for other things too. A key given twice, an empty or malformed value
+    is an `InputError` with one line such as ``cannot read deadline 'tomorow': use
+    2026-12-01T12:00 or +6h``. Nothing else is ever raised, whatever the text.
+    """
     if not text:
         return CommentRequest()
     deadline: DeadlineSpec | None = None

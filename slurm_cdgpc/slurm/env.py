@@ -1,15 +1,8 @@
-"""What slurmd hands the node Prolog and Epilog in their environment (measured on Slurm 22.05).
+"""What slurmd hands the node Prolog and Epilog in their environment (`read_hook_env`).
 
-The slurmd Prolog and Epilog see ``SLURM_JOB_ID``, ``SLURM_JOB_USER``/``SLURM_JOB_UID``,
-``SLURMD_NODENAME``, ``SLURM_JOB_GPUS`` (the node's GPU indices, ``0,1``), ``CUDA_VISIBLE_DEVICES``
-and ``SLURM_JOB_COMMENT``; an array task also ``SLURM_ARRAY_JOB_ID``/``SLURM_ARRAY_TASK_ID``.
-``PATH`` is unset; the e2e tests (tests/integration/test_slurm_e2e.py) run against a real slurmd.
-
-Job ids: the raw ``SLURM_JOB_ID`` is registered, also for array tasks (each task has its own raw
-id; ``123_4`` is only a display form). The Epilog, ``scancel``, ``squeue --json`` (``job_id``) and
-the head's reconcile then all name a task the same way.
-
-Standard library only: the Prolog imports this.
+Standard library, `errors` and `wire.names` only: the Prolog imports it
+(`tests/unit/test_import_graph.py`). Tests: `tests/unit/test_slurm_hooks.py`, and
+`tests/integration/test_slurm_e2e.py` against a real slurmd.
 """
 
 from __future__ import annotations
@@ -93,7 +86,16 @@ def hook_node(
 def read_hook_env(
     environ: Mapping[str, str], *, hostname: Callable[[], str] = socket.gethostname
 ) -> HookEnv:
-    """The job as slurmd describes it; `InputError` (one line) when it is not a job's hook."""
+    """The job as slurmd describes it; `InputError` (one line) when it is not a job's hook.
+
+    Measured on Slurm 22.05, the Prolog and Epilog see ``SLURM_JOB_ID``,
+    ``SLURM_JOB_USER``/``SLURM_JOB_UID``, ``SLURMD_NODENAME``, ``SLURM_JOB_GPUS`` (the node's GPU
+    indices, ``0,1``), ``CUDA_VISIBLE_DEVICES`` and ``SLURM_JOB_COMMENT``; an array task also
+    ``SLURM_ARRAY_JOB_ID``/``SLURM_ARRAY_TASK_ID``. ``PATH`` is unset. The raw ``SLURM_JOB_ID``
+    is registered, also for array tasks (each task has its own raw id; ``123_4`` is only a
+    display form), so the Epilog, ``scancel``, ``squeue --json`` (``job_id``) and the head's
+    reconcile all name a task the same way.
+    """
     job_id = names.job_id(
         environ.get("SLURM_JOB_ID") or environ.get("SLURM_JOBID") or "", "SLURM_JOB_ID"
     )

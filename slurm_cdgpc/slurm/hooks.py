@@ -1,38 +1,9 @@
 """The slurmd Prolog and Epilog: register a starting job with cdgpcd, deregister a finished one.
 
-Prolog: read the job from the environment (`slurm_cdgpc.slurm.env`), its deadline and iteration
-count from the comment (`slurm_cdgpc.slurm.comment`), its submit and start times, ``--deadline``
-and time limit from ``scontrol show job`` (the time limit bounds the work of a job that does
-not say its own), and ``POST /v1/jobs`` this node's GPUs. A
-multi-node job's Prolog runs on every node and each registers its own GPUs; the head merges them.
-The Prolog then asks the node's agent to hold the job's GPUs at the safe cap until the head's
-first setpoint for the job (the head plans each interval ahead, and a job starting between two
-would otherwise run at default clocks that the plan did not count).
-Epilog: ``DELETE /v1/jobs/{id}``; the head releases the GPUs at its next exchange with the agent
-(404 is fine: another node's Epilog was first, or the job had no GPUs). Jobs without GPUs on this
-node are left alone.
-
-When the head cannot be reached (down, timeout, MUNGE down, 5xx) the request is spooled to local
-disk (`slurm_cdgpc.slurm.spool`) and the hook returns at once. So is it when the answer does not
-carry the head's reply credential for this request (`slurm_cdgpc.transport.http.HeadClient`):
-whatever else answers on the head's port (a local user on a standby head's host, where no head
-listens) is no head, and neither its "registered" nor its refusal is believed. The local agent's
-answers to the hold and the release must be signed by this node's agent likewise. After every
-request the head did answer, the hook forwards whatever the spool holds, within its time budget.
-
-Bounds: each request has a timeout (default 1 s) for the whole of it, connect to last byte,
-however slowly the peer sends, and no request runs past the hook's budget (default 2 s); the
-Prolog's forwarding of the spool stops one timeout early, to leave the hold its turn. Past the
-budget and `BACKSTOP_MARGIN_S`, a timer (``setitimer``, armed by `main`) ends the step under way
-that no request bound covers as if the head were unreachable: the request is spooled and the
-hook ends. A wait is cut at once; a name lookup or a write to a stuck disk when the call
-returns. A hook still running one margin later exits at once. The exit status is 0
-whatever happens (a failing Prolog drains the node and requeues the job), unless ``--strict``
-is given and the job could be neither registered nor spooled. Each run writes one syslog line
-(ident ``cdgpc-prolog`` or ``cdgpc-epilog``, facility daemon) naming the job; nothing is printed.
-
-Import cost matters: this module and everything it imports use the standard library only (a unit
-test checks that numpy, sqlalchemy and cvxpy stay out).
+Bounded, exit 0 whatever happens, spooled when the head is away. What they import pulls in the
+standard library and this package alone, never `agent/` or `coordinator/`
+(`tests/unit/test_import_graph.py`). Design: DESIGN.md, "The Prolog and Epilog"; tests:
+`tests/unit/test_slurm_hooks.py`, `tests/security/test_slow_peers.py`.
 """
 
 from __future__ import annotations
@@ -186,7 +157,14 @@ def run_prolog(
     client_error: str = "",
 ) -> HookOutcome:
     """Register this node's share of the job (or spool it); never raises `CdgpcError`. Then
-    `hold_gpus`."""
+    `hold_gpus`.
+
+    The job comes from the environment (`slurm_cdgpc.slurm.env`), its deadline and iteration
+    count from the comment (`slurm_cdgpc.slurm.comment`), its submit and start times,
+    ``--deadline`` and time limit from ``times`` (``scontrol show job``; the time limit bounds
+    the work of a job that does not say its own); then ``POST /v1/jobs`` with this node's GPUs.
+    A multi-node job's Prolog runs on every node and each registers its own GPUs; the head
+    merges them."""
     where = f"job {env.display_id} on {env.node}"
     if env.job_id != env.display_id:
         where += f" (id {env.job_id})"
@@ -247,7 +225,11 @@ def run_epilog(
     release: Callable[[str], str] | None = None,
 ) -> HookOutcome:
     """Reset the job's GPUs here through the local agent (``release``), then deregister the job
-    (or spool that); never raises `CdgpcError`."""
+    (or spool that); never raises `CdgpcError`.
+
+    ``DELETE /v1/jobs/{id}``; the head releases the GPUs at its next exchange with the agent. A
+    404 is fine: another node's Epilog was first, or the job had no GPUs. A job without GPUs on
+    this node is left alone."""
     where = f"job {env.display_id} on {env.node}"
     if env.job_id != env.display_id:
         where += f" (id {env.job_id})"
@@ -400,7 +382,13 @@ def run(
     hold_factory: Callable[[HookSettings, Mapping[str, str]], Callable[[str, Sequence[int]], str]]
     | None = make_local_hold,
 ) -> int:
-    """One hook run: the exit status (0 unless strict and nothing recorded); one ``emit`` line."""
+    """One hook run: the exit status (0 unless strict and nothing recorded); one ``emit`` line.
+
+    When the head cannot be reached (down, timeout, MUNGE down, 5xx), or its answer does not
+    carry its reply credential for this request (`HeadClient`), the request is spooled
+    (`slurm_cdgpc.slurm.spool`) and the hook returns at once; the local agent's answers to the
+    hold and the release must be signed by this node's agent likewise. After every request the
+    head did answer, the hook forwards whatever the spool holds, within its budget."""
     start_s = time.monotonic()
     until_s = _until(start_s, settings.budget_s)
     settings = replace(settings, until_s=until_s)
@@ -445,7 +433,8 @@ def run(
 def _arm_backstop(settings: HookSettings, emit: Emit, job: str) -> None:
     """At the budget plus `BACKSTOP_MARGIN_S`, raise `HookOverrunError` in whatever step is under
     way (it fails as an unreachable head does, so its request is spooled); one margin later,
-    exit at once (1 under ``--strict``, which cannot tell then what was recorded)."""
+    exit at once (1 under ``--strict``, which cannot tell then what was recorded). A wait is cut
+    at once; a name lookup or a write to a stuck disk when the call returns."""
     fired = 0
 
     def overrun(_signum: int, _frame: object) -> None:
@@ -463,7 +452,10 @@ def _arm_backstop(settings: HookSettings, emit: Emit, job: str) -> None:
 
 
 def main(kind: str, argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``cdgpc-prolog`` / ``cdgpc-epilog``: never raises, 0 unless strict."""
+    """Entry point of ``cdgpc-prolog`` / ``cdgpc-epilog``: never raises, 0 unless strict.
+
+    Each run writes one syslog line (ident ``cdgpc-prolog`` or ``cdgpc-epilog``, facility
+    daemon) naming the job; nothing is printed."""
     if kind not in KINDS:
         raise InputError(f"hook kind must be one of {KINDS}, got {kind!r}")
     emit = _syslog_emit(kind)

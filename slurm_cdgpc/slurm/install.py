@@ -1,20 +1,9 @@
 """Write the Prolog, Epilog and TaskProlog entry points for one Python:
 ``python -m slurm_cdgpc.slurm.install``.
 
-Slurm runs the hooks with no ``PATH``, so ``#!/usr/bin/env python3`` finds Debian's python3, not
-the one slurm-cdgpc is installed in. The entry point therefore names its interpreter by absolute
-path (``-I``: isolated mode, no ``PYTHON*`` variables, no user site, not the script's directory)
-and fixes the hook's settings as literal arguments::
-
-    /opt/cdgpc/bin/python -m slurm_cdgpc.slurm.install --dest /etc/slurm \\
-        [--config /etc/cdgpc/cdgpc.toml] [--spool-dir /var/spool/cdgpc] [--strict]
-    # slurm.conf: Prolog=/etc/slurm/cdgpc-prolog  Epilog=/etc/slurm/cdgpc-epilog
-    #             TaskProlog=/etc/slurm/cdgpc-task-prolog
-
-The TaskProlog (`slurm_cdgpc.slurm.task_prolog`) takes only ``--config``. Without ``--python``
-the running interpreter (``sys.executable``) is used. The committed ``prolog/cdgpc-prolog``,
-``prolog/cdgpc-task-prolog`` and ``epilog/cdgpc-epilog`` are this text for ``/usr/bin/python3``
-(a system-wide install); a unit test keeps them equal.
+Each names its interpreter by absolute path (Slurm runs the hooks with no ``PATH``) and fixes the
+hook's settings as literal arguments. Never reaches `agent/` or `coordinator/`
+(`tests/unit/test_import_graph.py`); test: `tests/unit/test_slurm_hooks.py`.
 """
 
 from __future__ import annotations
@@ -83,6 +72,20 @@ def write_entry_point(dest: Path, kind: str, python: str, args: Sequence[str] = 
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m slurm_cdgpc.slurm.install``::
+
+        /opt/cdgpc/bin/python -m slurm_cdgpc.slurm.install --dest /etc/slurm \\
+            [--config /etc/cdgpc/cdgpc.toml] [--spool-dir /var/spool/cdgpc] [--strict]
+        # slurm.conf: Prolog=/etc/slurm/cdgpc-prolog  Epilog=/etc/slurm/cdgpc-epilog
+        #             TaskProlog=/etc/slurm/cdgpc-task-prolog
+
+    ``#!/usr/bin/env python3`` would find Debian's python3, not the one slurm-cdgpc is installed
+    in, so each entry point runs ``--python`` (default: this interpreter) with ``-I`` (isolated
+    mode: no ``PYTHON*`` variables, no user site, not the script's directory). The TaskProlog
+    takes only ``--config``. The committed ``prolog/cdgpc-prolog``, ``prolog/cdgpc-task-prolog``
+    and ``epilog/cdgpc-epilog`` are this text for ``/usr/bin/python3`` (a system-wide install); a
+    unit test keeps them equal.
+    """
     parser = argparse.ArgumentParser(
         prog="python -m slurm_cdgpc.slurm.install",
         description="Write cdgpc-prolog, cdgpc-epilog and cdgpc-task-prolog for this Python "

@@ -1,15 +1,8 @@
 """Running jobs through pyslurm, for the head's reconcile, when pyslurm imports.
 
-pyslurm talks to slurmctld through libslurm instead of starting ``squeue --json`` every period,
-which matters on a busy controller. PyPI's pyslurm is built for one Slurm release (25.11), so it
-is optional: the head uses it when ``import pyslurm`` works and falls back to
-`slurm_cdgpc.slurm.squeue` otherwise. What is read here is pyslurm's documented job API
-(``pyslurm.Jobs.load()``; per job ``id``, ``user_name``, ``state``, ``allocated_nodes``,
-``comment``, ``submit_time``, ``start_time``, ``time_limit`` in minutes, ``deadline``,
-``array_id``, ``state_reason``, the GPU request fields of `GPU_REQUEST_FIELDS`, and
-``get_resource_layout_per_node()``, whose ``gres`` per node reads
-``{"gpu:a100": {"count": "2", "indexes": "0-1"}}``), into the same `SlurmJob` squeue gives.
-A job that cannot be read is skipped with a log line, never an exception.
+Optional (PyPI's pyslurm is built for one Slurm release); the head falls back to
+`slurm_cdgpc.slurm.squeue`. `slurm/` alone imports pyslurm, and never reaches `agent/` or
+`coordinator/` (`tests/unit/test_import_graph.py`). Test: `tests/unit/test_slurm_pyslurm.py`.
 """
 
 from __future__ import annotations
@@ -28,7 +21,11 @@ logger = logging.getLogger(__name__)
 
 
 def load_pyslurm() -> ModuleType | None:
-    """pyslurm, or None when it does not import (not installed, or built for another Slurm)."""
+    """pyslurm, or None when it does not import (not installed, or built for another Slurm).
+
+    pyslurm talks to slurmctld through libslurm instead of starting ``squeue --json`` every
+    period, which matters on a busy controller; PyPI's pyslurm is built for one Slurm release
+    (25.11)."""
     try:
         return importlib.import_module("pyslurm")
     except Exception as e:  # a libslurm of another release raises ImportError or OSError alike
@@ -58,7 +55,13 @@ def _gpus(layout: object) -> dict[str, tuple[int, ...]]:
 
 
 def parse_job(job: Any) -> SlurmJob:
-    """One pyslurm ``Job`` as a `SlurmJob` (raises on a job that cannot be read)."""
+    """One pyslurm ``Job`` as a `SlurmJob` (raises on a job that cannot be read).
+
+    Reads pyslurm's documented job API: ``id``, ``user_name``, ``state``, ``allocated_nodes``,
+    ``comment``, ``submit_time``, ``start_time``, ``time_limit`` in minutes, ``deadline``,
+    ``array_id``, ``state_reason``, the GPU request fields of `GPU_REQUEST_FIELDS`, and
+    ``get_resource_layout_per_node()``, whose ``gres`` per node reads
+    ``{"gpu:a100": {"count": "2", "indexes": "0-1"}}``."""
     limit_min = _number(job.time_limit)
     array = _number(getattr(job, "array_id", None))
     return SlurmJob(
@@ -79,7 +82,9 @@ def parse_job(job: Any) -> SlurmJob:
 
 
 def read_jobs(pyslurm: ModuleType) -> list[SlurmJob]:
-    """Every job slurmctld knows: running, pending and finishing."""
+    """Every job slurmctld knows (``pyslurm.Jobs.load()``): running, pending and finishing.
+
+    A job that cannot be read is skipped with a log line, never an exception."""
     try:
         jobs = pyslurm.Jobs.load()
     except Exception as e:  # pyslurm raises its own RPCError and others

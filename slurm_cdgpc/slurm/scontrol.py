@@ -1,9 +1,8 @@
 """``scontrol show job -o ID``: the times the Prolog's environment lacks (submit, limit, deadline).
 
-The slurmd Prolog gets the comment but not the submit time (a relative ``deadline=+6h`` counts
-from it), the time limit or ``sbatch --deadline``. One call takes about 5 ms; it is bounded by a
-timeout and any failure gives None (the caller falls back to "now"). Absolute path, no ``PATH``:
-Slurm runs the hooks with none. Standard library only.
+Bounded by a timeout; any failure gives None. Absolute path, standard library only: Slurm runs the
+hooks with no ``PATH``, and only `slurm/` runs Slurm's commands (`tests/unit/test_import_graph.py`).
+Design: DESIGN.md, "The Prolog and Epilog"; test: `tests/unit/test_slurm_hooks.py`.
 """
 
 from __future__ import annotations
@@ -74,7 +73,11 @@ def parse_show_job(text: str) -> JobTimes:
 def job_times(
     job_id: str, *, scontrol: Path = SCONTROL, timeout_s: float = DEFAULT_TIMEOUT_S
 ) -> JobTimes | None:
-    """The job's times from slurmctld, or None (scontrol missing, slow, or failing)."""
+    """The job's times from slurmctld, or None (scontrol missing, slow, or failing).
+
+    The slurmd Prolog gets the comment but not the submit time (a relative ``deadline=+6h``
+    counts from it), the time limit or ``sbatch --deadline``; on None the caller falls back to
+    "now"."""
     try:
         result = subprocess.run(
             [str(scontrol), "show", "job", "-o", job_id],

@@ -1,18 +1,9 @@
 """The node's spool: registrations and deregistrations the head could not take when they happened.
 
-When cdgpcd is unreachable the Prolog (or Epilog) writes one JSON record per request into the
-spool directory (default ``/var/spool/cdgpc``, mode 0700) and returns at once: a job never waits
-for the head. `forward_spool` sends the records later, oldest first, and deletes each one the
-head took. The hooks call it after every request the head answered (bounded by their time
-budget); the node agent or ``cdgpc-admin spool flush`` may call it too. Concurrent forwarders
-are kept apart by a non-blocking ``flock`` on ``.lock``: the loser simply skips.
-
-A record is ``{"op": "register", "job_id", "payload": <POST /v1/jobs body>, "spooled_at_s"}`` or
-``{"op": "deregister", "job_id", "spooled_at_s"}``. Files are written to a temporary name, synced
-and renamed, so a crash never leaves half a record. A record the head refuses as malformed (400)
-or does not know (404 on deregister) is dropped with a log line: resending it cannot help.
-
-Standard library only (plus `slurm_cdgpc.transport.http` for its errors): the Prolog imports this.
+A job never waits for the head: the hooks spool and return, and `forward_spool` sends the records
+later. The Prolog imports it: it pulls in the standard library and this package alone
+(`tests/unit/test_import_graph.py`). Design: DESIGN.md, "The Prolog and Epilog"; test:
+`tests/unit/test_slurm_hooks.py`.
 """
 
 from __future__ import annotations
@@ -58,6 +49,9 @@ class JobsClient(Protocol):
 
 @dataclass(frozen=True)
 class SpoolRecord:
+    """One spooled request, one JSON file: ``{"op": "register", "job_id", "payload": <POST
+    /v1/jobs body>, "spooled_at_s"}`` or ``{"op": "deregister", "job_id", "spooled_at_s"}``."""
+
     op: str
     job_id: str
     payload: dict[str, object] | None
@@ -108,7 +102,10 @@ class ForwardResult:
 
 
 class Spool:
-    """One spool directory (created 0700 on first write)."""
+    """One spool directory (default ``/var/spool/cdgpc``, created 0700 on first write).
+
+    Each record is written to a temporary name, synced and renamed, so a crash never leaves
+    half a record."""
 
     def __init__(self, directory: Path, *, clock: Callable[[], float] = time.time) -> None:
         self.directory = directory
@@ -149,7 +146,11 @@ class Spool:
 
     def forward(self, client: JobsClient, *, until_s: float | None = None) -> ForwardResult:
         """Send pending records oldest first until done, the head fails, or ``until_s``
-        (``time.monotonic()``) passes. Never raises for the head's sake."""
+        (``time.monotonic()``) passes. Never raises for the head's sake.
+
+        Each record the head took is deleted. One it refuses as malformed (400) or does not know
+        (404 on deregister) is dropped with a log line: resending it cannot help. Concurrent
+        forwarders are kept apart by a non-blocking ``flock`` on ``.lock``: the loser skips."""
         try:
             lock_fd = os.open(
                 self.directory / _LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600
@@ -212,5 +213,8 @@ def _send(client: JobsClient, record: SpoolRecord) -> None:
 def forward_spool(
     client: JobsClient, spool_dir: Path = DEFAULT_SPOOL_DIR, *, until_s: float | None = None
 ) -> ForwardResult:
-    """Forward every spooled record in ``spool_dir`` to the head behind ``client``."""
+    """Forward every spooled record in ``spool_dir`` to the head behind ``client``.
+
+    The hooks call it after every request the head answered (bounded by their budget); the node
+    agent calls it too."""
     return Spool(spool_dir).forward(client, until_s=until_s)

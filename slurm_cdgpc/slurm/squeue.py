@@ -1,14 +1,8 @@
 """Running jobs from ``squeue --json`` (Slurm 22.05+), for the head's reconcile.
 
-The shapes differ between versions and are read defensively: 22.05 gives ``job_state:
-"RUNNING"`` and plain integers (``job_id``, ``start_time``, ``time_limit`` in minutes); 23.02+
-give ``job_state: ["RUNNING"]`` and numbers as ``{"set": true, "infinite": false, "number": N}``.
-Both give ``nodes`` as a Slurm hostlist (``n[1-2]``) and ``gres_detail`` as one string per node
-in that order (``gpu:2(IDX:0-1)``, ``gpu:a100:1(IDX:3)``): the GPUs the job holds on each node.
-A job that cannot be read is skipped with a log line, never an exception. The head calls
-`read_jobs` every few intervals to finish registered jobs that Slurm no longer runs (an
-Epilog that never reached it) and to adopt running jobs that never registered
-(`slurm_cdgpc.coordinator.reconcile`).
+`slurm/` alone runs Slurm's commands, and never reaches `agent/` or `coordinator/`
+(`tests/unit/test_import_graph.py`). Design: DESIGN.md, "Safety" (The reconcile); tests:
+`tests/unit/test_coordinator_reconcile.py`, `tests/integration/test_slurm_queue.py`.
 """
 
 from __future__ import annotations
@@ -212,7 +206,15 @@ def asks_for_gpus(requests: Iterable[object]) -> bool:
 
 
 def parse_squeue_json(text: str | bytes) -> list[SlurmJob]:
-    """Every readable job in ``squeue --json`` output."""
+    """Every readable job in ``squeue --json`` output.
+
+    The shapes differ between versions and are read defensively: 22.05 gives ``job_state:
+    "RUNNING"`` and plain integers (``job_id``, ``start_time``, ``time_limit`` in minutes);
+    23.02+ give ``job_state: ["RUNNING"]`` and numbers as ``{"set": true, "infinite": false,
+    "number": N}``. Both give ``nodes`` as a Slurm hostlist (``n[1-2]``) and ``gres_detail`` as
+    one string per node in that order (``gpu:2(IDX:0-1)``, ``gpu:a100:1(IDX:3)``): the GPUs the
+    job holds on each node. A job that cannot be read is skipped with a log line, never an
+    exception."""
     try:
         data = json.loads(text)
     except (ValueError, UnicodeDecodeError) as e:
@@ -236,7 +238,11 @@ def running_jobs(jobs: Iterable[SlurmJob]) -> dict[str, SlurmJob]:
 
 
 def read_jobs(*, squeue: Path = SQUEUE, timeout_s: float = DEFAULT_TIMEOUT_S) -> list[SlurmJob]:
-    """Every job ``squeue --json`` shows: running, pending and finishing."""
+    """Every job ``squeue --json`` shows: running, pending and finishing.
+
+    The head calls it every few intervals to finish registered jobs that Slurm no longer runs
+    (an Epilog that never reached it) and to adopt running jobs that never registered
+    (`slurm_cdgpc.coordinator.reconcile`)."""
     try:
         result = subprocess.run(
             [str(squeue), "--json"],

@@ -1,16 +1,8 @@
 """The Slurm TaskProlog: puts the automatic progress hook on every task's PYTHONPATH.
 
-slurmd runs ``cdgpc-task-prolog`` (slurm.conf ``TaskProlog=``) as the job's user before each task
-and applies the ``export NAME=value`` lines it prints to the task's environment::
-
-    export PYTHONPATH=<the task's PYTHONPATH>:<slurm_cdgpc/hook>
-    export CDGPC_NODE_PROGRESS_SOCKET=<node.progress_socket>    # only when not the default
-
-The hook directory is appended, never put first, and never twice: a ``sitecustomize`` of the
-job's own stays in force (slurm_cdgpc/hook/sitecustomize.py). Nothing is printed when the site
-sets ``node.progress_hook = false`` or the job ``CDGPC_PROGRESS=off``. It never fails a task: on
-any error it prints nothing, one line on stderr, and exits 0. Standard library and
-`slurm_cdgpc.config` only: it runs before every task.
+It never fails a task. Standard library and `slurm_cdgpc.config` only, as it runs before every
+task (`tests/unit/test_import_graph.py`). Design: DESIGN.md, "Progress"; tests:
+`tests/unit/test_progress_hook.py`, `tests/integration/test_progress_hook_live.py`.
 """
 
 from __future__ import annotations
@@ -38,7 +30,15 @@ def hook_dir() -> Path:
 
 
 def task_exports(config: Config, env: Mapping[str, str], hook: Path) -> list[tuple[str, str]]:
-    """The (name, value) pairs to export into the task whose environment is ``env``."""
+    """The (name, value) pairs to export into the task whose environment is ``env``::
+
+        export PYTHONPATH=<the task's PYTHONPATH>:<slurm_cdgpc/hook>
+        export CDGPC_NODE_PROGRESS_SOCKET=<node.progress_socket>    # only when not the default
+
+    The hook directory is appended, never put first, and never twice: a ``sitecustomize`` of
+    the job's own stays in force. Nothing when the site sets ``node.progress_hook = false`` or
+    the job ``CDGPC_PROGRESS=off``.
+    """
     if not config.node.progress_hook or env.get(SWITCH_ENV, "").strip().lower() in OFF_VALUES:
         return []
     exports = []
@@ -54,7 +54,11 @@ def task_exports(config: Config, env: Mapping[str, str], hook: Path) -> list[tup
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``cdgpc-task-prolog [--config PATH]``: print the export lines; exit status 0 always."""
+    """``cdgpc-task-prolog [--config PATH]``: print the export lines; exit status 0 always.
+
+    slurmd runs it (slurm.conf ``TaskProlog=``) as the job's user before each task and applies
+    the ``export NAME=value`` lines it prints to the task's environment. On any error it prints
+    nothing but one line on stderr."""
     args = list(sys.argv[1:] if argv is None else argv)
     try:
         if args and (len(args) != 2 or args[0] != "--config"):
