@@ -1,23 +1,9 @@
 """``bench exchange``: one control interval's exchange with N live node agents on loopback.
 
-A few worker processes each host N/processes real `AgentHttpServer`s, one loopback port per
-node, each over a real `NodeAgent` with simulated GPUs and its own HMAC verifier and reply
-signer (as every ``cdgpc-noded`` has); a process's agents share one event-loop thread, as each
-``cdgpc-noded`` has one of its own. The head side is the real `NodeExchanger` with real signing
-and real checks of the agents' signed answers. Every interval sends every node a setpoint for
-each of its GPUs (alternating between two supported clocks, so every interval really changes the
-locks and rewrites each agent's state file) and a lease.
-Measured: the wall time of `NodeExchanger.exchange` per interval, the nodes that came back
-as `NodeFailure`, and the CPU the head and the agents' processes spent on it: here all of them
-share the same cores, so an interval cannot take less than their sum divided by the cores.
-
-What this does not measure: the network. All agents share this machine's cores with the head
-(on a cluster each has its own), so the numbers are pessimistic on CPU and optimistic on
-latency. The agents' state files go to ``/dev/shm`` when it exists: N agents fsyncing one shared
-disk would measure that disk, not the protocol (``state_on_tmpfs`` in the report says which).
-
-The process helpers here (`write_key_file`, `start_workers`, `stop_workers`) serve
-``bench register`` too.
+Real `AgentHttpServer`s over real `NodeAgent`s in a few worker processes, the real
+`NodeExchanger` on the head's side; what it measures is on `bench_exchange`. The process helpers
+here (`write_key_file`, `start_workers`, `stop_workers`) serve ``bench register`` too. DESIGN.md,
+"The exchange", holds the figures; `tests/unit/test_bench_live.py` runs it small.
 """
 
 from __future__ import annotations
@@ -285,6 +271,18 @@ def bench_exchange(
     max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
     gpu_type: str = "A100",
 ) -> dict[str, Any]:
+    """The exchange of `intervals` control intervals with `nodes` agents, as JSON.
+
+    Each worker process hosts nodes/processes agents on one event-loop thread (as each
+    ``cdgpc-noded`` has one), one loopback port per node, each with simulated GPUs, its own HMAC
+    verifier and reply signer. Every interval sends every node a setpoint per GPU, alternating between two
+    supported clocks so that the locks and each agent's state file really change, and a lease.
+    Measured: the wall time of `NodeExchanger.exchange` per interval, the nodes that came back as
+    `NodeFailure`, and the CPU of the head and of the agents' processes, which share the cores here
+    (so an interval cannot take less than their sum over the cores): pessimistic on CPU, optimistic
+    on latency, and no network. State files go to ``/dev/shm`` where it exists
+    (``state_on_tmpfs``), so N agents fsyncing one disk do not measure the disk.
+    """
     if nodes < 1 or processes < 1 or intervals < 1 or gpus_per_node < 1 or warmup < 0:
         raise InputError("nodes, processes, intervals and GPUs per node must be at least 1")
     if max_in_flight < 1:

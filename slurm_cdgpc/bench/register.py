@@ -1,37 +1,8 @@
 """``bench register``: job registrations (``POST /v1/jobs``, as the Prolog sends them) under load.
 
-A real `HeadHttpServer` over a real `Coordinator` (its control loop running, no agents: every
-node is unreachable) and a SQLite store in WAL mode runs in its own process; HMAC auth with a
-fresh key. ``concurrency`` client threads, each a `HeadClient` like the Prolog's (one
-connection per request), register distinct jobs, each on its own node's GPUs, and the latency of
-every request is measured from the call to its parsed answer. The clients are spread over
-``client_processes`` processes (default 4): real Prologs are separate processes on separate
-nodes, and 200 client threads in one process measure that process's lock more than the head
-(same head, same p50 of 52–54 ms: p99 109–170 ms with one client process, 74–105 ms with
-four). They run beside the head's process on the same cores: their CPU is reported apart
-(``clients_cpu_s``).
-
-Before the clients start, the server process times `Coordinator.register_job` directly, one call
-at a time, on jobs of its own (``store_register_ms_*``): the cost of one registration's durable
-commit alone, with no HTTP and no contention. Under load, registrations share commits (group
-commit, `slurm_cdgpc.store.group_commit`): with HMAC, as here, those the head's event loop reads
-in one turn (at most 64 new connections) commit together at the turn's end;
-``registration_batches`` and ``largest_batch`` say how they were grouped. Every request is still
-answered only after its own registration has committed.
-
-``head_cpu_ms_per_request`` is the head process's CPU (all its threads, the control loop
-included) over the requests; with the head bound by one core (the GIL), ``1000 / that`` bounds
-the requests per second, and with ``concurrency`` clients each waiting for its answer the
-latency is about ``concurrency / requests_per_s``.
-
-The head logs as ``cdgpcd`` does (INFO, one line per registration), to a file in the scratch
-directory where ``cdgpcd`` would write to journald: a head that logged nothing measured a few
-per cent cheaper than the one a site runs.
-
-The head's listener is the production one unless ``max_connections`` or ``listen_backlog`` is
-given: `HeadHttpServer` closes connections over its bound (256) at once, and its listen backlog
-(1024) decides whether 200 simultaneous Prologs queue or have their SYN dropped (then they wait
-for the kernel's one-second retransmission).
+A real `HeadHttpServer` over a real `Coordinator` and a SQLite store in its own process,
+Prolog-like clients in others; what it measures is on `bench_register`. DESIGN.md, "The head's
+API", holds the figures; `tests/unit/test_bench_live.py` runs it small.
 """
 
 from __future__ import annotations
@@ -257,6 +228,24 @@ def bench_register(
     listen_backlog: int | None = None,
     client_processes: int = 4,
 ) -> dict[str, Any]:
+    """`requests` registrations from `concurrency` Prolog-like clients, as JSON.
+
+    The head runs its control loop with no agents (every node unreachable) over SQLite in WAL mode,
+    with HMAC auth on a fresh key, and logs as ``cdgpcd`` does (INFO, a line per registration) to a
+    file where ``cdgpcd`` would write to journald. Each client thread is a `HeadClient` like the
+    Prolog's (a connection per request) registering distinct jobs on its own node's GPUs; the
+    threads are spread over `client_processes` processes, since real Prologs are separate processes
+    and many threads in one process measure its lock more than the head. Latency runs from the call
+    to the parsed answer; the clients' CPU is reported apart (``clients_cpu_s``).
+
+    Before the clients start, the head times `Coordinator.register_job` one call at a time
+    (``store_register_ms_*``): one durable commit with no HTTP and no contention. Under load,
+    registrations read in one event-loop turn commit together (`slurm_cdgpc.store.group_commit`;
+    ``registration_batches``, ``largest_batch``), each answered only after its own commit.
+    ``head_cpu_ms_per_request`` is the head process's CPU over the requests: with the head bound by
+    one core, ``1000 / that`` bounds the requests per second. The listener is the production one
+    (at most 256 connections, backlog 1024) unless `max_connections` or `listen_backlog` is given.
+    """
     if concurrency < 1 or requests < 1 or client_processes < 1:
         raise InputError("concurrency, requests and client processes must be at least 1")
     concurrency = min(concurrency, requests)
