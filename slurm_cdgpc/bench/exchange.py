@@ -275,8 +275,9 @@ def bench_exchange(
 
     Each worker process hosts nodes/processes agents on one event-loop thread (as each
     ``cdgpc-noded`` has one), one loopback port per node, each with simulated GPUs, its own HMAC
-    verifier and reply signer. Every interval sends every node a setpoint per GPU, alternating between two
-    supported clocks so that the locks and each agent's state file really change, and a lease.
+    verifier and reply signer. Every interval sends every node a setpoint per GPU, alternating
+    between two supported clocks so that the locks and each agent's state file really change, and a
+    lease.
     Measured: the wall time of `NodeExchanger.exchange` per interval, the nodes that came back as
     `NodeFailure`, and the CPU of the head and of the agents' processes, which share the cores here
     (so an interval cannot take less than their sum over the cores): pessimistic on CPU, optimistic
