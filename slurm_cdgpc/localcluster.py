@@ -502,9 +502,10 @@ class LocalCluster:
         url = (self.heads[head] if head is not None else self.head).url
         return HeadClient(url, self.signer if signed else None, timeout_s=timeout_s)
 
-    def announce(self, *, gpu_types: bool = False) -> None:
-        """``POST /v1/nodes`` for every node (with its GPU type if ``gpu_types``)."""
-        client = self.client()
+    def announce(self, head: str | None = None, *, gpu_types: bool = False) -> None:
+        """``POST /v1/nodes`` for every node to head ``head`` (the first by default), with its
+        GPU type if ``gpu_types``."""
+        client = self.client(head)
         for node in self.nodes.values():
             payload: dict[str, object] = {"node": node.name, "url": node.url}
             if gpu_types and node.gpu_type is not None:
