@@ -97,9 +97,7 @@ def wait_for(
         time.sleep(0.05)
 
 
-def daemon_env(
-    extra: Mapping[str, str] | None = None, *, keep_debug: bool = False, source_first: bool = False
-) -> dict[str, str]:
+def daemon_env(*, keep_debug: bool = False, source_first: bool = False) -> dict[str, str]:
     """This process's environment for a daemon: no ``CDGPC_*`` settings (its TOML file decides;
     ``CDGPC_DEBUG`` kept with ``keep_debug``) and not inside a Slurm job. ``source_first`` puts
     the directory this `slurm_cdgpc` was imported from first on ``PYTHONPATH``, so that the
@@ -113,7 +111,6 @@ def daemon_env(
     if source_first:
         source = str(Path(slurm_cdgpc.__file__).resolve().parents[1])
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [source, env.get("PYTHONPATH")]))
-    env.update(extra or {})
     return env
 
 
@@ -283,8 +280,8 @@ class Node:
 class LocalCluster:
     """The run directory, the configurations and the daemons of one local cluster.
 
-    ``interval_s``, ``lease_s``, ``safe_cap`` and ``auth`` go into every daemon's file, with
-    ``common`` (None: not written, the default holds); ``env`` is every daemon's environment.
+    ``interval_s``, ``lease_s``, ``safe_cap`` and ``auth`` go into every daemon's file (None:
+    not written, the default holds); ``env`` is every daemon's environment.
     """
 
     run_dir: Path
@@ -292,7 +289,6 @@ class LocalCluster:
     interval_s: float | None = None
     lease_s: float | None = None
     safe_cap: float | None = None
-    common: Sections = field(default_factory=dict)
     env: dict[str, str] = field(default_factory=daemon_env)
     start_timeout_s: float = START_TIMEOUT_S
     #: the daemons get SIGTERM from the kernel when this process dies (``PR_SET_PDEATHSIG``)
@@ -331,7 +327,7 @@ class LocalCluster:
             "head": {"listen_address": LOOPBACK, "listen_port": head.port, "url": head.url},
             "store": {"url": head.store_url},
         }
-        head.config.write_text(toml_text(self._common(), self.common, own, extra or {}))
+        head.config.write_text(toml_text(self._common(), own, extra or {}))
         self.heads[name] = head
         return head
 
@@ -372,7 +368,7 @@ class LocalCluster:
                 "listen_port": node.port,
             },
         }
-        node.config.write_text(toml_text(self._common(), self.common, own, extra or {}))
+        node.config.write_text(toml_text(self._common(), own, extra or {}))
         self.nodes[name] = node
         return node
 
@@ -387,13 +383,13 @@ class LocalCluster:
 
     @functools.cached_property
     def signer(self) -> Signer:
-        """Credentials as the configuration's ``[auth]`` gives them (what an admin holds)."""
+        """Credentials as the ``[auth]`` section gives them to a client (``cdgpc-admin``)."""
         configs = [h.config for h in self.heads.values()] + [n.config for n in self.nodes.values()]
         return signer_from_config(load_config(configs[0], env={}))
 
     # -- processes -------------------------------------------------------------------------------
 
-    def spawn(
+    def _spawn(
         self,
         name: str,
         role: str,
@@ -438,7 +434,7 @@ class LocalCluster:
         module with its arguments after its own."""
         head = self.heads[name] if name is not None else self.head
         argv = [*launcher, HEAD_MODULE, "--config", str(head.config)]
-        head.daemon = self.spawn(
+        head.daemon = self._spawn(
             head.name, "head", argv, env=env, prefix=prefix, listens=(LOOPBACK, head.port)
         )
         if wait:
@@ -459,7 +455,7 @@ class LocalCluster:
         node's address)."""
         node = self.nodes[name]
         argv = [*launcher, AGENT_MODULE, "--config", str(node.config), "--node-name", name]
-        node.daemon = self.spawn(
+        node.daemon = self._spawn(
             name, "agent", argv, env=env, prefix=prefix, listens=(node.address, node.port)
         )
         if wait:
@@ -469,13 +465,13 @@ class LocalCluster:
     def wait_ready(self, daemon: Daemon, ready: Callable[[Daemon], object] | None = None) -> None:
         """Return once ``ready(daemon)`` is true (by default: once it answers ``GET /v1/health``
         where it listens); fail at once if it exits."""
-        if ready is None:
-            if daemon.listens is None:
-                raise FatalError(f"{daemon.name}: nothing to wait for (it listens nowhere)")
-            host, port = daemon.listens
-            ready = lambda _: _answers(host, port)  # noqa: E731
-        check = ready
-        self.wait(f"{daemon.name} answers", lambda: check(daemon), watch=[daemon])
+
+        def answers() -> object:
+            if ready is not None:
+                return ready(daemon)
+            return daemon.listens is not None and _answers(*daemon.listens)
+
+        self.wait(f"{daemon.name} answers", answers, watch=[daemon])
 
     def wait(
         self,
@@ -537,9 +533,8 @@ class LocalCluster:
 
     def check_alive(self) -> None:
         """Raise if the last started daemon of a head or a node has exited."""
-        for daemon in [h.daemon for h in self.heads.values()] + [
-            n.daemon for n in self.nodes.values()
-        ]:
+        latest = [h.daemon for h in self.heads.values()] + [n.daemon for n in self.nodes.values()]
+        for daemon in latest:
             if daemon is not None:
                 daemon.check_alive()
 
