@@ -41,6 +41,9 @@ AGENT_MODULE: Final = "slurm_cdgpc.agent.main"
 #: how long a daemon may take to answer on a loaded machine
 START_TIMEOUT_S: Final = 60.0
 STOP_TIMEOUT_S: Final = 15.0
+#: how often `LocalCluster.wait` looks: the demo replays from the moment it sees every node
+#: report, so this sets where in the head's interval its replay starts (its figures feel it)
+POLL_S: Final = 0.1
 LOOPBACK: Final = "127.0.0.1"
 _PR_SET_PDEATHSIG: Final = 1
 
@@ -75,11 +78,12 @@ def wait_for(
     *,
     watch: Sequence[Daemon] = (),
     note: str = "",
+    period_s: float = 0.05,
 ) -> Any:
-    """``check()``'s first true result, polled every 50 ms; `NotReadyError` after ``timeout_s``
-    (its first line ``what``, ``note`` in brackets; ``logs()`` below), `DaemonExitedError` as
-    soon as a ``watch`` daemon exits. A check that raises OSError, ValueError, KeyError or
-    `CdgpcError` counts as not yet."""
+    """``check()``'s first true result, polled every ``period_s``; `NotReadyError` after
+    ``timeout_s`` (its first line ``what``, ``note`` in brackets; ``logs()`` below),
+    `DaemonExitedError` as soon as a ``watch`` daemon exits. A check that raises OSError,
+    ValueError, KeyError or `CdgpcError` counts as not yet."""
     deadline = time.monotonic() + timeout_s
     while True:
         for daemon in watch:
@@ -94,7 +98,7 @@ def wait_for(
             message = f"{what}: not within {timeout_s:g} s" + (f" ({note})" if note else "")
             detail = logs() if logs is not None else ""
             raise NotReadyError(message + (f"\n{detail}" if detail else ""))
-        time.sleep(0.05)
+        time.sleep(period_s)
 
 
 def daemon_env(*, keep_debug: bool = False, source_first: bool = False) -> dict[str, str]:
@@ -489,6 +493,7 @@ class LocalCluster:
             self.logs,
             watch=watch,
             note=f"logs in {self.run_dir}",
+            period_s=POLL_S,
         )
 
     def client(
