@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, NoReturn
 
 import slurm_cdgpc
 from slurm_cdgpc.config import load_config
@@ -118,12 +118,18 @@ def daemon_env(*, keep_debug: bool = False, source_first: bool = False) -> dict[
     return env
 
 
-def write_hmac_key(path: Path) -> bytes:
+def write_hmac_key(path: Path, unavailable: Callable[[str], NoReturn] | None = None) -> bytes:
     """A fresh HMAC key (64 hex digits) at ``path``, mode 0600; the secret. The daemons accept
-    it only if root owns it."""
+    it only if root owns it: if root does not, ``unavailable`` is told why (a test skips), or
+    `FatalError`."""
     secret = secrets.token_hex(32).encode()
     path.write_bytes(secret + b"\n")
     path.chmod(0o600)
+    if path.stat().st_uid != 0:
+        reason = "the HMAC key must be owned by root (the daemons refuse any other): run as root"
+        if unavailable is not None:
+            unavailable(reason)
+        raise FatalError(reason)
     return secret
 
 
