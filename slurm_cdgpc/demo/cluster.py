@@ -118,12 +118,15 @@ def start_cluster(
 ) -> None:
     """Start the agents (their simulated GPUs ``speed`` times faster) and the head, wait until
     all answer, announce the nodes and wait until every one reports."""
-    for node in cluster.nodes.values():
-        workloads = {JOBS_DIR_ENV: str(node.jobs_dir), SPEED_ENV: f"{speed:g}"}
-        cluster.start_agent(node.name, env=workloads, wait=False)
+    agents = [
+        cluster.start_agent(
+            node.name, env={JOBS_DIR_ENV: str(node.jobs_dir), SPEED_ENV: f"{speed:g}"}, wait=False
+        )
+        for node in cluster.nodes.values()
+    ]
     head = cluster.start_head(wait=False)
-    on_step(f"started cdgpcd and {len(cluster.nodes)} cdgpc-noded; waiting for them to listen")
-    for daemon in [head] + [n.daemon for n in cluster.nodes.values() if n.daemon is not None]:
+    on_step(f"started cdgpcd and {len(agents)} cdgpc-noded; waiting for them to listen")
+    for daemon in [head, *agents]:
         cluster.wait_ready(daemon)
     cluster.announce(gpu_types=True)
     client = cluster.client()
