@@ -34,10 +34,6 @@ import logging
 import os
 import random
 import re
-import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -50,7 +46,6 @@ import numpy as np
 
 from slurm_cdgpc.bench.exchange import (
     Shard,
-    load_key,
     raise_fd_limit,
     scratch_dir,
     serve_agents,
@@ -59,8 +54,8 @@ from slurm_cdgpc.bench.exchange import (
 )
 from slurm_cdgpc.errors import CdgpcError, FatalError, InputError
 from slurm_cdgpc.gpu.catalog import catalog_spec
+from slurm_cdgpc.localcluster import Daemon, LocalCluster, hmac_auth
 from slurm_cdgpc.store import Store, make_engine
-from slurm_cdgpc.transport.auth import HmacSigner
 from slurm_cdgpc.transport.http import HeadClient
 
 logger = logging.getLogger(__name__)
@@ -178,12 +173,6 @@ class _Counters:
             self.reasons[key] = self.reasons.get(key, 0) + 1
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def rss_mb(pid: int) -> float | None:
     """Resident memory of ``pid`` (MB), or None when it is gone."""
     try:
@@ -194,57 +183,6 @@ def rss_mb(pid: int) -> float | None:
     except OSError:
         return None
     return None
-
-
-def _head_config(path: Path, settings: SoakSettings, key_file: Path, db: Path, port: int) -> None:
-    interval_s = settings.interval_s
-    path.write_text(
-        f"""
-[control]
-interval = "{interval_s:g}s"
-[lease]
-duration = "{3 * interval_s:g}s"
-[auth]
-method = "hmac"
-hmac_key_file = "{key_file}"
-hmac_is_admin = true
-[head]
-listen_address = "127.0.0.1"
-listen_port = {port}
-[store]
-url = "sqlite:///{db}"
-""",
-        encoding="utf-8",
-    )
-
-
-def _start_head(config: Path, log: Path) -> subprocess.Popen[bytes]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CDGPC_")}
-    with log.open("wb") as stderr:
-        return subprocess.Popen(
-            [sys.executable, "-m", "slurm_cdgpc.coordinator.main", "--config", str(config)],
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=stderr,
-            env=env,
-            cwd=config.parent,
-        )
-
-
-def _wait_healthy(client: HeadClient, head: subprocess.Popen[bytes], log: Path) -> None:
-    deadline = time.monotonic() + HEAD_START_TIMEOUT_S
-    while True:
-        if head.poll() is not None:
-            tail = log.read_text(errors="replace")[-500:]
-            raise FatalError(f"cdgpcd exited with {head.returncode}: {' '.join(tail.split())}")
-        try:
-            client.get("/v1/health")
-            return
-        except CdgpcError:
-            pass
-        if time.monotonic() > deadline:
-            raise FatalError(f"cdgpcd did not answer within {HEAD_START_TIMEOUT_S:g} s")
-        time.sleep(0.1)
 
 
 def _percentiles_ms(values_s: Sequence[float]) -> dict[str, float]:
@@ -291,26 +229,22 @@ def bench_soak(settings: SoakSettings) -> dict[str, Any]:
             ports: dict[str, int] = {}
             for payload in ready:
                 ports.update(payload)
-            port = _free_port()
-            config = Path(head_tmp) / "cdgpc.toml"
-            db = Path(head_tmp) / "cdgpc.db"
-            _head_config(config, settings, key_file, db, port)
-            log = Path(head_tmp) / "cdgpcd.log"
-            head = _start_head(config, log)
+            cluster = LocalCluster(
+                Path(head_tmp),
+                hmac_auth(key_file, admin=True),
+                interval_s=settings.interval_s,
+                lease_s=3 * settings.interval_s,
+                start_timeout_s=HEAD_START_TIMEOUT_S,
+            )
+            cluster.add_head("cdgpcd")
             try:
-                client = HeadClient(f"http://127.0.0.1:{port}", HmacSigner(load_key(key_file)))
-                _wait_healthy(client, head, log)
-                measured = _soak(settings, client, head, names, ports, spec.power_limit.max_w)
-                measured.update(_periods(db, settings.interval_s))
+                head = cluster.start_head()
+                max_power_w = spec.power_limit.max_w
+                measured = _soak(settings, cluster.client(), head, names, ports, max_power_w)
+                measured.update(_periods(cluster.head.store_url, settings.interval_s))
             finally:
-                if head.poll() is None:
-                    head.send_signal(signal.SIGTERM)
-                    try:
-                        head.wait(timeout=30)
-                    except subprocess.TimeoutExpired:
-                        head.kill()
-                        head.wait(timeout=10)
-            text = log.read_text(errors="replace")
+                cluster.stop(timeout_s=30.0)
+            text = head.text()
     return {
         "nodes": settings.nodes,
         "gpus": settings.nodes * settings.gpus_per_node,
@@ -324,7 +258,7 @@ def bench_soak(settings: SoakSettings) -> dict[str, Any]:
         **measured,
         "overrun_warnings": text.count("interval overran"),
         "failed_intervals": len(re.findall(r"interval \d+ failed", text)),
-        "head_exit_code": head.returncode,
+        "head_exit_code": head.proc.returncode,
         "cpu_count": os.cpu_count(),
         "load_avg_1m_at_start": load_1m,
     }
@@ -333,7 +267,7 @@ def bench_soak(settings: SoakSettings) -> dict[str, Any]:
 def _soak(
     settings: SoakSettings,
     client: HeadClient,
-    head: subprocess.Popen[bytes],
+    head: Daemon,
     names: Sequence[str],
     ports: dict[str, int],
     max_power_w: float,
@@ -390,7 +324,7 @@ def _soak(
     samples.start()
     end_sim_s = settings.sim_minutes * 60.0
     with ThreadPoolExecutor(DRIVER_THREADS) as pool:
-        while (now_s := sim_now()) < end_sim_s and head.poll() is None:
+        while (now_s := sim_now()) < end_sim_s and head.proc.poll() is None:
             ending = [j for j in churn.running.values() if j.end_sim_s <= now_s]
             for job in ending:
                 churn.end(job)
@@ -406,8 +340,8 @@ def _soak(
                 samples.filled_at = samples.interval
             time.sleep(0.1)
     samples.stop()
-    if head.poll() is not None:
-        raise FatalError(f"cdgpcd exited with {head.returncode} during the soak")
+    if head.proc.poll() is not None:
+        raise FatalError(f"cdgpcd exited with {head.proc.returncode} during the soak")
     return {
         "jobs_registered": counters.registered,
         "jobs_finished": counters.finished,
@@ -504,9 +438,9 @@ class _Sampler:
         }
 
 
-def _periods(db: Path, interval_s: float) -> dict[str, Any]:
+def _periods(store_url: str, interval_s: float) -> dict[str, Any]:
     """Interval periods from the decisions' time stamps (the loop's real cadence)."""
-    engine = make_engine(f"sqlite:///{db}")
+    engine = make_engine(store_url)
     try:
         decisions = Store(engine).decisions(limit=100_000)
     finally:

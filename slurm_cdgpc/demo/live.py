@@ -131,7 +131,7 @@ class LiveTable:
                     slack,
                     [
                         job_id,
-                        f"{placed.node.spec.name}:{gpus}",
+                        f"{placed.node.name}:{gpus}",
                         placed.job.model[:11],
                         str(head.get("graphics_mhz") or "-"),
                         "-"

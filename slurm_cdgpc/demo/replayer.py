@@ -33,9 +33,9 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from slurm_cdgpc.config import load_config
-from slurm_cdgpc.demo.cluster import LocalCluster, Node
 from slurm_cdgpc.demo.trace import TraceJob
 from slurm_cdgpc.gpu.workloads import EXIT_SUFFIX, LAUNCH_SUFFIX, Launch, write_atomically
+from slurm_cdgpc.localcluster import LocalCluster, Node
 from slurm_cdgpc.slurm.env import HookEnv
 from slurm_cdgpc.slurm.hooks import (
     HookSettings,
@@ -91,18 +91,17 @@ class Replayer:
     def start(self, now_wall_s: float | None = None) -> None:
         self.start_wall_s = time.time() if now_wall_s is None else now_wall_s
         self._user = pwd.getpwuid(os.geteuid()).pw_name
-        env = self.cluster.child_env()
-        for node in self.cluster.nodes:
-            self._free[node.spec.name] = set(range(node.spec.gpus))
-            config = load_config(node.config_path, env={})
-            self._clients[node.spec.name] = HeadClient(
+        for node in self.cluster.nodes.values():
+            self._free[node.name] = set(range(node.gpus or 0))
+            config = load_config(node.config, env={})
+            self._clients[node.name] = HeadClient(
                 config.head.url, signer_from_config(config, 1.0), timeout_s=1.0
             )
-            settings = HookSettings(config_path=node.config_path, timeout_s=1.0)
+            settings = HookSettings(config_path=node.config, timeout_s=1.0)
             # as slurmd tells a hook: the node whose agent must sign the hold and the release
-            node_env = {**env, "SLURMD_NODENAME": node.spec.name}
-            self._releases[node.spec.name] = make_local_release(settings, node_env)
-            self._holds[node.spec.name] = make_local_hold(settings, node_env)
+            node_env = {**self.cluster.env, "SLURMD_NODENAME": node.name}
+            self._releases[node.name] = make_local_release(settings, node_env)
+            self._holds[node.name] = make_local_hold(settings, node_env)
 
     def trace_s(self, wall_s: float) -> float:
         """Trace seconds since the start of the replay at wall-clock time ``wall_s``."""
@@ -123,7 +122,8 @@ class Replayer:
         while self.queue:
             job, submitted = self.queue.popleft()
             node = next(
-                (n for n in self.cluster.nodes if len(self._free[n.spec.name]) >= job.gpus), None
+                (n for n in self.cluster.nodes.values() if len(self._free[n.name]) >= job.gpus),
+                None,
             )
             if node is None:
                 waiting.append((job, submitted))
@@ -132,10 +132,10 @@ class Replayer:
         self.queue = waiting
 
     def _hook_env(self, placed: Placed, comment: str = "") -> HookEnv:
-        return HookEnv(placed.job.job_id, self._user, placed.node.spec.name, placed.gpus, comment)
+        return HookEnv(placed.job.job_id, self._user, placed.node.name, placed.gpus, comment)
 
     def _start(self, job: TraceJob, node: Node, submitted_wall_s: float) -> None:
-        free = self._free[node.spec.name]
+        free = self._free[node.name]
         gpus = tuple(sorted(free)[: job.gpus])
         free.difference_update(gpus)
         deadline_wall_s = submitted_wall_s + job.deadline_s / self.speed
@@ -144,13 +144,13 @@ class Replayer:
         comment = f"deadline={deadline} iters={job.iterations}"
         outcome = run_prolog(
             self._hook_env(placed, comment),
-            self._clients[node.spec.name],
-            Spool(self.cluster.run_dir / "spool" / node.spec.name),
+            self._clients[node.name],
+            Spool(self.cluster.run_dir / "spool" / node.name),
             now_s=time.time(),
             until_s=time.monotonic() + HOOK_BUDGET_S,
             times=lambda _job: None,
         )
-        outcome = hold_gpus(self._hook_env(placed), outcome, self._holds[node.spec.name])
+        outcome = hold_gpus(self._hook_env(placed), outcome, self._holds[node.name])
         if outcome.action != "registered" or "local hold failed" in outcome.line:
             self.hook_failures += 1
             logger.warning("prolog: %s", outcome.line)
@@ -158,7 +158,7 @@ class Replayer:
         write_atomically(node.jobs_dir / f"{job.job_id}{LAUNCH_SUFFIX}", launch.to_dict())
         self.running[job.job_id] = placed
         self.on_event(
-            f"job {job.job_id} ({job.model}, {job.gpus} GPU) starts on {node.spec.name} "
+            f"job {job.job_id} ({job.model}, {job.gpus} GPU) starts on {node.name} "
             f"GPU {','.join(map(str, gpus))}"
         )
 
@@ -170,10 +170,10 @@ class Replayer:
             placed.finished_wall_s = time.time()
         outcome = run_epilog(
             self._hook_env(placed),
-            self._clients[placed.node.spec.name],
-            Spool(self.cluster.run_dir / "spool" / placed.node.spec.name),
+            self._clients[placed.node.name],
+            Spool(self.cluster.run_dir / "spool" / placed.node.name),
             until_s=time.monotonic() + HOOK_BUDGET_S,
-            release=self._releases[placed.node.spec.name],
+            release=self._releases[placed.node.name],
         )
         if outcome.action != "deregistered" or "local reset failed" in outcome.line:
             self.hook_failures += 1
@@ -181,7 +181,7 @@ class Replayer:
         for path in (placed.node.jobs_dir / f"{job_id}{LAUNCH_SUFFIX}", exit_file):
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()
-        self._free[placed.node.spec.name].update(placed.gpus)
+        self._free[placed.node.name].update(placed.gpus)
         del self.running[job_id]
         self.finished.append(placed)
         late = placed.finished_wall_s > placed.deadline_wall_s

@@ -19,13 +19,14 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, Final
 
-from slurm_cdgpc.demo.cluster import DEFAULT_NODES, LocalCluster, NodeSpec
+from slurm_cdgpc.demo.cluster import DEFAULT_NODES, NodeSpec, create_cluster, start_cluster
 from slurm_cdgpc.demo.live import LiveTable, clock_text
 from slurm_cdgpc.demo.replayer import Replayer
 from slurm_cdgpc.demo.report import RunData, summarize, write_plots
 from slurm_cdgpc.demo.trace import load_slice
 from slurm_cdgpc.errors import CdgpcError, InputError
 from slurm_cdgpc.gpu.catalog import catalog_spec
+from slurm_cdgpc.localcluster import LocalCluster
 from slurm_cdgpc.store import Store, make_engine
 from slurm_cdgpc.units import format_power
 
@@ -84,18 +85,18 @@ def run_demo(settings: DemoSettings, screen: Screen) -> dict[str, Any]:
     tdp_w = settings.fleet_tdp_w()
     budget_w = settings.budget_fraction * tdp_w
     lowered_w = settings.drop_to * tdp_w
-    cluster = LocalCluster.create(
+    cluster = create_cluster(
         interval_s=settings.interval_s,
         lease_s=settings.lease_s,
-        speed=settings.speed,
         initial_budget_w=budget_w,
         nodes=settings.nodes,
     )
     gpus = sum(n.gpus for n in settings.nodes)
     types = sorted({n.gpu_type for n in settings.nodes})
+    auth = cluster.auth_method.upper()
     header = [
-        f"cdgpcd + {len(settings.nodes)} cdgpc-noded on loopback ({cluster.auth.upper()} auth), "
-        f"{gpus} simulated GPUs ({', '.join(types)}), store {cluster.store_url}",
+        f"cdgpcd + {len(settings.nodes)} cdgpc-noded on loopback ({auth} auth), "
+        f"{gpus} simulated GPUs ({', '.join(types)}), store {cluster.head.store_url}",
         f"replaying {len(jobs)} jobs of the ElasticFlow cluster04 trace at {settings.speed:g}x "
         f"(1 s = {settings.speed / 60:g} simulated min); interval {settings.interval_s:g} s; "
         f"budget {format_power(budget_w)}, lowered to {format_power(lowered_w)} half-way",
@@ -110,8 +111,8 @@ def run_demo(settings: DemoSettings, screen: Screen) -> dict[str, Any]:
     replayer = Replayer(cluster, jobs, settings.speed, on_event=screen.event)
     start_wall_s = time.time()
     try:
-        cluster.start(on_step=screen.note)
-        client = cluster.head_client(timeout_s=5.0)
+        start_cluster(cluster, speed=settings.speed, on_step=screen.note)
+        client = cluster.client(timeout_s=5.0)
         replayer.start()
         start_wall_s = replayer.start_wall_s
         table = LiveTable(replayer.trace_s)
@@ -148,7 +149,7 @@ def run_demo(settings: DemoSettings, screen: Screen) -> dict[str, Any]:
         killed = cluster.stop()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    left = [p.name for p in cluster.processes if p.popen.poll() is None]
+    left = [d.name for d in cluster.daemons if d.proc.poll() is None]
     if killed:
         logger.warning("had to SIGKILL %s", ", ".join(killed))
     try:
@@ -162,7 +163,7 @@ def run_demo(settings: DemoSettings, screen: Screen) -> dict[str, Any]:
             "duration_s": settings.duration_s,
             "speed": settings.speed,
             "interval_s": settings.interval_s,
-            "auth": cluster.auth,
+            "auth": cluster.auth_method,
             "nodes": len(settings.nodes),
             "gpus": gpus,
             "budget_w_initial": round(budget_w, 1),
@@ -216,7 +217,7 @@ def _report(settings: DemoSettings, cluster: LocalCluster) -> dict[str, Any]:
     """Measure the run from the store, write the plots and a copy of the store."""
     data = RunData([], {}, [], [], None)
     if (cluster.run_dir / "cdgpc.db").exists():  # not when stopped before cdgpcd started
-        engine = make_engine(cluster.store_url)
+        engine = make_engine(cluster.head.store_url)
         try:
             data = RunData.load(Store(engine))
         except CdgpcError as e:  # stopped before cdgpcd created its schema
@@ -247,6 +248,6 @@ def _report(settings: DemoSettings, cluster: LocalCluster) -> dict[str, Any]:
     summary["plots"] = plots
     summary["store_copy"] = str(settings.out_dir / "cdgpc.db")
     summary["daemons_with_tracebacks"] = [
-        p.name for p in cluster.processes if "Traceback" in p.tail(1_000_000)
+        d.name for d in cluster.daemons if "Traceback" in d.tail(1_000_000)
     ]
     return summary

@@ -23,10 +23,9 @@ import contextlib
 import json
 import os
 import subprocess
-import sys
 import threading
 import time
-from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -37,17 +36,22 @@ import pytest
 from slurm_cdgpc.errors import CdgpcError
 from slurm_cdgpc.gpu.catalog import catalog_spec
 from slurm_cdgpc.gpu.simulated import ManualClock, SimulatedGpu
+from slurm_cdgpc.localcluster import (
+    LOOPBACK,
+    Daemon,
+    LocalCluster,
+    Node,
+    NotReadyError,
+    daemon_env,
+    hmac_auth,
+    write_hmac_key,
+)
+from slurm_cdgpc.localcluster import wait_for as _wait
 from slurm_cdgpc.slurm.spool import Spool
 from slurm_cdgpc.store import Store, make_engine
-from slurm_cdgpc.transport.auth import HmacKey, HmacSigner
 from slurm_cdgpc.transport.http import HeadClient, HeadRefusedError
 from tests.evidence import record
-from tests.integration.processes import daemon_env, spawn, stop, write_hmac_key
-from tests.integration.processes import free_port as _free_port
-from tests.integration.processes import wait_for as _wait
-from tests.integration.test_head_live import Proc
 
-REPO = Path(__file__).resolve().parents[2]
 INTERVAL_S = 0.5
 LEASE_S = 2.0
 GUARD_BAND = 0.003  # control.guard_band's default
@@ -225,115 +229,59 @@ class PowerMeter:
 # -- the cluster -------------------------------------------------------------------------------
 
 
-@dataclass
-class Node:
-    name: str
-    address: str
-    port: int
-    directory: Path
-    config: Path
-    netns: Netns | None = None
-    proc: Proc | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.address}:{self.port}"
-
-    @property
-    def state_file(self) -> Path:
-        return self.directory / "state.json"
+def _clock_shifted(offset_file: Path | None) -> tuple[str, ...]:
+    """The launcher that runs a daemon on a wall clock shifted by ``offset_file`` (none: real)."""
+    return () if offset_file is None else ("tests.faults.clockshift", str(offset_file))
 
 
 @dataclass
 class Cluster:
-    tmp_path: Path
+    """The local cluster (`slurm_cdgpc.localcluster`) with what the fault tests do to it."""
+
+    local: LocalCluster
     db_url: str
-    head_config: Path
-    head_port: int
-    signer: HmacSigner
-    env: dict[str, str]
-    nodes: dict[str, Node]
-    procs: list[Proc] = field(default_factory=list)
-    head: Proc | None = None
+    netns: dict[str, Netns] = field(default_factory=dict)
+    head: Daemon | None = None
+
+    @property
+    def tmp_path(self) -> Path:
+        return self.local.run_dir
+
+    @property
+    def nodes(self) -> dict[str, Node]:
+        return self.local.nodes
 
     # -- processes --------------------------------------------------------------------------
 
-    def spawn(
-        self,
-        module: str,
-        *args: str,
-        name: str,
-        prefix: Sequence[str] = (),
-        clock_offset_file: Path | None = None,
-        env: dict[str, str] | None = None,
-    ) -> Proc:
-        log = self.tmp_path / f"{name}-{len(self.procs)}.log"
-        argv = [*prefix, sys.executable, "-m"]
-        if clock_offset_file is not None:
-            argv += ["tests.faults.clockshift", str(clock_offset_file)]
-        argv += [module, *args]
-        proc = spawn(argv, log, env=env or self.env, cwd=self.tmp_path)
-        started = Proc(proc, log)
-        self.procs.append(started)
-        return started
+    def start_head(self, *, clock_offset_file: Path | None = None) -> Daemon:
+        self.head = self.local.start_head(launcher=_clock_shifted(clock_offset_file))
+        return self.head
 
-    def start_head(self, *, clock_offset_file: Path | None = None) -> Proc:
-        self.head = self.spawn(
-            "slurm_cdgpc.coordinator.main",
-            "--config",
-            str(self.head_config),
-            name="head",
-            clock_offset_file=clock_offset_file,
-        )
-        head = self.head
-        _wait("cdgpcd answers", lambda: self.client(signed=False).get("/v1/health"), 30, head.text)
-        return head
-
-    def start_agent(self, node: str, *, clock_offset_file: Path | None = None) -> Proc:
+    def start_agent(self, node: str, *, clock_offset_file: Path | None = None) -> Daemon:
         n = self.nodes[node]
         env = {
-            **self.env,
-            "CDGPC_SIMULATED_JOBS": str(n.directory / "jobs"),
+            "CDGPC_SIMULATED_JOBS": str(n.jobs_dir),
             "CDGPC_SIMULATED_FAULTS": str(n.directory / "faults"),
         }
-        proc = self.spawn(
-            "slurm_cdgpc.agent.main",
-            "--config",
-            str(n.config),
-            "--node-name",
+        ns = self.netns.get(node)
+        return self.local.start_agent(
             node,
-            name=node,
-            prefix=n.netns.prefix if n.netns else (),
-            clock_offset_file=clock_offset_file,
             env=env,
+            prefix=ns.prefix if ns else (),
+            launcher=_clock_shifted(clock_offset_file),
         )
-        n.proc = proc
-        _wait("agent listens", lambda: "listening on" in proc.text(), 30, proc.text)
-        return proc
 
     def client(self, *, signed: bool = True, timeout_s: float = 10.0) -> HeadClient:
-        return HeadClient(
-            f"http://127.0.0.1:{self.head_port}",
-            self.signer if signed else None,
-            timeout_s=timeout_s,
-        )
+        return self.local.client(signed=signed, timeout_s=timeout_s)
 
     def logs(self) -> str:
-        return "\n".join(f"== {p.log.name}\n{p.text()[-4000:]}" for p in self.procs)
+        return self.local.logs(4000)
 
     # -- what the nodes hold -----------------------------------------------------------------
 
     def locks(self, node: str) -> dict[int, int]:
         """GPU index → the highest graphics cap the state file lists for it (none: no file)."""
-        path = self.nodes[node].state_file
-        try:
-            document = json.loads(path.read_text())
-        except FileNotFoundError:
-            return {}
-        out: dict[int, int] = {}
-        for lock in document["locks"]:  # before a change it lists the old and the new lock
-            out[lock["index"]] = max(out.get(lock["index"], 0), lock["graphics_max_mhz"])
-        return out
+        return self.local.locks(node)
 
     def set_faults(self, node: str, text: str) -> None:
         path = self.nodes[node].directory / "faults"
@@ -345,10 +293,7 @@ class Cluster:
         return self.client().get("/v1/status")  # type: ignore[no-any-return]
 
     def job(self, job_id: str) -> dict[str, Any] | None:
-        for job in self.client().get("/v1/jobs")["jobs"]:
-            if job["job_id"] == job_id:
-                return job  # type: ignore[no-any-return]
-        return None
+        return self.local.job(job_id)
 
     # -- the scenario every fault test shares -------------------------------------------------
 
@@ -356,8 +301,7 @@ class Cluster:
         """Announce the nodes, set the budget, register jobs 101 and 102, wait until both are
         controlled and the true power is within the budget; start the meter."""
         client = self.client()
-        for n in self.nodes.values():
-            client.post("/v1/nodes", {"node": n.name, "url": n.url})
+        self.local.announce()
         client.post("/v1/budget", {"budget_w": budget_w, "reason": "fault test"})
         for node, job_id in JOBS.items():
             client.post(
@@ -433,7 +377,7 @@ class Cluster:
             longest_s <= allowed_s + SLACK_S
             and stored == registrar.sent
             and left == 0
-            and all(n.proc is None or n.proc.proc.poll() is None for n in self.nodes.values())
+            and all(n.daemon is None or n.daemon.proc.poll() is None for n in self.nodes.values())
         )
         record("fault", name, injected=1, survived=int(survived), **figures)
         assert len(meter.samples) > 10, "the power meter took too few samples"
@@ -458,7 +402,7 @@ class Cluster:
         counted."""
         try:
             yield
-        except (AssertionError, pytest.fail.Exception):
+        except (AssertionError, pytest.fail.Exception, NotReadyError):
             meter.stop()
             if heal is not None:
                 heal()
@@ -554,75 +498,41 @@ class Registrar:
 def make_cluster(tmp_path: Path, db_url: str, *, netns: bool = False) -> Iterator[Cluster]:
     """The head's config and two agents (started, busy GPUs); the head is not started yet."""
     key_file = tmp_path / "hmac.key"
-    secret = write_hmac_key(key_file, unavailable)
-    common = f"""
-[control]
-interval = "{INTERVAL_S}s"
-[lease]
-duration = "{LEASE_S}s"
-safe_cap = 0.6
-[auth]
-method = "hmac"
-hmac_key_file = "{key_file}"
-hmac_is_admin = true
-"""
-    head_port = _free_port()
-    head_config = tmp_path / "head.toml"
-    head_config.write_text(
-        common
-        + f"""
-[head]
-listen_address = "127.0.0.1"
-listen_port = {head_port}
-[store]
-url = "{db_url}"
-"""
+    write_hmac_key(key_file, unavailable)
+    local = LocalCluster(
+        tmp_path,
+        hmac_auth(key_file, admin=True),
+        interval_s=INTERVAL_S,
+        lease_s=LEASE_S,
+        safe_cap=0.6,
+        env=daemon_env(source_first=True),
+        start_timeout_s=30,
     )
-    env = daemon_env()
-    cluster = Cluster(
-        tmp_path, db_url, head_config, head_port, HmacSigner(HmacKey(secret), uid=0, gid=0), env, {}
-    )
-    namespaces: list[Netns] = []
+    local.add_head(store_url=db_url)
+    cluster = Cluster(local, db_url)
     try:
         for i, name in enumerate(NODES):
             ns = make_netns(i) if netns else None
             if ns is not None:
-                namespaces.append(ns)
-            directory = tmp_path / name
-            (directory / "jobs").mkdir(parents=True)
+                cluster.netns[name] = ns
+            node = local.add_node(
+                name,
+                gpu_type=GPU_TYPE,
+                gpus=GPUS_PER_NODE,
+                address=ns.address if ns else LOOPBACK,
+            )
             launch = {
                 "job_id": JOBS[name],
                 "gpus": list(BUSY_GPUS),
                 "workload": WORKLOAD,
                 "iterations": 10**9,
             }
-            (directory / "jobs" / f"{JOBS[name]}.json").write_text(json.dumps(launch))
-            port = _free_port()
-            address = ns.address if ns else "127.0.0.1"
-            config = tmp_path / f"{name}.toml"
-            config.write_text(
-                common
-                + f"""
-[node]
-backend = "simulated"
-simulated_gpu_type = "{GPU_TYPE}"
-simulated_gpu_count = {GPUS_PER_NODE}
-state_file = "{directory / "state.json"}"
-progress_socket = "{directory / "progress.sock"}"
-listen_address = "{address}"
-listen_port = {port}
-"""
-            )
-            cluster.nodes[name] = Node(name, address, port, directory, config, ns)
+            (node.jobs_dir / f"{JOBS[name]}.json").write_text(json.dumps(launch))
             cluster.start_agent(name)
         yield cluster
     finally:
-        for p in cluster.procs:
-            if p.proc.poll() is None:
-                p.proc.send_signal(18)  # SIGCONT: a frozen process must be able to stop
-        for p in cluster.procs:
-            stop(p.proc, timeout_s=10)
-        for ns in namespaces:
+        local.stop(timeout_s=10)  # a frozen process gets SIGCONT with its SIGTERM
+        for ns in cluster.netns.values():
             ns.destroy()
 
 

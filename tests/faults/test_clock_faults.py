@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from slurm_cdgpc.localcluster import wait_for as _wait
 from tests.faults.cluster import (
     INTERVAL_S,
     JOBS,
@@ -30,7 +31,6 @@ from tests.faults.cluster import (
     make_cluster,
     registrar,
 )
-from tests.integration.processes import wait_for as _wait
 
 pytestmark = [pytest.mark.faults, pytest.mark.live]
 
@@ -100,9 +100,9 @@ def test_agent_clock_steps_back_while_the_head_is_away(cluster: Cluster) -> None
     offsets = {}
     for name in ("node1", "node2"):  # restart both agents on shiftable clocks
         node = cluster.nodes[name]
-        assert node.proc is not None
-        node.proc.proc.send_signal(signal.SIGTERM)
-        node.proc.proc.wait(timeout=10)
+        assert node.daemon is not None
+        node.daemon.proc.send_signal(signal.SIGTERM)
+        node.daemon.proc.wait(timeout=10)
         offsets[name] = cluster.tmp_path / f"{name}.offset"
         cluster.start_agent(name, clock_offset_file=offsets[name])
     head = cluster.start_head()

@@ -14,16 +14,25 @@ from dataclasses import replace
 import pytest
 
 from tests.unit.test_coordinator_daemon import (  # noqa: F401 (make_cluster: the fixture)
+    T0_S,
     Cluster,
     MakeCluster,
-    _register,
-    _true_w,
     make_cluster,
 )
 
 pytestmark = [pytest.mark.faults]
 
 BUDGET_W = 1000.0
+
+
+def _register(cluster: Cluster, job_id: str, node: str, *gpus: int) -> None:
+    """As the Prolog registers a job (its deadline an hour after the cluster's start)."""
+    cluster.head.register_job(job_id, "alice", node, list(gpus), deadline_s=T0_S + 3600)
+
+
+def _true_w(cluster: Cluster) -> float:
+    """What the GPUs of both nodes really draw."""
+    return sum(cluster.gpu(n, i).true_power_w for n in cluster.agents for i in range(2))
 
 
 def _heavier(cluster: Cluster, factor: float) -> None:

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import pytest
 
+from slurm_cdgpc.localcluster import wait_for as _wait
 from tests.faults.cluster import (
     INTERVAL_S,
     JOBS,
@@ -35,7 +36,6 @@ from tests.faults.cluster import (
     make_cluster,
     registrar,
 )
-from tests.integration.processes import wait_for as _wait
 
 pytestmark = [pytest.mark.faults, pytest.mark.live]
 
@@ -126,11 +126,11 @@ def test_agent_killed_and_restarted(cluster: Cluster) -> None:
     meter = cluster.establish()
     jobs = registrar(cluster)
     node2 = cluster.nodes["node2"]
-    assert node2.proc is not None
+    assert node2.daemon is not None
     locked = cluster.locks("node2")
 
-    node2.proc.proc.kill()
-    node2.proc.proc.wait(timeout=10)
+    node2.daemon.proc.kill()
+    node2.daemon.proc.wait(timeout=10)
     jobs.register(2)
     _wait(
         "node2 counted at its worst case", lambda: _counted_at_worst_case(cluster), 10, cluster.logs
@@ -149,9 +149,9 @@ def test_agent_frozen_is_counted_at_its_worst_case(cluster: Cluster) -> None:
     meter = cluster.establish()
     jobs = registrar(cluster)
     node2 = cluster.nodes["node2"]
-    assert node2.proc is not None
+    assert node2.daemon is not None
 
-    node2.proc.proc.send_signal(signal.SIGSTOP)
+    node2.daemon.proc.send_signal(signal.SIGSTOP)
     _wait(
         "node2 counted at its worst case (3 × 400 W, never 0 or a stale reading)",
         lambda: _counted_at_worst_case(cluster),
@@ -159,7 +159,7 @@ def test_agent_frozen_is_counted_at_its_worst_case(cluster: Cluster) -> None:
         cluster.logs,
     )
     jobs.register(2)
-    node2.proc.proc.send_signal(signal.SIGCONT)
+    node2.daemon.proc.send_signal(signal.SIGCONT)
     _wait(
         "node2 reachable again",
         lambda: cluster.status()["last_interval"]["nodes_unreachable"] == 0,
@@ -176,9 +176,10 @@ def test_agent_partitioned_from_the_head(netns_cluster: Cluster) -> None:
     meter = cluster.establish()
     jobs = registrar(cluster)
     node2 = cluster.nodes["node2"]
-    assert node2.netns is not None and node2.proc is not None
+    netns = cluster.netns["node2"]
+    assert node2.daemon is not None
 
-    node2.netns.cut()
+    netns.cut()
     cut_s = time.monotonic()
     _wait(
         "node2 counted at its worst case", lambda: _counted_at_worst_case(cluster), 10, cluster.logs
@@ -194,8 +195,8 @@ def test_agent_partitioned_from_the_head(netns_cluster: Cluster) -> None:
     assert not jobs.spool.pending()
     assert cluster.controlled("node1")
 
-    node2.netns.heal()
-    proc = node2.proc
+    netns.heal()
+    proc = node2.daemon
     _wait(
         "node2 takes the head's setpoints again",
         lambda: "controls the clocks again" in proc.text(),
@@ -211,8 +212,8 @@ def test_agent_answering_slowly(cluster: Cluster) -> None:
     meter = cluster.establish()
     jobs = registrar(cluster)
     node2 = cluster.nodes["node2"]
-    assert node2.proc is not None
-    slow = node2.proc.proc
+    assert node2.daemon is not None
+    slow = node2.daemon.proc
 
     start = cluster.status()["last_interval"]["interval"]
     started_s = time.monotonic()
@@ -257,7 +258,7 @@ def test_clock_writes_failing_on_one_gpu(cluster: Cluster) -> None:
     # 30-70 W over the budget for as long as the fault lasts
     cluster.client().post("/v1/budget", {"budget_w": CUT_W, "reason": "cut under a fault"})
     meter.budget_w = CUT_W
-    proc = cluster.nodes["node1"].proc
+    proc = cluster.nodes["node1"].daemon
     assert proc is not None
     _wait("the refusal is logged", lambda: "setpoint refused" in proc.text(), 5, cluster.logs)
     assert cluster.locks("node1")[1] == high_mhz  # the write failed: the GPU kept its clock
@@ -313,7 +314,7 @@ def test_release_refused_while_clock_writes_fail(cluster: Cluster) -> None:
 
     cluster.set_faults("node1", "1 fail_clock_writes\n")
     cluster.client().delete("/v1/jobs/101")  # the job ends while GPU 1 cannot be reset
-    proc = cluster.nodes["node1"].proc
+    proc = cluster.nodes["node1"].daemon
     assert proc is not None
     _wait(
         "the failed reset is logged",

@@ -15,29 +15,22 @@ exits non-zero without pushing again, while the new leader carries on.
 from __future__ import annotations
 
 import json
-import re
 import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from slurm_cdgpc.errors import CdgpcError
+from slurm_cdgpc.localcluster import Daemon, LocalCluster
+from slurm_cdgpc.localcluster import wait_for as _wait
 from slurm_cdgpc.transport.http import EXCHANGE_PATH, HeadClient, HeadRefusedError
 from slurm_cdgpc.wire.protocol import ExchangeRequest, Setpoint
 from tests.evidence import record
 from tests.integration import conftest as databases
-from tests.integration.processes import free_port as _free_port
-from tests.integration.processes import wait_for as _wait
-from tests.integration.test_head_live import (
-    INTERVAL_S,
-    LEASE_S,
-    Proc,
-    Site,
-    _job,
-    make_site,
-)
+from tests.integration.test_head_live import INTERVAL_S, LEASE_S, make_site
 
 pytestmark = [pytest.mark.faults, pytest.mark.live, pytest.mark.postgres]
 
@@ -53,54 +46,48 @@ NODES = ("node1", "node2")
 
 
 @pytest.fixture
-def site(tmp_path: Path, postgres_url: str) -> Iterator[Site]:
+def site(tmp_path: Path, postgres_url: str) -> Iterator[LocalCluster]:
     yield from make_site(tmp_path, postgres_url)
 
 
 class Heads:
     """Head processes on the site's store, each on its own port (config ``head-<name>.toml``)."""
 
-    def __init__(self, site: Site) -> None:
+    def __init__(self, site: LocalCluster) -> None:
         self.site = site
-        self.text = site.head_config.read_text()
-        self.ports: dict[str, int] = {}
 
-    def start(self, name: str) -> Proc:
-        """Start head ``name`` and return once it is active or waiting as a standby."""
-        port = self.ports.setdefault(name, _free_port())
-        config = self.site.tmp_path / f"head-{name}.toml"
-        config.write_text(re.sub(r"(?m)^listen_port = \d+$", f"listen_port = {port}", self.text))
-        proc = self.site.start(
-            "slurm_cdgpc.coordinator.main", "--config", str(config), name=f"head-{name}"
+    def start(self, name: str) -> Daemon:
+        """Start head ``name`` and return once it is active or waiting as a standby (a standby
+        does not listen)."""
+        head = f"head-{name}"
+        if head not in self.site.heads:
+            self.site.add_head(head, store_url=self.site.head.store_url)
+        return self.site.start_head(
+            head, ready=lambda d: "standby:" in d.text() or "leader lock taken" in d.text()
         )
-        _wait(
-            f"head {name} active or standing by",
-            lambda: "standby:" in proc.text() or "leader lock taken" in proc.text(),
-            20,
-            self.site.logs,
-        )
-        return proc
 
     def client(self, name: str) -> HeadClient:
-        return HeadClient(f"http://127.0.0.1:{self.ports[name]}", self.site.signer)
+        return self.site.client(f"head-{name}")
+
+    def job(self, name: str, job_id: str) -> dict[str, Any] | None:
+        return self.site.job(job_id, head=f"head-{name}")
 
 
-def _epochs(site: Site) -> dict[str, int]:
+def _epochs(site: LocalCluster) -> dict[str, int]:
     """The leader epoch each agent has accepted (from its state file)."""
     return {
-        node: int(json.loads((site.tmp_path / node / "state.json").read_text())["epoch"])
-        for node in NODES
+        node: int(json.loads(site.nodes[node].state_file.read_text())["epoch"]) for node in NODES
     }
 
 
-def _all_above(site: Site, epoch: int) -> bool:
+def _all_above(site: LocalCluster, epoch: int) -> bool:
     try:
         return min(_epochs(site).values()) > epoch
     except (OSError, ValueError, KeyError):
         return False
 
 
-def _first_seen_above(site: Site, epoch: int, timeout_s: float) -> float:
+def _first_seen_above(site: LocalCluster, epoch: int, timeout_s: float) -> float:
     """When (``time.monotonic``) every agent had accepted an epoch above ``epoch``, polled every
     10 ms."""
     deadline = time.monotonic() + timeout_s
@@ -111,7 +98,7 @@ def _first_seen_above(site: Site, epoch: int, timeout_s: float) -> float:
     return time.monotonic()
 
 
-def _settled_epoch(site: Site) -> int:
+def _settled_epoch(site: LocalCluster) -> int:
     """The epoch every agent follows (waiting until they agree)."""
     found: list[int] = []
 
@@ -124,7 +111,7 @@ def _settled_epoch(site: Site) -> int:
     return found[0]
 
 
-def _leader(procs: dict[str, Proc], epoch: int, site: Site) -> str:
+def _leader(procs: dict[str, Daemon], epoch: int, site: LocalCluster) -> str:
     """The head that took the lock at ``epoch``."""
     names = [name for name, p in procs.items() if f"(epoch {epoch}, lease" in p.text()]
     if len(names) != 1:
@@ -135,16 +122,20 @@ def _leader(procs: dict[str, Proc], epoch: int, site: Site) -> str:
 def _running_job(heads: Heads, name: str) -> None:
     client = heads.client(name)
     _wait("the active head answers", lambda: client.get("/v1/health"), 20, heads.site.logs)
-    for node, port in heads.site.agent_ports.items():
-        client.post("/v1/nodes", {"node": node, "url": f"http://127.0.0.1:{port}"})
+    heads.site.announce(f"head-{name}")
     client.post("/v1/budget", {"budget_w": 5000.0, "reason": "standby test"})
     client.post("/v1/jobs", {"job_id": "9", "user": "root", "node": "node1", "gpus": [0]})
-    _wait("job 9 running", lambda: _job(client, "9")["state"] == "running", 10, heads.site.logs)
+    _wait(
+        "job 9 running",
+        lambda: (j := heads.job(name, "9")) and j["state"] == "running",
+        10,
+        heads.site.logs,
+    )
     _wait("every agent follows a leader", lambda: _all_above(heads.site, 0), 5, heads.site.logs)
 
 
 def test_kill_9_of_the_active_head_ten_times_the_standby_takes_over_each_time(
-    site: Site,
+    site: LocalCluster,
 ) -> None:
     heads = Heads(site)
     procs = {"a": heads.start("a")}
@@ -170,10 +161,9 @@ def test_kill_9_of_the_active_head_ten_times_the_standby_takes_over_each_time(
         procs[active].proc.wait(timeout=10)
         assert _leader(procs, _settled_epoch(site), site) == standby
         # the new leader resumed the job from the store, and controls it
-        client = heads.client(standby)
         _wait(
             f"kill {kill + 1}: job 9 controlled by the new leader",
-            lambda c=client: _job(c, "9")["controlled"],
+            lambda h=standby: (j := heads.job(h, "9")) and j["controlled"],
             10,
             site.logs,
         )
@@ -193,7 +183,9 @@ def test_kill_9_of_the_active_head_ten_times_the_standby_takes_over_each_time(
     assert epochs == sorted(set(epochs))  # a new, higher epoch at every takeover
 
 
-def test_a_paused_leader_that_wakes_up_after_a_takeover_changes_nothing(site: Site) -> None:
+def test_a_paused_leader_that_wakes_up_after_a_takeover_changes_nothing(
+    site: LocalCluster,
+) -> None:
     heads = Heads(site)
     old = heads.start("a")
     new = heads.start("b")
@@ -209,13 +201,17 @@ def test_a_paused_leader_that_wakes_up_after_a_takeover_changes_nothing(site: Si
             site.logs,
         )
         new_epoch = min(_epochs(site).values())
-        client = heads.client("b")
-        _wait("job 9 controlled by b", lambda: _job(client, "9")["controlled"], 10, site.logs)
+        _wait(
+            "job 9 controlled by b",
+            lambda: (j := heads.job("b", "9")) and j["controlled"],
+            10,
+            site.logs,
+        )
         locks = {node: site.locks(node) for node in NODES}
 
         # what the old leader would push had it been paused right after its last check: its
         # epoch, a lower clock for job 9 and a release; signed with the cluster's key all the same
-        for node, port in site.agent_ports.items():
+        for node, agent_node in site.nodes.items():
             stale = ExchangeRequest(
                 interval=10**6,
                 lease_expires_s=time.time() + LEASE_S,
@@ -224,7 +220,7 @@ def test_a_paused_leader_that_wakes_up_after_a_takeover_changes_nothing(site: Si
                 epoch=old_epoch,
                 node=node,
             )
-            agent = HeadClient(f"http://127.0.0.1:{port}", site.signer, peer=node, responder=node)
+            agent = HeadClient(agent_node.url, site.signer, peer=node, responder=node)
             with pytest.raises(HeadRefusedError) as refused:
                 agent.post(EXCHANGE_PATH, json.loads(stale.to_json()))
             assert refused.value.status == 409
@@ -241,7 +237,8 @@ def test_a_paused_leader_that_wakes_up_after_a_takeover_changes_nothing(site: Si
     assert new.proc.poll() is None and "lost the leader lock" not in new.text()
     assert _epochs(site) == dict.fromkeys(NODES, new_epoch)
     try:
-        assert _job(client, "9")["controlled"]
+        job = heads.job("b", "9")
+        assert job is not None and job["controlled"]
     except CdgpcError as e:
         pytest.fail(f"the new leader stopped answering: {e}\n{site.logs()}")
     assert 0 in site.locks("node1")

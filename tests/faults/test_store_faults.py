@@ -35,6 +35,8 @@ from pathlib import Path
 import pytest
 from sqlalchemy import create_engine
 
+from slurm_cdgpc.localcluster import free_port as _free_port
+from slurm_cdgpc.localcluster import wait_for as _wait
 from tests.faults.cluster import (
     JOBS,
     LEASE_S,
@@ -45,8 +47,6 @@ from tests.faults.cluster import (
     registrar,
     unavailable,
 )
-from tests.integration.processes import free_port as _free_port
-from tests.integration.processes import wait_for as _wait
 
 pytestmark = [pytest.mark.faults, pytest.mark.live]
 

@@ -24,7 +24,7 @@ from typing import NoReturn
 
 import pytest
 
-from tests.integration.processes import stop
+from slurm_cdgpc.localcluster import stop_processes
 
 _SEARCH_PATH = os.pathsep.join(
     [os.environ.get("PATH", ""), "/usr/sbin", "/usr/bin", "/sbin", "/bin"]
@@ -117,7 +117,7 @@ def _wait_ready(daemon: MungeDaemon, proc: subprocess.Popen[bytes]) -> None:
             if result.returncode == 0:
                 return
         time.sleep(0.05)
-    stop(proc, _STOP_TIMEOUT_S)
+    stop_processes([proc], _STOP_TIMEOUT_S)
     unavailable(
         f"private munged {daemon.name!r} did not answer within {_START_TIMEOUT_S:g} s: "
         f"{daemon.log_tail()}"
@@ -180,7 +180,7 @@ def munged_factory(
         yield start
     finally:
         for proc in started:
-            stop(proc, _STOP_TIMEOUT_S)
+            stop_processes([proc], _STOP_TIMEOUT_S)
         for directory in socket_dirs:
             shutil.rmtree(directory, ignore_errors=True)
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import time
 from collections.abc import Iterator, Mapping
@@ -24,8 +23,8 @@ from pathlib import Path
 
 import pytest
 
+from slurm_cdgpc.localcluster import free_port, stop_processes
 from tests.integration.munge_fixture import unavailable
-from tests.integration.processes import stop
 
 _SEARCH_PATH = os.pathsep.join(
     [os.environ.get("PATH", ""), "/usr/sbin", "/usr/bin", "/sbin", "/bin"]
@@ -106,12 +105,6 @@ def find_ssh_programs() -> SshPrograms:
     return SshPrograms(str(found["sshd"]), str(found["ssh"]), str(found["ssh-keygen"]))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _keygen(programs: SshPrograms, path: Path) -> None:
     result = subprocess.run(
         [programs.ssh_keygen, "-q", "-t", "ed25519", "-N", "", "-C", path.name, "-f", str(path)],
@@ -162,7 +155,7 @@ def _wait_ready(server: SshServer, proc: subprocess.Popen[bytes]) -> None:
             return
         last = result.stderr.strip()
         time.sleep(0.1)
-    stop(proc, _STOP_TIMEOUT_S)
+    stop_processes([proc], _STOP_TIMEOUT_S)
     unavailable(
         f"private sshd did not let the test key in within {_START_TIMEOUT_S:g} s: "
         f"{last}; {server.log_tail()}"
@@ -183,7 +176,7 @@ def sshd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SshServer]:
     # restrict: no pty, no forwarding of any kind; commands still run
     (directory / "authorized_keys").write_text(f"restrict {public}\n")
     (directory / "authorized_keys").chmod(0o600)
-    port = _free_port()
+    port = free_port()
     host_public = " ".join((directory / "host_ed25519.pub").read_text().split()[:2])
     (directory / "known_hosts").write_text(f"[127.0.0.1]:{port} {host_public}\n")
     config = directory / "sshd_config"
@@ -218,4 +211,4 @@ def sshd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SshServer]:
         _wait_ready(server, proc)
         yield server
     finally:
-        stop(proc, _STOP_TIMEOUT_S)
+        stop_processes([proc], _STOP_TIMEOUT_S)

@@ -17,21 +17,15 @@ from pathlib import Path
 
 import pytest
 
+from slurm_cdgpc.localcluster import LocalCluster, daemon_env, hmac_auth, write_hmac_key
 from slurm_cdgpc.transport.auth import HmacKey, HmacSigner
 from slurm_cdgpc.wire.protocol import ExchangeRequest, ExchangeResponse, GpuReport, Setpoint
-from tests.integration.processes import daemon_env, write_hmac_key
 
 pytestmark = pytest.mark.live
 
 REPO = Path(__file__).resolve().parents[2]
 EXCHANGE = "/v1/exchange"
 SAFE_MHZ = 840  # A100-SXM4-80GB: highest level ≤ 0.6 · 1410 MHz
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass
@@ -96,77 +90,29 @@ def _cap(response: ExchangeResponse, index: int) -> int | None:
 
 @pytest.fixture
 def start_agent(tmp_path: Path) -> Iterator[Callable[[], Agent]]:
-    """Starts agents (same config, key and state file each time); kills leftovers at the end."""
+    """Starts agents (same config, key and state file each time); stops leftovers at the end."""
     key_file = tmp_path / "hmac.key"
-    secret = write_hmac_key(key_file)
-    port = _free_port()
-    state_file = tmp_path / "state" / "node-state.json"
-    progress_socket = tmp_path / "run" / "progress.sock"
-    config = tmp_path / "cdgpc.toml"
-    config.write_text(
-        f"""
-[control]
-interval = "1s"
-[lease]
-duration = "5s"
-safe_cap = 0.6
-[auth]
-method = "hmac"
-hmac_key_file = "{key_file}"
-[node]
-backend = "simulated"
-simulated_gpu_type = "A100-SXM4-80GB"
-simulated_gpu_count = 2
-state_file = "{state_file}"
-progress_socket = "{progress_socket}"
-listen_address = "127.0.0.1"
-listen_port = {port}
-"""
+    secret = write_hmac_key(key_file, pytest.skip)
+    cluster = LocalCluster(
+        tmp_path,
+        hmac_auth(key_file),
+        interval_s=1.0,
+        lease_s=5.0,
+        safe_cap=0.6,
+        env=daemon_env(source_first=True),
+        start_timeout_s=15,
     )
-    procs: list[subprocess.Popen[bytes]] = []
-    env = daemon_env()
+    node = cluster.add_node("node1", gpu_type="A100-SXM4-80GB", gpus=2)
+    signer = HmacSigner(HmacKey(secret), uid=0, gid=0)
 
     def start() -> Agent:
-        log = tmp_path / f"agent-{len(procs)}.log"
-        with log.open("wb") as stderr:
-            proc = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "slurm_cdgpc.agent.main",
-                    "--config",
-                    str(config),
-                    "--node-name",
-                    "node1",
-                ],
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL,
-                stderr=stderr,
-                env=env,
-                cwd=tmp_path,
-            )
-        procs.append(proc)
-        agent = Agent(
-            proc, port, state_file, progress_socket, log, HmacSigner(HmacKey(secret), uid=0, gid=0)
+        daemon = cluster.start_agent("node1")
+        return Agent(
+            daemon.proc, node.port, node.state_file, node.progress_socket, daemon.log, signer
         )
-        deadline = time.monotonic() + 15
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"agent exited with {proc.returncode}:\n{agent.stderr()}")
-            try:
-                if agent.get("/v1/health")[0] == 200:
-                    return agent
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"agent did not answer within 15 s:\n{agent.stderr()}")
-            time.sleep(0.05)
 
     yield start
-    for proc in procs:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait(timeout=10)
+    cluster.stop(timeout_s=10)
 
 
 def test_authenticated_exchange_applies_clocks_and_reports(

@@ -19,8 +19,9 @@ from typing import NoReturn
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.integration.processes import wait_for as _wait
-from tests.integration.test_head_live import Site, make_site
+from slurm_cdgpc.localcluster import LocalCluster
+from slurm_cdgpc.localcluster import wait_for as _wait
+from tests.integration.test_head_live import make_site
 
 pytestmark = pytest.mark.live
 
@@ -43,7 +44,7 @@ def promtool() -> str:
 
 
 @pytest.fixture
-def site(tmp_path: Path) -> Iterator[Site]:
+def site(tmp_path: Path) -> Iterator[LocalCluster]:
     yield from make_site(tmp_path, f"sqlite:///{tmp_path / 'cdgpc.db'}")
 
 
@@ -82,13 +83,14 @@ def _check(promtool: str, text: str) -> str:
     return output
 
 
-def test_promtool_accepts_the_metrics_of_a_live_head_and_agent(site: Site, promtool: str) -> None:
+def test_promtool_accepts_the_metrics_of_a_live_head_and_agent(
+    site: LocalCluster, promtool: str
+) -> None:
     site.start_head()
     client = site.client()
-    for node, port in site.agent_ports.items():
-        client.post("/v1/nodes", {"node": node, "url": f"http://127.0.0.1:{port}"})
+    site.announce()
     client.post("/v1/jobs", {"job_id": "7", "user": "root", "node": "node2", "gpus": [1]})
-    refused = http.client.HTTPConnection("127.0.0.1", site.head_port, timeout=10)
+    refused = http.client.HTTPConnection("127.0.0.1", site.head.port, timeout=10)
     try:  # a Prolog without a credential
         refused.request("POST", "/v1/jobs", body=b"{}", headers={"Content-Length": "2"})
         assert refused.getresponse().status == 401
@@ -101,7 +103,7 @@ def test_promtool_accepts_the_metrics_of_a_live_head_and_agent(site: Site, promt
         site.logs,
     )
 
-    head = _scrape(site.head_port)
+    head = _scrape(site.head.port)
     assert _check(promtool, head) == ""
     assert _value(head, "cdgpc_registrations_total") == 1
     assert _value(head, "cdgpc_registrations_refused_total", code="401") == 1
@@ -109,7 +111,7 @@ def test_promtool_accepts_the_metrics_of_a_live_head_and_agent(site: Site, promt
     assert _value(head, "cdgpc_interval_duration_seconds_count") >= 1
     assert _value(head, "process_resident_memory_bytes") > 0
 
-    agent = _scrape(site.agent_ports["node2"])
+    agent = _scrape(site.nodes["node2"].port)
     assert _check(promtool, agent) == ""
     assert _value(agent, "cdgpc_node_exchanges_total") >= 1
     assert _value(agent, "cdgpc_node_lease_lapsed") == 0

@@ -20,16 +20,14 @@ from typing import Any
 
 import pytest
 
-from slurm_cdgpc.transport.auth import HmacKey, HmacSigner
-from slurm_cdgpc.transport.http import HeadClient
-from tests.integration.processes import (
+from slurm_cdgpc.localcluster import (
+    LocalCluster,
     daemon_env,
-    free_port,
-    spawn,
-    stop,
+    hmac_auth,
     wait_for,
     write_hmac_key,
 )
+from slurm_cdgpc.transport.http import HeadClient
 
 pytestmark = pytest.mark.live
 
@@ -167,86 +165,37 @@ def _run(code: str, env: dict[str, str], cwd: Path) -> subprocess.CompletedProce
 def site(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Site]:
     pytest.importorskip("torch")
     tmp = tmp_path_factory.mktemp("hook")
+    write_hmac_key(tmp / "hmac.key", pytest.skip)
     short = Path(tempfile.mkdtemp(prefix="cdgpc-"))  # Unix socket paths: at most 107 bytes
-    secret = write_hmac_key(tmp / "hmac.key")
-    head_port, node_port = free_port(), free_port()
-    common = f"""
-[control]
-interval = "0.5s"
-[lease]
-duration = "2s"
-safe_cap = 0.6
-[auth]
-method = "hmac"
-hmac_key_file = "{tmp / "hmac.key"}"
-hmac_is_admin = true
-"""
-    head_config = tmp / "head.toml"
-    head_config.write_text(
-        common + f'[head]\nlisten_address = "127.0.0.1"\nlisten_port = {head_port}\n'
-        f'[store]\nurl = "sqlite:///{tmp / "cdgpc.db"}"\n'
+    cluster = LocalCluster(
+        tmp,
+        hmac_auth(tmp / "hmac.key", admin=True),
+        interval_s=0.5,
+        lease_s=2.0,
+        safe_cap=0.6,
+        env=daemon_env(source_first=True),
+        start_timeout_s=20,
     )
-    progress_socket = short / "progress.sock"
-    node_config = tmp / "node.toml"
-    node_config.write_text(
-        common
-        + f"""
-[node]
-backend = "simulated"
-simulated_gpu_type = "A100-SXM4-80GB"
-simulated_gpu_count = 4
-state_file = "{tmp / "state.json"}"
-progress_socket = "{progress_socket}"
-listen_address = "127.0.0.1"
-listen_port = {node_port}
-"""
+    cluster.add_head()
+    node = cluster.add_node(
+        NODE, gpu_type="A100-SXM4-80GB", gpus=4, progress_socket=short / "progress.sock"
     )
-    env = daemon_env()
-    head = spawn(
-        [sys.executable, "-m", "slurm_cdgpc.coordinator.main", "--config", str(head_config)],
-        tmp / "head.log",
-        env=env,
-        cwd=tmp,
-    )
-    agent = spawn(
-        [
-            sys.executable,
-            "-m",
-            "slurm_cdgpc.agent.main",
-            "--config",
-            str(node_config),
-            "--node-name",
-            NODE,
-        ],
-        tmp / "agent.log",
-        env=env,
-        cwd=tmp,
-    )
-
-    def logs() -> str:
-        return "\n".join(
-            f"== {p.name}\n{p.read_text(errors='replace')[-3000:]}"
-            for p in (tmp / "head.log", tmp / "agent.log")
-        )
-
     try:
-        client = HeadClient(
-            f"http://127.0.0.1:{head_port}", HmacSigner(HmacKey(secret), uid=0, gid=0)
-        )
-        wait_for("cdgpcd answers", lambda: client.get("/v1/health"), 20, logs)
-        wait_for("the agent's socket", progress_socket.exists, 20, logs)
-        client.post("/v1/nodes", {"node": NODE, "url": f"http://127.0.0.1:{node_port}"})
+        cluster.start_head()
+        cluster.start_agent(NODE)
+        client = cluster.client()
+        wait_for("the agent's socket", node.progress_socket.exists, 20, cluster.logs)
+        cluster.announce()
         client.post("/v1/budget", {"budget_w": 5000.0, "reason": "live test"})
         wait_for(
             "the node reports",
             lambda: any(n["reachable"] for n in client.get("/v1/nodes")["nodes"]),
             10,
-            logs,
+            cluster.logs,
         )
-        yield Site(node_config, progress_socket, client, logs, tmp)
+        yield Site(node.config, node.progress_socket, client, cluster.logs, tmp)
     finally:
-        stop(agent)
-        stop(head)
+        cluster.stop(timeout_s=5)
         shutil.rmtree(short, ignore_errors=True)
 
 

@@ -7,26 +7,28 @@ Skips with the reason when Slurm cannot be installed or started (not root, no ap
 
 from __future__ import annotations
 
-import json
 import os
 import re
-import secrets
-import signal
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from slurm_cdgpc.localcluster import (
+    LocalCluster,
+    daemon_env,
+    hmac_auth,
+    toml_text,
+    write_hmac_key,
+)
+from slurm_cdgpc.localcluster import wait_for as wait
 from slurm_cdgpc.slurm.spool import forward_spool
-from slurm_cdgpc.transport.auth import HmacKey, HmacSigner
 from slurm_cdgpc.transport.http import HeadClient
-from tests.integration.processes import free_port as _free_port
-from tests.integration.processes import wait_for as wait
 
 pytestmark = [pytest.mark.slurm, pytest.mark.live]
 
@@ -47,54 +49,32 @@ def _unavailable(reason: str) -> None:
 
 @dataclass
 class Cluster:
-    tmp: Path
-    lab: Path
-    head_config: Path
-    head_port: int
-    signer: HmacSigner
-    env: dict[str, str]
-    procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    """Our daemons (a `LocalCluster` in ``tmp``) beside the real Slurm in ``lab``."""
 
-    def start(self, name: str, *args: str) -> subprocess.Popen[bytes]:
-        log = (self.tmp / f"{name}.log").open("ab")
-        proc = subprocess.Popen(
-            [sys.executable, *args],
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=log,
-            env=self.env,
-            cwd=self.tmp,
-        )
-        log.close()
-        self.procs[name] = proc
-        return proc
+    local: LocalCluster
+    lab: Path
+    env: dict[str, str]
+
+    @property
+    def tmp(self) -> Path:
+        return self.local.run_dir
 
     def start_head(self) -> None:
-        self.start("head", "-m", "slurm_cdgpc.coordinator.main", "--config", str(self.head_config))
-        wait("cdgpcd answers", lambda: self.client().get("/v1/health"), 20, self.logs)
+        self.local.start_head()
 
-    def stop(self, name: str) -> None:
-        proc = self.procs.pop(name, None)
-        if proc is not None and proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=10)
+    def stop_head(self) -> None:
+        head = self.local.head.daemon
+        if head is not None:
+            head.stop(timeout_s=10)
 
     def client(self) -> HeadClient:
-        return HeadClient(f"http://127.0.0.1:{self.head_port}", self.signer, timeout_s=2.0)
+        return self.local.client(timeout_s=2.0)
 
     def jobs(self) -> dict[str, dict[str, Any]]:
         return {j["job_id"]: j for j in self.client().get("/v1/jobs")["jobs"]}
 
     def locks(self, node: str) -> dict[int, int]:
-        path = self.tmp / node / "state.json"
-        if not path.exists():
-            return {}
-        data = json.loads(path.read_text())
-        return {lock["index"]: lock["graphics_max_mhz"] for lock in data["locks"]}
+        return self.local.locks(node)
 
     def sbatch(self, *args: str) -> str:
         out = subprocess.run(
@@ -122,12 +102,11 @@ class Cluster:
         return out
 
     def agent_log(self, node: str) -> str:
-        return (self.tmp / f"{node}.log").read_text(errors="replace")
+        agent = self.local.nodes[node].daemon
+        return "" if agent is None else agent.text()
 
     def logs(self) -> str:
-        parts = [
-            f"== {p.name}\n{p.read_text(errors='replace')[-2000:]}" for p in self.tmp.glob("*.log")
-        ]
+        parts = [self.local.logs(2000)]
         parts += [
             f"== {p.name}\n{p.read_text(errors='replace')[-1500:]}"
             for p in (self.lab / "log").glob("*.log")
@@ -141,23 +120,16 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         _unavailable("a real Slurm needs root (mknod, SlurmUser=root)")
     tmp = tmp_path_factory.mktemp("slurm")
     lab = tmp / "lab"
-    secret = secrets.token_hex(32).encode()
     key = tmp / "hmac.key"
-    key.write_bytes(secret)
-    key.chmod(0o600)
-    head_port = _free_port()
-    auth = f'[auth]\nmethod = "hmac"\nhmac_key_file = "{key}"\nhmac_is_admin = true\n'
-    common = f'[control]\ninterval = "{INTERVAL_S}s"\n[lease]\nduration = "{LEASE_S}s"\n' + auth
-    head_config = tmp / "head.toml"
-    head_config.write_text(
-        common + f'[head]\nlisten_address = "127.0.0.1"\nlisten_port = {head_port}\n'
-        f'reconcile_interval = "{RECONCILE_S}s"\n'
-        f'[store]\nurl = "sqlite:///{tmp / "cdgpc.db"}"\n'
+    write_hmac_key(key)
+    auth = hmac_auth(key, admin=True)
+    env = {k: v for k, v in daemon_env(source_first=True).items() if not k.startswith("SLURM_")}
+    local = LocalCluster(
+        tmp, auth, interval_s=INTERVAL_S, lease_s=LEASE_S, env=env, start_timeout_s=20
     )
+    head = local.add_head(extra={"head": {"reconcile_interval": f"{RECONCILE_S:g}s"}})
     hooks_config = tmp / "hooks.toml"
-    hooks_config.write_text(f'[head]\nurl = "http://127.0.0.1:{head_port}"\n' + auth)
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("CDGPC_", "SLURM_"))}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    hooks_config.write_text(toml_text({"head": {"url": head.url}, "auth": auth}))
     harness_env = {
         **env,
         "CDGPC_SLURM_LAB": str(lab),
@@ -171,38 +143,22 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         text=True,
         check=False,
     )
-    c = Cluster(tmp, lab, head_config, head_port, HmacSigner(HmacKey(secret), uid=0, gid=0), env)
+    c = Cluster(local, lab, env)
     try:
         if started.returncode == 3:
             _unavailable(f"Slurm cannot be installed here: {started.stderr.strip()[-300:]}")
         if started.returncode != 0:
             pytest.fail(f"harness start failed:\n{started.stderr[-3000:]}")
         c.start_head()
-        for node in NODES:
-            port = _free_port()
-            (tmp / node).mkdir()
-            config = tmp / f"{node}.toml"
-            config.write_text(
-                common + f'[node]\nbackend = "simulated"\nsimulated_gpu_count = 4\n'
-                f'state_file = "{tmp / node / "state.json"}"\n'
-                f'progress_socket = "{tmp / node / "progress.sock"}"\n'
-                f'listen_address = "127.0.0.1"\nlisten_port = {port}\n'
-            )
+        for name in NODES:
+            node = local.add_node(name, gpus=4)
             # this node's hooks reach this node's agent (the hook config is shared)
-            (lab / "hooks" / "env" / node).write_text(
-                f"CDGPC_NODE_LISTEN_PORT={port}\n"
-                f"CDGPC_NODE_PROGRESS_SOCKET={tmp / node / 'progress.sock'}\n"
+            (lab / "hooks" / "env" / name).write_text(
+                f"CDGPC_NODE_LISTEN_PORT={node.port}\n"
+                f"CDGPC_NODE_PROGRESS_SOCKET={node.progress_socket}\n"
             )
-            c.start(
-                node, "-m", "slurm_cdgpc.agent.main", "--config", str(config), "--node-name", node
-            )
-            wait(
-                "agent listens",
-                lambda n=node: "listening on" in (tmp / f"{n}.log").read_text(),
-                20,
-                c.logs,
-            )
-            c.client().post("/v1/nodes", {"node": node, "url": f"http://127.0.0.1:{port}"})
+            local.start_agent(name)
+            c.client().post("/v1/nodes", {"node": name, "url": node.url})
         wait(
             "both nodes report",
             lambda: all(n["reachable"] for n in c.client().get("/v1/nodes")["nodes"]),
@@ -212,8 +168,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         yield c
     finally:
         subprocess.run(["scancel", "--user=root"], check=False, capture_output=True)
-        for name in list(c.procs):
-            c.stop(name)
+        local.stop(timeout_s=10)
         subprocess.run(
             ["bash", str(HARNESS), "stop"], env=harness_env, check=False, capture_output=True
         )
@@ -355,7 +310,7 @@ def test_malformed_deadline_is_refused_at_submit(slurm: Cluster) -> None:
 
 
 def test_head_down_job_starts_and_spool_arrives(slurm: Cluster) -> None:
-    slurm.stop("head")
+    slurm.stop_head()
     job = slurm.sbatch("--comment=deadline=2030-01-01T00:00Z", "--gres=gpu:1", "--wrap", "sleep 60")
     wait("job running without a head", lambda: _running(slurm, job), 15, slurm.logs)
     [(t0, t1, rc)] = wait(
@@ -380,7 +335,7 @@ def test_head_down_job_starts_and_spool_arrives(slurm: Cluster) -> None:
 
 
 def test_a_running_job_whose_registration_was_lost_is_adopted(slurm: Cluster) -> None:
-    slurm.stop("head")
+    slurm.stop_head()
     job = slurm.sbatch(
         "--comment=project x deadline=2030-01-01T00:00Z iters=700",
         "--gres=gpu:2",

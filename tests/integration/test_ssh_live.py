@@ -4,8 +4,6 @@ each request and checks the agent's signed answer through the forwarder, end to 
 
 from __future__ import annotations
 
-import os
-import secrets
 import socket
 import subprocess
 import sys
@@ -17,12 +15,18 @@ from pathlib import Path
 
 import pytest
 
+from slurm_cdgpc.localcluster import (
+    LocalCluster,
+    daemon_env,
+    free_port,
+    hmac_auth,
+    write_hmac_key,
+)
 from slurm_cdgpc.transport.auth import HmacKey, HmacSigner
 from slurm_cdgpc.transport.http import NodeFailure, NodeTarget
 from slurm_cdgpc.transport.ssh import SshExchanger, ssh_url
 from slurm_cdgpc.wire.protocol import ExchangeRequest, ExchangeResponse, GpuReport, Setpoint
 from tests.integration import sshd_fixture
-from tests.integration.processes import stop
 from tests.integration.sshd_fixture import SshServer
 
 pytestmark = pytest.mark.live
@@ -31,43 +35,6 @@ sshd = sshd_fixture.sshd
 
 REPO = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 8.0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _write_key(path: Path) -> Path:
-    path.write_bytes(secrets.token_hex(32).encode())
-    path.chmod(0o600)
-    return path
-
-
-def _config(path: Path, key_file: Path, port: int, state_dir: Path) -> Path:
-    path.write_text(
-        f"""
-[control]
-interval = "1s"
-[lease]
-duration = "5s"
-safe_cap = 0.6
-[auth]
-method = "hmac"
-hmac_key_file = "{key_file}"
-[node]
-backend = "simulated"
-simulated_gpu_type = "A100-SXM4-80GB"
-simulated_gpu_count = 2
-state_file = "{state_dir / "node-state.json"}"
-progress_socket = "{state_dir / "progress.sock"}"
-transport = "ssh"
-listen_address = "127.0.0.1"
-listen_port = {port}
-"""
-    )
-    return path
 
 
 @dataclass(frozen=True)
@@ -81,48 +48,30 @@ class Node:
     log: Path
 
 
-def _wait_listening(proc: subprocess.Popen[bytes], port: int, log: Path) -> None:
-    deadline = time.monotonic() + 15
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(f"agent exited with {proc.returncode}:\n{log.read_text(errors='replace')}")
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            return
-        except OSError:
-            time.sleep(0.05)
-    pytest.fail(f"agent did not listen within 15 s:\n{log.read_text(errors='replace')}")
-
-
 @pytest.fixture(scope="module")
 def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
-    """One ``cdgpc-noded --node-name node1`` with HMAC on 127.0.0.1; killed at the end."""
-    if os.geteuid() != 0:
-        pytest.skip("the HMAC key must be owned by root: run the live tests as root")
+    """One ``cdgpc-noded --node-name node1`` with HMAC on 127.0.0.1; stopped at the end."""
     tmp = tmp_path_factory.mktemp("ssh-node")
-    port = _free_port()
-    key_file = _write_key(tmp / "hmac.key")
-    config = _config(tmp / "cdgpc.toml", key_file, port, tmp)
-    signer = HmacSigner(HmacKey.load(key_file, owner_uid=0))
-    wrong = HmacSigner(HmacKey.load(_write_key(tmp / "other.key"), owner_uid=0))
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CDGPC_")}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    log = tmp / "agent.log"
-    argv = [sys.executable, "-m", "slurm_cdgpc.agent.main", "--config", str(config)]
-    with log.open("wb") as stderr:
-        proc = subprocess.Popen(
-            [*argv, "--node-name", "node1"],
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=stderr,
-            env=env,
-            cwd=tmp,
-        )
+    key_file = tmp / "hmac.key"
+    signer = HmacSigner(HmacKey(write_hmac_key(key_file, pytest.skip)))
+    wrong = HmacSigner(HmacKey(write_hmac_key(tmp / "other.key")))
+    cluster = LocalCluster(
+        tmp,
+        hmac_auth(key_file),
+        interval_s=1.0,
+        lease_s=5.0,
+        safe_cap=0.6,
+        env=daemon_env(source_first=True),
+        start_timeout_s=15,
+    )
+    config = cluster.add_node(
+        "node1", gpu_type="A100-SXM4-80GB", gpus=2, extra={"node": {"transport": "ssh"}}
+    ).config
     try:
-        _wait_listening(proc, port, log)
-        yield Node(config, signer, wrong, log)
+        agent = cluster.start_agent("node1")
+        yield Node(config, signer, wrong, agent.log)
     finally:
-        stop(proc, 10)
+        cluster.stop(timeout_s=10)
 
 
 def _forwarder(config: Path) -> list[str]:
@@ -146,7 +95,7 @@ def _exchanger(
     *,
     ssh_path: str | None = None,
 ) -> SshExchanger:
-    down_port = _free_port()  # nothing listens there
+    down_port = free_port()  # nothing listens there
     client_config = sshd.write_client_config(
         tmp_path / "ssh_config",
         {

@@ -9,7 +9,6 @@ import http.client
 import signal
 import socket
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -17,18 +16,13 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.processes import daemon_env, spawn, stop, write_hmac_key
+from slurm_cdgpc import localcluster
+from slurm_cdgpc.localcluster import LocalCluster, daemon_env, hmac_auth, write_hmac_key
 
 pytestmark = pytest.mark.live
 
 #: sd_notify keep-alive period given to the daemons
 WATCHDOG_USEC = 1_000_000
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _health(port: int) -> int:
@@ -43,9 +37,12 @@ def _health(port: int) -> int:
 
 @dataclass
 class Daemon:
-    proc: subprocess.Popen[bytes]
-    log: Path
+    started: localcluster.Daemon
     notify: socket.socket
+
+    @property
+    def proc(self) -> subprocess.Popen[bytes]:
+        return self.started.proc
 
     def until(self, line: str, timeout_s: float = 30.0) -> dict[str, str]:
         """The fields of the first datagram that holds ``line`` (``READY=1``)."""
@@ -63,65 +60,52 @@ class Daemon:
         pytest.fail(f"no {line} within {timeout_s:g} s (exit {self.proc.poll()}):\n{self.text()}")
 
     def text(self) -> str:
-        return self.log.read_text(errors="replace")[-3000:]
+        return self.started.tail(3000)
 
 
 @dataclass
 class Site:
-    tmp_path: Path
-    common: str
+    cluster: LocalCluster
     daemons: list[Daemon]
 
-    def start(self, module: str, body: str, name: str, *args: str) -> Daemon:
-        config = self.tmp_path / f"{name}.toml"
-        config.write_text(self.common + body)
+    def start(self, name: str, *, head: bool) -> Daemon:
+        """Start head or node ``name`` with ``$NOTIFY_SOCKET`` and ``$WATCHDOG_USEC`` set; not
+        waited for (its ``READY=1`` is what the test reads)."""
+        path = self.cluster.run_dir / f"{name}.notify"
         notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        notify.bind(str(self.tmp_path / f"{name}.notify"))
-        env = daemon_env()
-        env.update(NOTIFY_SOCKET=str(self.tmp_path / f"{name}.notify"))
-        env.update(WATCHDOG_USEC=str(WATCHDOG_USEC))
-        log = self.tmp_path / f"{name}.log"
-        argv = [sys.executable, "-m", module, "--config", str(config), *args]
-        daemon = Daemon(spawn(argv, log, env=env, cwd=self.tmp_path), log, notify)
+        notify.bind(str(path))
+        env = {"NOTIFY_SOCKET": str(path), "WATCHDOG_USEC": str(WATCHDOG_USEC)}
+        start = self.cluster.start_head if head else self.cluster.start_agent
+        daemon = Daemon(start(name, env=env, wait=False), notify)
         self.daemons.append(daemon)
         return daemon
+
+    def add_head(self, name: str) -> int:
+        """Head ``name`` on the site's one store, never reconciling with Slurm; its port."""
+        return self.cluster.add_head(name, extra={"head": {"reconcile": False}}).port
 
 
 @pytest.fixture
 def site(tmp_path: Path) -> Iterator[Site]:
     key_file = tmp_path / "hmac.key"
-    write_hmac_key(key_file)
-    common = f"""
-[control]
-interval = "0.5s"
-[lease]
-duration = "3s"
-[auth]
-method = "hmac"
-hmac_key_file = "{key_file}"
-"""
-    s = Site(tmp_path, common, [])
+    write_hmac_key(key_file, pytest.skip)
+    cluster = LocalCluster(
+        tmp_path,
+        hmac_auth(key_file),
+        interval_s=0.5,
+        lease_s=3.0,
+        env=daemon_env(source_first=True),
+    )
+    s = Site(cluster, [])
     yield s
     for daemon in s.daemons:
-        stop(daemon.proc)
+        daemon.started.stop(timeout_s=5)
         daemon.notify.close()
 
 
-def _head(port: int, db: Path) -> str:
-    return f"""
-[head]
-listen_address = "127.0.0.1"
-listen_port = {port}
-reconcile = false
-[store]
-url = "sqlite:///{db}"
-"""
-
-
 def test_heads_are_ready_as_active_and_as_standby_and_keep_the_watchdog_fed(site: Site) -> None:
-    db = site.tmp_path / "cdgpc.db"
-    port = _free_port()
-    head = site.start("slurm_cdgpc.coordinator.main", _head(port, db), "head")
+    port = site.add_head("head")
+    head = site.start("head", head=True)
     ready = head.until("READY=1")
     assert _health(port) == 200  # ready means serving: no retry
     assert ready["STATUS"].startswith("active (leader epoch ")
@@ -129,8 +113,8 @@ def test_heads_are_ready_as_active_and_as_standby_and_keep_the_watchdog_fed(site
     head.until("WATCHDOG=1")  # from the control loop's keep-alive, after READY
     head.until("WATCHDOG=1")
 
-    standby_port = _free_port()
-    standby = site.start("slurm_cdgpc.coordinator.main", _head(standby_port, db), "standby")
+    standby_port = site.add_head("standby")
+    standby = site.start("standby", head=True)
     ready = standby.until("READY=1")
     assert ready["STATUS"].startswith("standby: ") and "holds the leader lock" in ready["STATUS"]
     standby.until("WATCHDOG=1")
@@ -146,20 +130,8 @@ def test_heads_are_ready_as_active_and_as_standby_and_keep_the_watchdog_fed(site
 
 
 def test_the_agent_is_ready_when_it_listens_and_keeps_the_watchdog_fed(site: Site) -> None:
-    port = _free_port()
-    node = site.tmp_path / "node1"
-    node.mkdir()
-    body = f"""
-[node]
-backend = "simulated"
-simulated_gpu_type = "A100-SXM4-80GB"
-simulated_gpu_count = 2
-state_file = "{node / "state.json"}"
-progress_socket = "{node / "progress.sock"}"
-listen_address = "127.0.0.1"
-listen_port = {port}
-"""
-    agent = site.start("slurm_cdgpc.agent.main", body, "node1", "--node-name", "node1")
+    port = site.cluster.add_node("node1", gpu_type="A100-SXM4-80GB", gpus=2).port
+    agent = site.start("node1", head=False)
     ready = agent.until("READY=1")
     assert _health(port) == 200
     assert ready["STATUS"] == f"2 GPU(s), listening on port {port}"

@@ -13,10 +13,8 @@ from __future__ import annotations
 
 import contextlib
 import json
-import signal
 import socket
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -25,35 +23,22 @@ from typing import Any
 
 import pytest
 
+from slurm_cdgpc import localcluster
+from slurm_cdgpc.localcluster import (
+    LocalCluster,
+    TomlValue,
+    daemon_env,
+    free_port,
+    hmac_auth,
+    stop_processes,
+    write_hmac_key,
+)
 from slurm_cdgpc.transport.auth import HmacKey, HmacSigner
-from tests.integration.processes import daemon_env, spawn, write_hmac_key
 
-REPO = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 30.0
 REPLY_TIMEOUT_S = 15.0
 #: the agent's simulated GPUs
 AGENT_GPUS = 2
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def wait_for(
-    what: str, check: Callable[[], object], timeout_s: float, log: Callable[[], str]
-) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            if check():
-                return
-        except OSError:
-            pass
-        if time.monotonic() > deadline:
-            pytest.fail(f"{what}: not within {timeout_s:g} s\n{log()}")
-        time.sleep(0.05)
 
 
 @dataclass(frozen=True)
@@ -134,19 +119,26 @@ class Keys:
 
 @dataclass
 class Daemon:
-    """One running daemon: where it listens, its log, and the signer the tests trust."""
+    """One running daemon (started by `slurm_cdgpc.localcluster`): where it listens, its log,
+    and the signer the tests trust."""
 
-    name: str
+    started: localcluster.Daemon
     port: int
-    proc: subprocess.Popen[bytes]
-    log: Path
     keys: Keys
     home: Path
     extra: dict[str, Any] = field(default_factory=dict)
     host: str = "127.0.0.1"
 
+    @property
+    def name(self) -> str:
+        return self.started.name
+
+    @property
+    def proc(self) -> subprocess.Popen[bytes]:
+        return self.started.proc
+
     def text(self) -> str:
-        return self.log.read_text(errors="replace")
+        return self.started.text()
 
     @property
     def signer(self) -> HmacSigner:
@@ -169,21 +161,25 @@ class Daemon:
 
 def make_keys(directory: Path) -> Keys:
     key_file = directory / "hmac.key"
-    return Keys(write_hmac_key(key_file), key_file)
+    return Keys(write_hmac_key(key_file, pytest.skip), key_file)
 
 
-def _spawn(home: Path, name: str, module: str, *args: str) -> tuple[subprocess.Popen[bytes], Path]:
-    log = home / f"{name}.log"
-    return spawn([sys.executable, "-m", module, *args], log, env=daemon_env(), cwd=home), log
-
-
-def _auth_section(keys: Keys, *, hmac_is_admin: bool) -> str:
-    return f"""
-[auth]
-method = "hmac"
-hmac_key_file = "{keys.file}"
-hmac_is_admin = {"true" if hmac_is_admin else "false"}
-"""
+def _cluster(
+    home: Path,
+    auth: Mapping[str, TomlValue | None],
+    *,
+    interval_s: float | None = None,
+    lease_s: float,
+) -> LocalCluster:
+    home.mkdir(parents=True, exist_ok=True)
+    return LocalCluster(
+        home,
+        auth,
+        interval_s=interval_s,
+        lease_s=lease_s,
+        env=daemon_env(source_first=True),
+        start_timeout_s=START_TIMEOUT_S,
+    )
 
 
 def start_head(
@@ -192,42 +188,26 @@ def start_head(
     *,
     hmac_is_admin: bool,
     name: str = "head",
-    auth: str | None = None,
-    interval: str = "600s",
-    lease: str = "1200s",
+    auth: Mapping[str, TomlValue | None] | None = None,
+    interval_s: float = 600.0,
+    lease_s: float = 1200.0,
 ) -> Daemon:
     """cdgpcd on SQLite; the control interval is long so that nothing moves on its own.
 
     ``auth`` replaces the HMAC ``[auth]`` section (MUNGE tests).
     """
-    home.mkdir(parents=True, exist_ok=True)
-    port = free_port()
-    config = home / f"{name}.toml"
-    config.write_text(
-        f"""
-[control]
-interval = "{interval}"
-[lease]
-duration = "{lease}"
-[budget]
-initial = "10kW"
-[head]
-listen_address = "127.0.0.1"
-listen_port = {port}
-[store]
-url = "sqlite:///{home / f"{name}.db"}"
-"""
-        + (auth or _auth_section(keys, hmac_is_admin=hmac_is_admin))
+    cluster = _cluster(
+        home,
+        auth or hmac_auth(keys.file, admin=hmac_is_admin),
+        interval_s=interval_s,
+        lease_s=lease_s,
     )
-    proc, log = _spawn(home, name, "slurm_cdgpc.coordinator.main", "--config", str(config))
-    daemon = Daemon(name, port, proc, log, keys, home)
-    wait_for(
-        f"{name} answers",
-        lambda: raw_request(port, "GET", "/v1/health").status == 200,
-        START_TIMEOUT_S,
-        daemon.text,
+    head = cluster.add_head(
+        name,
+        store_url=f"sqlite:///{home / f'{name}.db'}",
+        extra={"budget": {"initial": "10kW"}},
     )
-    return daemon
+    return Daemon(cluster.start_head(name), head.port, keys, home)
 
 
 def start_agent(
@@ -236,54 +216,25 @@ def start_agent(
     *,
     name: str = "node1",
     listen_address: str = "127.0.0.1",
-    auth: str | None = None,
+    auth: Mapping[str, TomlValue | None] | None = None,
     progress_socket: Path | None = None,
 ) -> Daemon:
     """cdgpc-noded with simulated GPUs; its lease is an hour, so it never lapses in a test."""
-    home.mkdir(parents=True, exist_ok=True)
-    port = free_port()
-    state = home / "state.json"
-    config = home / f"{name}.toml"
-    config.write_text(
-        f"""
-[lease]
-duration = "3600s"
-[head]
-url = "http://127.0.0.1:{free_port()}"
-[node]
-backend = "simulated"
-simulated_gpu_type = "A100-SXM4-80GB"
-simulated_gpu_count = {AGENT_GPUS}
-state_file = "{state}"
-progress_socket = "{progress_socket or home / "progress.sock"}"
-listen_address = "{listen_address}"
-listen_port = {port}
-"""
-        + (auth or _auth_section(keys, hmac_is_admin=False))
+    cluster = _cluster(home, auth or hmac_auth(keys.file, admin=False), lease_s=3600.0)
+    node = cluster.add_node(
+        name,
+        gpu_type="A100-SXM4-80GB",
+        gpus=AGENT_GPUS,
+        address=listen_address,
+        head_url=f"http://127.0.0.1:{free_port()}",
+        progress_socket=progress_socket,
     )
-    proc, log = _spawn(
-        home, name, "slurm_cdgpc.agent.main", "--config", str(config), "--node-name", name
-    )
-    daemon = Daemon(name, port, proc, log, keys, home, {"state": state}, listen_address)
-    wait_for(
-        f"{name} answers",
-        lambda: raw_request(port, "GET", "/v1/health", host=listen_address).status == 200,
-        START_TIMEOUT_S,
-        daemon.text,
-    )
-    return daemon
+    started = cluster.start_agent(name)
+    return Daemon(started, node.port, keys, home, {"state": node.state_file}, listen_address)
 
 
 def stop_all(daemons: Sequence[Daemon]) -> None:
-    for d in daemons:
-        if d.proc.poll() is None:
-            d.proc.send_signal(signal.SIGTERM)
-    for d in daemons:
-        try:
-            d.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            d.proc.kill()
-            d.proc.wait(timeout=10)
+    stop_processes([d.proc for d in daemons], timeout_s=10)
 
 
 @contextlib.contextmanager

@@ -30,15 +30,14 @@ import pytest
 
 from slurm_cdgpc.agent import server as agent_server
 from slurm_cdgpc.coordinator import api as head_api
+from slurm_cdgpc.localcluster import free_port
 from slurm_cdgpc.transport.auth import HmacKey, HmacSigner
 from slurm_cdgpc.wire.protocol import HOLD_PATH, RELEASE_PATH
 from tests.evidence import record
 from tests.security.live import (
-    REPO,
     Daemon,
     Keys,
     Reply,
-    free_port,
     head_and_agent,
     make_keys,
     raw_request,
@@ -49,6 +48,8 @@ from tests.security.live import (
 )
 
 pytestmark = [pytest.mark.security, pytest.mark.live]
+
+REPO = Path(__file__).resolve().parents[2]
 
 HEAD_BODY_CAP = 64 * 1024
 AGENT_BODY_CAP = 1024 * 1024

@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 
+from slurm_cdgpc.localcluster import free_port
 from slurm_cdgpc.transport.auth import MungeSigner
 from tests.evidence import record
 from tests.integration import munge_fixture
@@ -27,7 +28,6 @@ from tests.integration.munge_fixture import MungeDaemon, unavailable
 from tests.security.live import (
     Daemon,
     Reply,
-    free_port,
     make_keys,
     raw_request,
     start_agent,
@@ -94,7 +94,7 @@ def site(munged: MungeDaemon, tmp_path_factory: pytest.TempPathFactory) -> Itera
     wrapper = home / "munge-as-nobody"
     wrapper.write_text(f'#!/bin/sh\nexec {runuser} -u nobody -- {munged.programs.munge} "$@"\n')
     wrapper.chmod(0o700)
-    auth = f'\n[auth]\nmethod = "munge"\nmunge_socket = "{munged.socket}"\n'
+    auth = {"method": "munge", "munge_socket": str(munged.socket)}
     keys = make_keys(home)  # unused by MUNGE daemons; the helpers want one
     head = start_head(home / "head", keys, hmac_is_admin=False, auth=auth)
     try:

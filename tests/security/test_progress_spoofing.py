@@ -17,9 +17,10 @@ from pathlib import Path
 
 import pytest
 
+from slurm_cdgpc.localcluster import NotReadyError, wait_for
 from tests.evidence import record
 from tests.integration.munge_fixture import unavailable
-from tests.security.live import Daemon, make_keys, start_agent, start_head, stop_all, wait_for
+from tests.security.live import Daemon, make_keys, start_agent, start_head, stop_all
 
 pytestmark = [pytest.mark.security, pytest.mark.live]
 
@@ -39,7 +40,7 @@ def site(tmp_path: Path) -> Iterator[tuple[Daemon, Daemon, Path]]:
     socket_dir = Path(tempfile.mkdtemp(prefix="cdgpc-progress-"))
     socket_dir.chmod(0o755)  # other users must reach the socket, as on a node
     keys = make_keys(tmp_path)
-    head = start_head(tmp_path / "head", keys, hmac_is_admin=True, interval="0.5s", lease="5s")
+    head = start_head(tmp_path / "head", keys, hmac_is_admin=True, interval_s=0.5, lease_s=5.0)
     agent = None
     try:
         agent = start_agent(tmp_path / "node1", keys, progress_socket=socket_dir / "p.sock")
@@ -87,7 +88,7 @@ def test_another_users_progress_report_does_not_reach_the_head(
     try:
         wait_for("the spoofed report reaches the head", head_knows, 3, head.text)
         reached = True
-    except pytest.fail.Exception:
+    except NotReadyError:
         reached = False
     record(
         "attack",

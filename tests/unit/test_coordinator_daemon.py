@@ -147,7 +147,7 @@ def make_cluster(tmp_path: Path) -> Iterator[MakeCluster]:
         engine.dispose()
 
 
-def _register(cluster: Cluster, job_id: str, node: str, *gpus: int) -> None:
+def register_job(cluster: Cluster, job_id: str, node: str, *gpus: int) -> None:
     cluster.head.register_job(job_id, "alice", node, list(gpus), deadline_s=T0_S + 3600)
 
 
@@ -161,7 +161,7 @@ def test_registered_job_gets_setpoints_on_its_gpus_in_the_next_interval(
     cluster = make_cluster()
     cluster.store.set_budget(500.0, "root")
     cluster.tick()  # nodes report their GPUs
-    _register(cluster, "7", "n2", 1)
+    register_job(cluster, "7", "n2", 1)
     report = cluster.tick()
     requests = cluster.last_requests()
     assert {name: r.node for name, r in requests.items()} == {"n1": "n1", "n2": "n2"}
@@ -199,7 +199,7 @@ def test_each_interval_checkpoints_the_store_and_a_failed_checkpoint_costs_nothi
     monkeypatch.setattr(cluster.store, "checkpoint", counted)
     cluster.tick()
     cluster.tick()  # its checkpoint fails: logged, and the interval is whole
-    _register(cluster, "7", "n1", 0)
+    register_job(cluster, "7", "n1", 0)
     report = cluster.tick()
     assert calls == [0, 1, 2]
     assert [j.job_id for j in report.jobs if j.controlled] == ["7"]
@@ -209,8 +209,8 @@ def test_each_interval_checkpoints_the_store_and_a_failed_checkpoint_costs_nothi
 def test_budget_change_is_honoured_within_one_interval(make_cluster: MakeCluster) -> None:
     cluster = make_cluster()
     cluster.tick()
-    _register(cluster, "1", "n1", 0, 1)
-    _register(cluster, "2", "n2", 0, 1)
+    register_job(cluster, "1", "n1", 0, 1)
+    register_job(cluster, "2", "n2", 0, 1)
     cluster.store.set_budget(5000.0, "root")
     for _ in range(3):
         cluster.tick()
@@ -229,8 +229,8 @@ def test_unreachable_node_counts_at_worst_case_and_its_jobs_leave(
     cluster = make_cluster()
     cluster.store.set_budget(2000.0, "root")
     cluster.tick()
-    _register(cluster, "1", "n1", 0, 1)
-    _register(cluster, "2", "n2", 0)
+    register_job(cluster, "1", "n1", 0, 1)
+    register_job(cluster, "2", "n2", 0)
     cluster.tick()
     before = cluster.tick()
     assert before.uncontrolled_w < A100_LIMIT_W  # one idle GPU at its measured power
@@ -252,7 +252,7 @@ def test_deregistered_job_gpus_are_released(make_cluster: MakeCluster) -> None:
     cluster = make_cluster()
     cluster.store.set_budget(600.0, "root")
     cluster.tick()
-    _register(cluster, "3", "n1", 0, 1)
+    register_job(cluster, "3", "n1", 0, 1)
     cluster.tick()
     assert cluster.cap("n1", 0) is not None and cluster.cap("n1", 1) is not None
     assert cluster.head.deregister_job("3") is not None
@@ -269,8 +269,8 @@ def test_restart_resumes_jobs_and_models_from_the_store(make_cluster: MakeCluste
     cluster = make_cluster()
     cluster.store.set_budget(700.0, "root")
     cluster.tick()
-    _register(cluster, "5", "n1", 0, 1)
-    _register(cluster, "6", "n2", 0)
+    register_job(cluster, "5", "n1", 0, 1)
+    register_job(cluster, "6", "n2", 0)
     for _ in range(6):
         cluster.tick()
     old = cluster.head
@@ -299,7 +299,7 @@ def test_shadow_mode_decides_and_records_but_sets_nothing(make_cluster: MakeClus
     cluster = make_cluster(shadow=True)
     cluster.store.set_budget(400.0, "root")
     cluster.tick()
-    _register(cluster, "8", "n1", 0, 1)
+    register_job(cluster, "8", "n1", 0, 1)
     for _ in range(3):
         report = cluster.tick()
     assert report.setpoints_sent == 0 and report.shadow
@@ -318,7 +318,7 @@ def test_agents_fall_to_the_safe_cap_when_the_head_stops(make_cluster: MakeClust
     cluster = make_cluster()
     cluster.store.set_budget(5000.0, "root")
     cluster.tick()
-    _register(cluster, "4", "n1", 0)
+    register_job(cluster, "4", "n1", 0)
     cluster.tick()
     assert cluster.cap("n1", 0) == 1410
     cluster.clock.advance(LEASE_S + 1)  # the head is gone
@@ -345,11 +345,11 @@ def test_reconcile_drops_jobs_slurm_no_longer_runs(make_cluster: MakeCluster) ->
     cluster = make_cluster()
     cluster.store.set_budget(600.0, "root")
     cluster.tick()
-    _register(cluster, "11", "n1", 0)
-    _register(cluster, "12", "n1", 1)
+    register_job(cluster, "11", "n1", 0)
+    register_job(cluster, "12", "n1", 1)
     cluster.tick()
     cluster.clock.advance(100.0)
-    _register(cluster, "13", "n2", 0)  # just started: squeue may not list it yet
+    register_job(cluster, "13", "n2", 0)  # just started: squeue may not list it yet
     # Slurm runs 12 only; 11's Epilog never arrived
     assert deregister_gone(cluster.head, {"12"}, grace_s=30.0) == ["11"]
     assert cluster.store.job("11").state == "finished"
@@ -416,7 +416,7 @@ def _hopper_run(cluster: Cluster) -> tuple[dict[int, float], int, list[tuple[flo
     for index in (0, 1):
         cluster.gpu("h1", index).attach("resnet50")
     cluster.tick()
-    _register(cluster, "1", "h1", 0, 1)
+    register_job(cluster, "1", "h1", 0, 1)
     truth: dict[int, float] = {}
     measured: list[tuple[float, float]] = []
     changes, previous_mhz = 0, None
@@ -483,7 +483,7 @@ def test_a_lock_changed_during_the_interval_teaches_nothing(make_cluster: MakeCl
     for index in (0, 1):
         cluster.gpu("h1", index).attach("resnet50")
     cluster.tick()
-    _register(cluster, "1", "h1", 0, 1)
+    register_job(cluster, "1", "h1", 0, 1)
     cluster.tick()
     cluster.tick()
     assert set(cluster.head.samples) == {"1"}
@@ -580,8 +580,8 @@ def _two_busy_jobs(make_cluster: MakeCluster) -> Cluster:
             cluster.gpu(node, index).attach("bert")
     cluster.store.set_budget(1500.0, "root")
     cluster.tick()
-    _register(cluster, "1", "n1", 0, 1)
-    _register(cluster, "2", "n2", 0, 1)
+    register_job(cluster, "1", "n1", 0, 1)
+    register_job(cluster, "2", "n2", 0, 1)
     for _ in range(6):
         cluster.tick()
     return cluster
@@ -665,7 +665,7 @@ def test_a_refused_higher_clock_keeps_the_job_in_the_plan(make_cluster: MakeClus
     cluster.gpu("n1", 0).attach("bert")
     cluster.store.set_budget(300.0, "root")
     cluster.tick()
-    _register(cluster, "1", "n1", 0)
+    register_job(cluster, "1", "n1", 0)
     for _ in range(4):
         cluster.tick()
     low_mhz = cluster.cap("n1", 0)
@@ -690,7 +690,7 @@ def test_a_released_gpu_counts_at_its_limit_until_a_reading_after_the_release(
         cluster.gpu("n1", index).attach("bert")
     cluster.store.set_budget(500.0, "root")
     cluster.tick()
-    _register(cluster, "1", "n1", 0)
+    register_job(cluster, "1", "n1", 0)
     for _ in range(4):
         cluster.tick()
     assert cluster.cap("n1", 0) is not None
@@ -714,7 +714,7 @@ def test_a_refused_release_is_sent_again_until_it_is_done(make_cluster: MakeClus
     cluster = make_cluster()
     cluster.store.set_budget(600.0, "root")
     cluster.tick()
-    _register(cluster, "3", "n1", 0, 1)
+    register_job(cluster, "3", "n1", 0, 1)
     cluster.tick()
     assert cluster.cap("n1", 1) is not None
     cluster.gpu("n1", 1).fail_clock_writes = True  # the reset will fail
@@ -759,8 +759,8 @@ def test_the_head_hands_the_controller_slurms_queue_while_it_can_read_it(
 ) -> None:
     cluster = make_cluster()
     cluster.store.set_budget(1500.0, "root")
-    _register(cluster, "1", "n1", 0)  # n1: one GPU free
-    _register(cluster, "2", "n2", 0, 1)  # n2: full
+    register_job(cluster, "1", "n1", 0)  # n1: one GPU free
+    register_job(cluster, "2", "n2", 0, 1)  # n2: full
     for _ in range(3):
         cluster.tick()
     head = cluster.head
@@ -829,7 +829,7 @@ def test_a_registration_is_planned_out_of_cycle_not_an_interval_later(
         time.sleep(0.2)
         assert head.interval == first  # the period is long: nothing until a registration
         t0 = time.monotonic()
-        _register(cluster, "1", "n1", 0, 1)
+        register_job(cluster, "1", "n1", 0, 1)
         while head.interval == first and time.monotonic() - t0 < 5.0:
             time.sleep(0.01)
         assert head.interval == first + 1
@@ -927,8 +927,8 @@ def test_setpoints_carry_the_guard_rail_when_its_margin_is_above_zero(
     cluster.gpu("n2", 0).attach("resnet50")
     cluster.store.set_budget(900.0, "root")
     cluster.tick()
-    _register(cluster, "1", "n1", 0, 1)
-    _register(cluster, "2", "n2", 0)
+    register_job(cluster, "1", "n1", 0, 1)
+    register_job(cluster, "2", "n2", 0)
     decisions: list[Decision] = []
     step = cluster.head.controller.step
 
@@ -977,7 +977,7 @@ def test_a_gpu_held_for_a_job_that_ended_while_the_head_was_away_is_released(
 ) -> None:
     cluster = make_cluster()
     cluster.tick()
-    _register(cluster, "81", "n1", 0)
+    register_job(cluster, "81", "n1", 0)
     cluster.tick()
     cluster.tick()
     assert cluster.cap("n1", 0) is not None  # the agent holds GPU 0 for job 81
@@ -986,7 +986,7 @@ def test_a_gpu_held_for_a_job_that_ended_while_the_head_was_away_is_released(
     cluster.tick()  # it sees the orphan lock ...
     cluster.tick()  # ... and releases it
     assert cluster.cap("n1", 0) is None
-    _register(cluster, "82", "n2", 1)  # a job the store knows as active is never touched
+    register_job(cluster, "82", "n2", 1)  # a job the store knows as active is never touched
     cluster.tick()
     cluster.tick()
     assert cluster.cap("n2", 1) is not None

@@ -17,7 +17,7 @@ from slurm_cdgpc.slurm.squeue import (
     gres_gpu_indices,
     parse_squeue_json,
 )
-from tests.unit.test_coordinator_daemon import T0_S, MakeCluster, _register, make_cluster
+from tests.unit.test_coordinator_daemon import T0_S, MakeCluster, make_cluster, register_job
 
 __all__ = ["make_cluster"]  # the fixture, imported to be found
 
@@ -146,7 +146,7 @@ def test_adoption_waits_for_the_prolog_and_never_revives_a_known_job(
     cluster = make_cluster()
     cluster.tick()
     now_s = cluster.clock()
-    _register(cluster, "30", "n1", 0)
+    register_job(cluster, "30", "n1", 0)
     cluster.head.deregister_job("30")  # its Epilog came; squeue may list it a moment longer
     running = {
         "20": _job("20", start_s=now_s - 5.0),  # its Prolog may still be on its way
@@ -188,7 +188,7 @@ def test_a_pending_job_waits_for_gpus_only_for_want_of_resources(
 def test_reconcile_takes_slurms_time_limit_for_registered_jobs(make_cluster: MakeCluster) -> None:
     cluster = make_cluster()
     cluster.tick()
-    _register(cluster, "17", "n1", 0)  # a Prolog that could not read the limit
+    register_job(cluster, "17", "n1", 0)  # a Prolog that could not read the limit
     assert cluster.store.job("17").time_limit_s is None
     running = {j.job_id: j for j in parse_squeue_json(json.dumps(SQUEUE_22_05))}
     reconcile_with_slurm(cluster.head, running, now_s=cluster.clock(), grace_s=30.0)
