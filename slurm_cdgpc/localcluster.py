@@ -1,12 +1,8 @@
 """One way to start a local cluster of real daemons: ``cdgpcd`` and ``cdgpc-noded`` on this machine.
 
-`LocalCluster` writes each daemon's TOML file into one run directory (the ``[control]``,
-``[lease]`` and ``[auth]`` every daemon shares; a head's port and store; a node's simulated GPUs,
-state file, progress socket and port), starts the daemons as ``python -m`` processes (the code of
-the installed ``cdgpcd`` and ``cdgpc-noded``) with their stderr in a log file there, waits until
-they answer, and stops them: SIGTERM, then SIGKILL for what is left, which is reported. The demo,
-``bench soak`` and the live tests use it. It talks to the daemons only as a client does (HTTP,
-their files) and never imports their code.
+Used by the demo, ``bench soak`` and the live, fault, security and Slurm tests. It talks to the
+daemons only as a client does (HTTP, their files) and never imports their code; `LocalCluster`
+says what it writes and how it starts and stops them. Tests: `tests/unit/test_localcluster.py`.
 """
 
 from __future__ import annotations
@@ -286,7 +282,11 @@ class Node:
 class LocalCluster:
     """The run directory, the configurations and the daemons of one local cluster.
 
-    ``interval_s``, ``lease_s``, ``safe_cap`` and ``auth`` go into every daemon's file (None:
+    It writes each daemon's TOML file into the run directory (the ``[control]``, ``[lease]`` and
+    ``[auth]`` every daemon shares; a head's port and store; a node's simulated GPUs, state file,
+    progress socket and port), starts the daemons as ``python -m`` processes with their stderr in
+    a log file there, waits until they answer, and stops them: SIGTERM, then SIGKILL for what is
+    left, which `stop` reports. ``interval_s``, ``lease_s``, ``safe_cap`` and ``auth`` go into every daemon's file (None:
     not written, the default holds); ``env`` is every daemon's environment.
     """
 

@@ -1,31 +1,8 @@
 """``bench soak``: a real cdgpcd under job churn on a large simulated cluster, in accelerated time.
 
-The head is the real ``cdgpcd`` process (SQLite store, HMAC auth), configured with a control
-interval of ``sim_interval_s / accel`` wall seconds: one interval stands for ``sim_interval_s``
-of cluster time, so ``sim_minutes`` of cluster life take ``sim_minutes / accel`` wall minutes.
-The nodes are real `NodeAgent`\\ s over simulated GPUs behind real HTTP servers, hosted by a few
-worker processes (`slurm_cdgpc.bench.exchange.serve_agents`), announced to the head like
-``POST /v1/nodes`` does on a cluster.
-
-Jobs churn as Slurm would drive them: each job takes 1, 2, 4 or 8 free GPUs of one node, runs for
-an exponentially distributed time (``mean_job_sim_s`` of cluster time), is registered with
-``POST /v1/jobs`` (the Prolog) and deregistered with ``DELETE /v1/jobs/{id}`` (the Epilog), and
-the driver keeps ``occupancy`` of the GPUs busy. The first ``burst`` registrations go out at once
-from as many threads, like Prologs of a large job array starting together.
-
-Measured: cdgpcd's resident memory (``VmRSS``) every ``rss_period_s``; its interval periods (the
-time between consecutive decisions in the store: the configured interval when the loop keeps up,
-more when it overruns); node exchanges that failed (``nodes_unreachable`` summed over the
-intervals, from ``GET /v1/status``); the burst's latencies; and every request the head did not
-answer with success. ``rss_start_mb`` is taken once the cluster is filled and the loop has run
-`WARMUP_INTERVALS` intervals (imports, caches and the first models are not a leak);
-``rss_slope_mb_per_sim_hour`` is the least-squares slope of the RSS from then on, and
-``rss_by_tenth_mb`` the RSS at each tenth of that stretch (a curve that flattens is a cache or the
-allocator settling; a straight line is a leak).
-
-What this does not measure: the network and real GPUs. Agents, head and driver share this
-machine's cores, so the intervals are pessimistic. The simulated GPUs idle (no workload runs on
-them): power is not what is soaked here, the head's memory and its loop are.
+The head is a real ``cdgpcd`` started through `slurm_cdgpc.localcluster`; the nodes are real
+node agents in worker processes (`slurm_cdgpc.bench.exchange.serve_agents`). What it measures
+is on `bench_soak`; DESIGN.md, "Known gaps", holds the figures; `tests/faults/test_soak.py` runs it.
 """
 
 from __future__ import annotations
@@ -197,6 +174,22 @@ def _percentiles_ms(values_s: Sequence[float]) -> dict[str, float]:
 
 
 def bench_soak(settings: SoakSettings) -> dict[str, Any]:
+    """The soak's figures, as JSON.
+
+    One control interval stands for ``sim_interval_s`` of cluster time and lasts
+    ``sim_interval_s / accel`` wall seconds. Jobs churn as Slurm would drive them: each takes 1, 2,
+    4 or 8 free GPUs of one node for an exponential time (mean ``mean_job_sim_s``), registered with
+    ``POST /v1/jobs`` and deregistered with ``DELETE /v1/jobs/{id}``, keeping ``occupancy`` of the
+    GPUs busy; the first ``burst`` registrations go out at once, like a large job array's Prologs.
+
+    Measured: cdgpcd's ``VmRSS`` every ``rss_period_s``; its interval periods (between consecutive
+    decisions in the store); failed node exchanges (``nodes_unreachable`` from ``GET /v1/status``);
+    the burst's latencies; every request not answered with success. ``rss_start_mb`` is taken once
+    the cluster is full and `WARMUP_INTERVALS` intervals ran; ``rss_slope_mb_per_sim_hour`` is the
+    least-squares slope from then on and ``rss_by_tenth_mb`` the RSS at each tenth (a curve that
+    flattens is a cache settling, a straight line a leak). Not measured: the network and real GPUs
+    (the simulated GPUs idle: the head's memory and loop are soaked, not power).
+    """
     settings.check()
     if os.geteuid() != 0:
         raise InputError("bench soak runs cdgpcd, whose HMAC key must be root's: run it as root")
