@@ -286,8 +286,9 @@ class LocalCluster:
     ``[auth]`` every daemon shares; a head's port and store; a node's simulated GPUs, state file,
     progress socket and port), starts the daemons as ``python -m`` processes with their stderr in
     a log file there, waits until they answer, and stops them: SIGTERM, then SIGKILL for what is
-    left, which `stop` reports. ``interval_s``, ``lease_s``, ``safe_cap`` and ``auth`` go into every daemon's file (None:
-    not written, the default holds); ``env`` is every daemon's environment.
+    left, which `stop` reports. ``interval_s``, ``lease_s``, ``safe_cap`` and ``auth`` go into
+    every daemon's file (None: not written, the default holds); ``env`` is every daemon's
+    environment.
     """
 
     run_dir: Path
