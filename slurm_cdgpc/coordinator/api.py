@@ -20,6 +20,7 @@ from urllib.parse import parse_qs, urlsplit
 
 from slurm_cdgpc.coordinator.daemon import Coordinator
 from slurm_cdgpc.coordinator.metrics import CONTENT_TYPE
+from slurm_cdgpc.coordinator.registrations import Registration
 from slurm_cdgpc.coordinator.report import IntervalReport, JobView
 from slurm_cdgpc.errors import CdgpcError, InputError, one_line
 from slurm_cdgpc.store import ACTIVE_STATES, BudgetChange, DecisionRecord, Job, Node, StoreError
@@ -519,8 +520,7 @@ class _Handler(JsonHandler):
                 self.server.loop.run_in_worker(lambda: answer(outcome))
 
         try:
-            self.server.coordinator.registrations.register_job_later(
-                committed,
+            registration = Registration.checked(  # a malformed one raises before it queues
                 job,
                 user,
                 node,
@@ -531,6 +531,10 @@ class _Handler(JsonHandler):
                 time_limit_s=time_limit_s,
                 started_at_s=start_s,
                 sender=principal,
+            )
+            self.server.coordinator.registrations.register_job_later(
+                committed,
+                registration,
                 # on the loop's thread: committed with the turn's others when it ends
                 lead=not self.server.loop.in_loop_thread(),
             )

@@ -47,14 +47,16 @@ class Registration:
         user: str,
         node: str,
         gpus: Sequence[int],
-        gpu_type: str | None,
-        deadline_s: float | None,
-        iterations_total: int | None,
-        adopted: bool,
+        *,
+        gpu_type: str | None = None,
+        deadline_s: float | None = None,
+        iterations_total: int | None = None,
+        adopted: bool = False,
         sender: object = None,
         time_limit_s: float | None = None,
         started_at_s: float | None = None,
     ) -> Registration:
+        """The registration, or `InputError` (no GPUs, an unknown GPU type) before it queues."""
         if not gpus:
             raise InputError(f"job {job_id}: no GPUs on node {node}")
         spec = None if gpu_type is None else catalog_spec(gpu_type)
@@ -148,38 +150,14 @@ class Registrations:
     def register_job_later(
         self,
         then: Callable[[Callable[[], Job]], None],
-        job_id: str,
-        user: str,
-        node: str,
-        gpus: Sequence[int],
+        registration: Registration,
         *,
-        gpu_type: str | None = None,
-        deadline_s: float | None = None,
-        iterations_total: int | None = None,
-        time_limit_s: float | None = None,
-        started_at_s: float | None = None,
-        sender: object = None,
         lead: bool = True,
     ) -> None:
-        """`Coordinator.register_job` without waiting: once committed (or refused),
-        ``then(outcome)`` is called, where ``outcome()`` returns the job or raises, on the
-        thread that committed the batch (this one when none was in progress). ``then`` must
-        not block. A request that is malformed (`InputError`) raises here, before anything is
-        queued. ``sender``: who sent it, named in the registration's log line. ``lead=False``:
+        """`register_job` without waiting: once committed (or refused), ``then(outcome)`` is
+        called, where ``outcome()`` returns the job or raises, on the thread that committed the
+        batch (this one when none was in progress). ``then`` must not block. ``lead=False``:
         only queue it, even with no batch in progress, for `commit_queued`."""
-        registration = Registration.checked(
-            job_id,
-            user,
-            node,
-            gpus,
-            gpu_type,
-            deadline_s,
-            iterations_total,
-            False,
-            sender,
-            time_limit_s,
-            started_at_s,
-        )
         self.group_commit.submit_later(registration, then, lead=lead)
 
     def commit_queued(self, *, wait: bool) -> bool:
