@@ -246,6 +246,12 @@ def test_clock_writes_failing_on_one_gpu(cluster: Cluster) -> None:
     meter = cluster.establish(budget_w=1400.0)
     jobs = registrar(cluster)
     time.sleep(6 * INTERVAL_S)  # let the models settle at the generous budget
+
+    def held_as_planned() -> bool:  # not the safe cap of a lease that lapsed as the head started
+        job = cluster.job("101")
+        return bool(job and job["controlled"] and cluster.locks("node1")[1] == job["graphics_mhz"])
+
+    _wait("GPU 1 holds the head's setpoint", held_as_planned, 10, cluster.logs)
     high_mhz = cluster.locks("node1")[1]
 
     cluster.set_faults("node1", "1 fail_clock_writes\n")
