@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 from numpy.typing import NDArray
 
-from slurm_cdgpc.control.dual import DualProblem
+from slurm_cdgpc.control.dual import DomainSet, DualProblem
 from slurm_cdgpc.errors import InputError
 from slurm_cdgpc.model.families import FloatArray
 from slurm_cdgpc.wire.board import ClockTable
@@ -145,6 +145,7 @@ def discretise(
     x: FloatArray,
     x_m: FloatArray,
     max_rounds: int = 8,
+    domains: DomainSet | None = None,
 ) -> DiscretePlan:
     """Floor the step-0 continuous clocks to supported levels, then fill the budget greedily.
 
@@ -153,6 +154,8 @@ def discretise(
     2. Greedy fill: rank one-level upgrades by marginal benefit over marginal cost,
        w (T(x) − T(x⁺)) / (g (P(x⁺) − P(x))), and take them in that order while the leftover
        budget lasts; repeat for up to ``max_rounds`` rounds (a job may climb more than one level).
+       With ``domains``, an upgrade is taken only where every domain above the job has room for
+       its share of it after every better-ranked upgrade in that domain (`_fits_domains`).
 
     Vectorised over jobs; the per-type loops run over a handful of GPU types.
     """
@@ -194,9 +197,14 @@ def discretise(
         cand = np.flatnonzero(fits)
         with np.errstate(divide="ignore", invalid="ignore"):
             ratio = np.where(d_power[cand] > 0, d_gain[cand] / d_power[cand], np.inf)
-        order = cand[np.argsort(-ratio, kind="stable")]
+        order = _best_first(cand, ratio, d_power, leftover)
         spent = np.cumsum(d_power[order])
         take = order[spent <= leftover]
+        if domains is not None and take.size:
+            room = domains.budget_w - domains.totals(power)
+            take = take[_fits_domains(domains, take, d_power, room)]
+            if take.size == 0:
+                break  # every upgrade left waits on a full domain: another round is the same
         if take.size == 0:
             break
         leftover -= float(d_power[take].sum())
@@ -213,3 +221,49 @@ def discretise(
         job_power_w=problem.power_w(xf, xmf),
         upgrades=upgrades,
     )
+
+
+def _fits_domains(
+    domains: DomainSet, order: IntArray, d_power: FloatArray, room_w: FloatArray
+) -> NDArray[np.bool_]:
+    """Which upgrades of ``order`` (best first) every domain above them has room for, counting
+    in each domain its share of every upgrade ranked before: a conservative prefix rule, so
+    no domain is ever overspent."""
+    rank = np.full(domains.jobs, -1, dtype=np.int64)
+    rank[order] = np.arange(order.size)
+    sel = rank[domains.job_row] >= 0
+    dom, row = domains.domain[sel], domains.job_row[sel]
+    cost = domains.share[sel] * d_power[row]
+    # a domain with room for every upgrade asked of it needs no order: only the others sort
+    asked = np.bincount(dom, weights=cost, minlength=domains.size)
+    tight = (asked > room_w)[dom]
+    dom, row, cost = dom[tight], row[tight], cost[tight]
+    by = np.lexsort((rank[row], dom))  # per domain, in rank order
+    dom, row, cost = dom[by], row[by], cost[by]
+    cum = np.cumsum(cost)
+    starts = np.searchsorted(dom, dom, side="left")
+    before = np.where(starts > 0, cum[starts - 1], 0.0)
+    within = (cum - before) <= room_w[dom]
+    ok = np.ones(domains.jobs, dtype=bool)
+    np.logical_and.at(ok, row, within)
+    return ok[order]
+
+
+#: candidates ranked in full only when the best ones ranked first do not use up the leftover
+_RANK_FIRST = 4096
+
+
+def _best_first(
+    cand: IntArray, ratio: FloatArray, d_power: FloatArray, leftover: float
+) -> IntArray:
+    """``cand`` by ratio, best first (ties in index order): the order a full stable sort
+    gives, over as many as the leftover can take. The best `_RANK_FIRST` (and any tied with
+    the last of them) are ranked first; the rest only if those fit together."""
+    if cand.size > _RANK_FIRST:
+        edge = np.partition(ratio, cand.size - _RANK_FIRST)[cand.size - _RANK_FIRST]
+        top = ratio >= edge
+        if d_power[cand[top]].sum() > leftover:
+            head: IntArray = cand[top]
+            return head[np.argsort(-ratio[top], kind="stable")]
+    ranked: IntArray = cand[np.argsort(-ratio, kind="stable")]
+    return ranked

@@ -8,10 +8,11 @@ finds the price. The controller's math: never reaches `store/`, `transport/`, `a
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 
 import numpy as np
+from numpy.typing import NDArray
 
 from slurm_cdgpc.errors import InputError, SolverError
 from slurm_cdgpc.model.families import FloatArray, PowerFamily
@@ -57,6 +58,15 @@ class DualProblem:
     def horizon(self) -> int:
         return int(self.budget_w.shape[0])
 
+    def rows(self, rows: NDArray[np.int64], budget_w: FloatArray | None = None) -> DualProblem:
+        """The same problem for the jobs ``rows`` only, with ``budget_w`` (default: this one's)."""
+        return DualProblem(
+            self.family, self.gpus[rows], self.power_theta[rows], self.time_theta[rows],
+            self.weight[:, rows], self.knee_x[rows], self.mem_mask[rows], self.x_lo[rows],
+            self.x_hi[rows], self.xm_lo[rows], self.xm_hi[rows],
+            self.budget_w if budget_w is None else budget_w,
+        )  # fmt: skip
+
     @property
     def core_theta(self) -> FloatArray:
         return self.power_theta[:, : self.family.core_params]
@@ -74,8 +84,9 @@ class DualProblem:
         return np.asarray(np.sum(self.weight * self.time_s(x, x_m), axis=-1), dtype=np.float64)
 
     def best_response(self, price: FloatArray) -> tuple[FloatArray, FloatArray]:
-        """Every job's minimiser of w T + λ g P, shape (H, N); λ may be 0 or +inf."""
-        lam = price[:, None]
+        """Every job's minimiser of w T + λ g P, shape (H, N); λ may be 0 or +inf, one per step
+        (H,) or one per step and job (H, N) (`DomainSet.job_price`)."""
+        lam = price[:, None] if price.ndim == 1 else price
         g = self.gpus
         with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
             # core: s/x² = m(x) with s = w b_c / (λ g); λ = 0 → s = ∞ → x_hi; b_c = 0 → x_lo
@@ -100,9 +111,15 @@ class DualProblem:
 
     def gradient_slope(self, price: FloatArray) -> tuple[FloatArray, FloatArray]:
         """G(λ) and dG/dλ (closed form, ≤ 0) per step."""
+        power, slope = self.power_slope(price)
+        return np.sum(power, axis=-1) - self.budget_w, np.sum(slope, axis=-1)
+
+    def power_slope(self, price: FloatArray) -> tuple[FloatArray, FloatArray]:
+        """Each job's power at its best response and its derivative in the job's own price,
+        g P(x*(λ)) and d(g P)/dλ ≤ 0, shape (H, N); ``price`` as `best_response` takes it."""
         x, x_m = self.best_response(price)
-        G = np.sum(self.power_w(x, x_m), axis=-1) - self.budget_w
-        lam = price[:, None]
+        power = self.power_w(x, x_m)
+        lam = price[:, None] if price.ndim == 1 else price
         g, a = self.gpus, self.core_theta
         interior = (x > self.x_lo) & (x < self.x_hi)
         with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
@@ -116,11 +133,16 @@ class DualProblem:
             dp = g * self.family.marginal(a, x, self.knee_x) * np.where(interior, dx, 0.0)
             interior_m = (x_m > self.xm_lo) & (x_m < self.xm_hi)
             dp_m = g * self.power_theta[:, -2] * np.where(interior_m, -x_m / (2.0 * lam), 0.0)
-        slope = np.sum(np.nan_to_num(dp) + np.nan_to_num(dp_m), axis=-1)
-        return G, slope
+        slope: FloatArray = np.nan_to_num(dp) + np.nan_to_num(dp_m)
+        return power, slope
 
     def lipschitz(self) -> FloatArray:
         """L_h = Σ g² (m(x_hi)² / μ_c + a_m² / μ_m), μ = 2 w b / x_hi³ (paper §6.4)."""
+        lipschitz: FloatArray = np.sum(self.job_lipschitz(), axis=-1)
+        return lipschitz
+
+    def job_lipschitz(self) -> FloatArray:
+        """Each job's term of `lipschitz`, shape (H, N)."""
         g, w = self.gpus, self.weight
         m_top = self.family.marginal(self.core_theta, self.x_hi, self.knee_x)
         mu_c = 2.0 * w * self.time_theta[:, 0] / self.x_hi**3
@@ -128,8 +150,8 @@ class DualProblem:
         mu_c = np.maximum(mu_c, MU_FLOOR * np.mean(mu_c, axis=-1, keepdims=True) + 1e-300)
         mu_m = np.maximum(mu_m, MU_FLOOR * np.mean(mu_c, axis=-1, keepdims=True) + 1e-300)
         a_m = self.power_theta[:, -2] * self.mem_mask
-        lipschitz: FloatArray = np.sum(g**2 * (m_top**2 / mu_c + a_m**2 / mu_m), axis=-1)
-        return lipschitz
+        terms: FloatArray = g**2 * (m_top**2 / mu_c + a_m**2 / mu_m)
+        return terms
 
 
 @dataclass(frozen=True)
@@ -281,9 +303,12 @@ def _newton(
         with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
             cand = lam * np.exp(-(G - target) / (lam * slope))
         inside = np.isfinite(cand) & (cand > lo) & (cand < hi)
-        fallback = np.where(
-            np.isfinite(hi) & (lo > 0), np.sqrt(lo * hi), np.where(np.isfinite(hi), hi / 4, lo * 4)
-        )
+        with np.errstate(invalid="ignore"):  # 0 · ∞ in the branch np.where does not take
+            fallback = np.where(
+                np.isfinite(hi) & (lo > 0),
+                np.sqrt(lo * hi),
+                np.where(np.isfinite(hi), hi / 4, lo * 4),
+            )
         lam = np.where(inside, cand, fallback)
 
 
@@ -301,3 +326,591 @@ def _projected_gradient(
             return lam, n
         lam = np.maximum(lam + (G - target) / L, 0.0)  # λ ← [λ + γ G]₊, γ = 1/L
     raise SolverError(f"dual gradient did not converge in {max_evals} evaluations")
+
+
+# -- nested power domains: one price per domain ----------------------------------------------
+
+
+@dataclass(frozen=True)
+class DomainSet:
+    """The step's constraints as a laminar family: the cluster (domain 0, every job at share
+    1) and the domains below it, each Σ_n s_dn g_n P_n ≤ B_d. A job's price is the sum of its
+    domains' prices weighted by its shares, μ_n = Σ_d s_dn λ_d (`job_price`), so the dual
+    splits per job exactly as with one price, and ∂q/∂λ_d = G_d (`gradients`)."""
+
+    #: the membership triples, the cluster's included (K,)
+    domain: NDArray[np.int64]
+    job_row: NDArray[np.int64]
+    share: FloatArray
+    #: (D,) each domain's budget for the jobs' power, the cluster's first
+    budget_w: FloatArray
+    #: (D,) each domain's depth: 0 for the cluster, 1 for its children, ...
+    depth: NDArray[np.int64]
+    jobs: int
+    #: (D,) each domain's parent, −1 for the cluster; parents come before their children
+    parent: NDArray[np.int64]
+
+    @classmethod
+    def nested(
+        cls,
+        jobs: int,
+        cluster_w: float,
+        domain: NDArray[np.int64],
+        job_row: NDArray[np.int64],
+        share: FloatArray,
+        budget_w: FloatArray,
+        parent: NDArray[np.int64],
+    ) -> DomainSet:
+        """The cluster and D domains below it: ``domain`` indexes ``budget_w`` and ``parent``
+        (−1: under the cluster; parents come before their children)."""
+        depth = np.ones(parent.shape[0] + 1, dtype=np.int64)
+        depth[0] = 0
+        for d, p in enumerate(parent):
+            depth[d + 1] = 1 if p < 0 else depth[p + 1] + 1
+        above = np.concatenate([[-1], np.where(parent < 0, 0, parent + 1)]).astype(np.int64)
+        everyone = np.arange(jobs, dtype=np.int64)
+        return cls(
+            domain=np.concatenate([np.zeros(jobs, dtype=np.int64), domain + 1]),
+            job_row=np.concatenate([everyone, job_row]),
+            share=np.concatenate([np.ones(jobs), share]),
+            budget_w=np.concatenate([[cluster_w], budget_w]),
+            depth=depth,
+            jobs=jobs,
+            parent=above,
+        )
+
+    @property
+    def size(self) -> int:
+        return int(self.budget_w.shape[0])
+
+    def job_price(self, price: FloatArray) -> FloatArray:
+        """μ_n = Σ_d s_dn λ_d, shape (N,); an infinite price stays infinite."""
+        with np.errstate(invalid="ignore"):
+            mu = np.bincount(
+                self.job_row, weights=self.share * price[self.domain], minlength=self.jobs
+            )
+        return np.where(np.isnan(mu), np.inf, mu)
+
+    def totals(self, job_values: FloatArray) -> FloatArray:
+        """(D,) Σ_n s_dn v_n."""
+        weights = self.share * job_values[self.job_row]
+        return np.bincount(self.domain, weights=weights, minlength=self.size).astype(np.float64)
+
+    def gradients(self, problem: DualProblem, price: FloatArray) -> FloatArray:
+        """G_d(λ) = Σ_n s_dn g_n P_n(x*_n(μ_n)) − B_d for every domain."""
+        x, x_m = problem.best_response(self.job_price(price)[None, :])
+        return self.totals(problem.power_w(x, x_m)[0]) - self.budget_w
+
+
+@dataclass(frozen=True)
+class DomainResult:
+    price: FloatArray  # λ per domain (D,), the cluster's first: 0 slack, +inf infeasible
+    status: tuple[StepStatus, ...]
+    evaluations: int
+    sweeps: int
+    mode: str
+    #: each domain's root in total price (`_bottom_up`), the next step's warm start; empty in
+    #: the gradient mode
+    roots: FloatArray = field(default_factory=lambda: np.zeros(0))
+
+    def job_price(self, domains: DomainSet) -> FloatArray:
+        return domains.job_price(self.price)
+
+
+class _Level:
+    """The domains ``idx`` (of one depth) as problems in their own prices, every other price
+    held at ``price``: what `_newton` and `_bisection` solve. One row per (domain, job), the
+    job priced μ = μ_held + s_dn (λ_d − λ_d,held): each G_d depends on λ_d alone, so it is
+    non-increasing in it and a bracket stays a bracket (a job under two of them is evaluated
+    for each; Jacobi). Only the jobs under them are evaluated."""
+
+    def __init__(
+        self, problem: DualProblem, domains: DomainSet, price: FloatArray, idx: NDArray[np.int64]
+    ) -> None:
+        self.idx = idx
+        self.budget_w = domains.budget_w[idx]
+        self.evaluations = 0
+        position = np.full(domains.size, -1, dtype=np.int64)
+        position[idx] = np.arange(idx.size)
+        own = np.flatnonzero(position[domains.domain] >= 0)
+        rows = domains.job_row[own]
+        every = rows.size == domains.jobs and bool(np.all(rows == np.arange(domains.jobs)))
+        self.problem = problem if every else problem.rows(rows)
+        self._pos = position[domains.domain[own]]
+        self._share = domains.share[own]
+        self._held = price[idx]
+        with np.errstate(invalid="ignore"):  # ∞ − ∞: a job under a domain that cannot fit
+            base = domains.job_price(price)[rows] - self._share * price[domains.domain[own]]
+        self._base = np.where(np.isnan(base), np.inf, base)
+
+    @property
+    def horizon(self) -> int:
+        return int(self.idx.shape[0])
+
+    def _price(self, lam: FloatArray) -> FloatArray:
+        with np.errstate(invalid="ignore"):
+            mu = self._base + self._share * lam[self._pos]
+        return np.where(np.isnan(mu), np.inf, mu)
+
+    def _totals(self, values: FloatArray) -> FloatArray:
+        sums = np.bincount(self._pos, weights=self._share * values, minlength=self.horizon)
+        return sums.astype(np.float64)
+
+    def gradient(self, lam: FloatArray) -> FloatArray:
+        self.evaluations += 1
+        x, x_m = self.problem.best_response(self._price(lam)[None, :])
+        return self._totals(self.problem.power_w(x, x_m)[0]) - self.budget_w
+
+    def gradient_slope(self, lam: FloatArray) -> tuple[FloatArray, FloatArray]:
+        """G_d and dG_d/dλ_d = Σ s_dn² d(g P_n)/dμ_n for the level's domains."""
+        self.evaluations += 1
+        power, slope = self.problem.power_slope(self._price(lam)[None, :])
+        return self._totals(power[0]) - self.budget_w, self._totals(self._share * slope[0])
+
+
+@dataclass
+class _Pieces:
+    """Each job's GPUs split by the deepest domains they sit under: one piece per job and
+    deepest domain (its share), plus a piece under the cluster alone for GPUs under no domain
+    that deep. A job's price is Σ_p s_p π_p over its pieces, π_p its deepest domain's total
+    price, so below an ancestor of total price π it pays Σ_p s_p max(π, f_p), f_p the largest
+    root found below that ancestor on the piece's path (`_bottom_up`)."""
+
+    job: NDArray[np.int64]
+    share: FloatArray
+    #: (P, depth + 1) each piece's domain at every depth; −1 below the piece's own
+    ancestor: NDArray[np.int64]
+    floor: FloatArray
+
+    @classmethod
+    def of(cls, domains: DomainSet) -> _Pieces:
+        depth_max = int(domains.depth.max())
+        tdepth = domains.depth[domains.domain]
+        deepest = np.full(domains.jobs, -1, dtype=np.int64)
+        for k in range(depth_max, -1, -1):  # a job's deepest level: the first one seen
+            at = domains.job_row[tdepth == k]
+            deepest[at] = np.where(deepest[at] < 0, k, deepest[at])
+        leaf = tdepth == deepest[domains.job_row]
+        job, dom = domains.job_row[leaf], domains.domain[leaf]
+        share = domains.share[leaf]
+        rest = 1.0 - np.bincount(job, weights=share, minlength=domains.jobs)
+        spare = np.flatnonzero(rest > 1e-9)
+        job = np.concatenate([job, spare])
+        dom = np.concatenate([dom, np.zeros(spare.size, dtype=np.int64)])
+        share = np.concatenate([share, rest[spare]])
+        ancestor = np.full((job.size, depth_max + 1), -1, dtype=np.int64)
+        pdepth = domains.depth[dom]
+        up = dom.copy()
+        for k in range(depth_max, -1, -1):
+            here = pdepth >= k
+            ancestor[here, k] = up[here]
+            up = np.where(here & (k > 0), domains.parent[np.maximum(up, 0)], up)
+        return cls(job, share, ancestor, np.zeros(job.size))
+
+
+class _Subtree:
+    """The domains ``idx`` of one depth, each in its total price π_d (the sum of the prices on
+    its path), the levels below solved and every other price held: one independent problem per
+    domain, so each G_d is non-increasing in π_d alone and a bracket stays a bracket.
+
+    A job pays Σ_p s_p π_p over its pieces (`_Pieces`): max(π_d, f_p) for a piece under d,
+    and for a piece under another domain that domain's current root ``held`` (max'd with the
+    piece's floor; a level not solved yet: its warm root). A job under two domains of the level
+    is evaluated once for each, at that domain's price (Jacobi; the sweeps settle the rest)."""
+
+    def __init__(
+        self,
+        problem: DualProblem,
+        domains: DomainSet,
+        pieces: _Pieces,
+        idx: NDArray[np.int64],
+        depth: int,
+        held: FloatArray,
+    ) -> None:
+        self.idx = idx
+        self.budget_w = domains.budget_w[idx]
+        self.evaluations = 0
+        position = np.full(domains.size, -1, dtype=np.int64)
+        position[idx] = np.arange(idx.size)
+        own = np.flatnonzero(position[domains.domain] >= 0)  # one row per (domain, job)
+        rows = domains.job_row[own]
+        self._pos = position[domains.domain[own]]
+        self._share = domains.share[own]
+        every = rows.size == domains.jobs and bool(np.all(rows == np.arange(domains.jobs)))
+        self.problem = problem if every else problem.rows(rows)
+        # each row's pieces: those under its domain move with π_d, the others are held
+        anc = pieces.ancestor[:, depth]
+        own_domain = pieces.ancestor.max(axis=1)
+        held_price = np.where(anc >= 0, held[np.maximum(anc, 0)], held[own_domain])
+        held_price = np.maximum(held_price, pieces.floor)
+        row_of = np.full(domains.jobs, -1, dtype=np.int64)  # a job's first row (most: only)
+        row_of[rows[::-1]] = np.arange(rows.size)[::-1]
+        mine = row_of[pieces.job] >= 0
+        held_total = np.bincount(
+            pieces.job[mine], weights=(pieces.share * held_price)[mine], minlength=domains.jobs
+        )
+        # the pieces that move, matched to their row: (domain, job) → row
+        key = domains.domain[own] * domains.jobs + rows
+        order = np.argsort(key, kind="stable")
+        moving = mine & (anc >= 0) & (position[np.maximum(anc, 0)] >= 0)
+        want = anc[moving] * domains.jobs + pieces.job[moving]
+        at = order[np.searchsorted(key[order], want)]
+        self._m_row = at
+        self._m_share = pieces.share[moving]
+        self._m_floor = pieces.floor[moving]
+        moved_held = np.bincount(
+            at, weights=(pieces.share * held_price)[moving], minlength=rows.size
+        )
+        #: Σ over a row's job's pieces that stay put: its held total less the moving ones
+        with np.errstate(invalid="ignore"):  # ∞ − ∞: a piece under a domain that cannot fit
+            fixed = held_total[rows] - moved_held
+        self._fixed = np.where(np.isnan(fixed), np.inf, fixed)
+
+    @property
+    def horizon(self) -> int:
+        return int(self.idx.shape[0])
+
+    def _price(self, pi: FloatArray) -> FloatArray:
+        moving = self._m_share * np.maximum(pi[self._pos[self._m_row]], self._m_floor)
+        with np.errstate(invalid="ignore"):
+            mu = self._fixed + np.bincount(self._m_row, weights=moving, minlength=self._fixed.size)
+        return np.where(np.isnan(mu), np.inf, mu)
+
+    def _totals(self, values: FloatArray) -> FloatArray:
+        sums = np.bincount(self._pos, weights=self._share * values, minlength=self.horizon)
+        return sums.astype(np.float64)
+
+    def gradient(self, pi: FloatArray) -> FloatArray:
+        self.evaluations += 1
+        x, x_m = self.problem.best_response(self._price(pi)[None, :])
+        return self._totals(self.problem.power_w(x, x_m)[0]) - self.budget_w
+
+    def gradient_slope(self, pi: FloatArray) -> tuple[FloatArray, FloatArray]:
+        """G_d and dG_d/dπ_d = Σ_rows s g P'(μ) dμ/dπ_d, dμ/dπ_d the moving pieces' shares
+        above their floors."""
+        self.evaluations += 1
+        power, slope = self.problem.power_slope(self._price(pi)[None, :])
+        above = pi[self._pos[self._m_row]] > self._m_floor
+        d_mu = np.bincount(self._m_row, weights=self._m_share * above, minlength=self._fixed.size)
+        return self._totals(power[0]) - self.budget_w, self._totals(slope[0] * d_mu)
+
+
+def _bottom_up(
+    problem: DualProblem,
+    domains: DomainSet,
+    warm_price: FloatArray,
+    warm_roots: FloatArray | None,
+    mode: str,
+    tols: FloatArray,
+    max_evals: int,
+) -> tuple[FloatArray, FloatArray, int]:
+    """The prices of a laminar family, deepest level first. In total prices π (a domain's
+    price plus its ancestors'), a domain's power is Q_d(π) = Σ_n s_dn g P_n(max(π, f_n)):
+    each domain's root r_d of Q_d = B_d (0 if it fits at 0, +inf if it does not fit at all)
+    needs only the roots below it, so each level is one vectorised one-price solve. Then top
+    down π_d = max(π_parent, r_d) and λ_d = π_d − π_parent ≥ 0: a priced domain is tight at
+    r_d, an unpriced one within its budget, so for jobs under one domain per level this is
+    the optimum itself; a job split between two domains of a level leaves a small error that
+    the sweeps (`_domain_sweeps`) then remove."""
+    size = domains.size
+    parent_of = domains.parent
+    root = np.zeros(size)
+    # warm roots: a priced domain's total price last step (the sum of the prices on its path);
+    # an unpriced one's root lay somewhere under its parent's, so it starts from 0
+    warm_pi = warm_price.copy()
+    for d in range(1, size):
+        warm_pi[d] = warm_pi[d] + warm_pi[parent_of[d]]
+    warm_root = np.where(np.isfinite(warm_pi) & (warm_price > 0), warm_pi, 0.0)
+    if warm_roots is not None and warm_roots.shape == (size,):
+        warm_root = np.where(np.isfinite(warm_roots) & (warm_roots > 0), warm_roots, 0.0)
+    pieces = _Pieces.of(domains)
+    held = warm_root.copy()  # each domain's root as known so far: warm, then solved
+    lowest = domains.totals(problem.power_w(problem.x_lo, problem.xm_lo)) - domains.budget_w
+    evaluations = 0
+    for k in range(int(domains.depth.max()), -1, -1):
+        idx = np.flatnonzero(domains.depth == k)
+        tol = float(tols[idx[0]])
+        root[idx], n = _level_roots(
+            problem, domains, pieces, k, idx, held, lowest[idx], mode, tol, max_evals
+        )
+        held[idx] = root[idx]
+        evaluations += n
+        anc = pieces.ancestor[:, k]
+        below = np.where(anc >= 0, root[np.maximum(anc, 0)], 0.0)
+        pieces.floor = np.maximum(pieces.floor, below)
+    pi = root.copy()
+    for d in range(1, size):  # parents come first: depth order is index order within a path
+        pi[d] = max(pi[parent_of[d]], root[d])
+    price = pi.copy()
+    for d in range(1, size):
+        base = pi[parent_of[d]]
+        price[d] = np.inf if not np.isfinite(pi[d]) else pi[d] - base if np.isfinite(base) else 0
+    return price, root, evaluations
+
+
+def _level_roots(
+    problem: DualProblem,
+    domains: DomainSet,
+    pieces: _Pieces,
+    depth: int,
+    idx: NDArray[np.int64],
+    held: FloatArray,
+    lowest: FloatArray,
+    mode: str,
+    tol: float,
+    max_evals: int,
+) -> tuple[FloatArray, int]:
+    """The roots r_d of one level's domains (`_bottom_up`) from one evaluation at the warm
+    roots when they still hold (the usual step): +inf where even the lowest clocks do not fit;
+    kept where G is in its window; 0 where it fits at 0; else the one-price solver's root, with
+    G_d(0) > 0 ≥ G_d(∞) known as it needs (G is non-increasing in the price)."""
+    infeasible = lowest > 0.0
+    start = np.where(infeasible, 0.0, held[idx])
+    now = held.copy()
+    now[idx] = start
+    level = _Subtree(problem, domains, pieces, idx, depth, now)
+    G = level.gradient(start)
+    evaluations = 1
+    r = np.where(infeasible, np.inf, start)
+    window = (G <= 0.0) & ((start == 0.0) | (-tol * level.budget_w <= G))
+    binding = ~infeasible & (G > 0.0)
+    unsure = ~infeasible & ~window & ~binding  # priced, and now under its window
+    if unsure.any():
+        probe = _Subtree(problem, domains, pieces, idx[unsure], depth, now)
+        fits = probe.gradient(np.zeros(int(unsure.sum()))) <= 0.0
+        evaluations += 1
+        r[np.flatnonzero(unsure)[fits]] = 0.0
+        binding[np.flatnonzero(unsure)[~fits]] = True
+    if binding.any():
+        now[idx] = r
+        sub = _Subtree(problem, domains, pieces, idx[binding], depth, now)
+        guess = start[binding]
+        if not np.all(guess > 0):
+            guess = np.where(guess > 0, guess, _cluster_guess(problem))
+        solver = _newton if mode == "newton" else _bisection
+        r[binding], _ = solver(sub, tol, guess, max_evals)  # type: ignore[arg-type]
+        evaluations += sub.evaluations
+    return r, evaluations
+
+
+#: sweeps over the levels before the prices are only raised to feasibility
+MAX_SWEEPS = 50
+#: bottom-up passes before the sweeps take over (a split job couples its domains' roots)
+BOTTOM_UP_PASSES = 2
+
+
+def solve_domain_prices(
+    problem: DualProblem,
+    domains: DomainSet,
+    mode: str = "newton",
+    tol: float = 1e-6,
+    warm_price: FloatArray | None = None,
+    max_evaluations: int = 100_000,
+    domain_tol: float | None = None,
+    warm_roots: FloatArray | None = None,
+) -> DomainResult:
+    """One price per domain at which every domain's power is within its budget, from the
+    feasible side: G_d ≤ 0 everywhere, and −tol·B_d ≤ G_d wherever λ_d > 0 (the KKT
+    conditions of the step, each domain's constraint tight only where it has a price).
+
+    - ``newton`` and ``bisection``: block coordinate ascent on the dual, deepest domains first
+      and the cluster last, each level's prices found together by the one-price solver in that
+      mode, the others held; sweeps until no price moves out of its window. The dual is smooth
+      and concave and each block's maximiser unique, so the sweeps converge; nested limits
+      couple only along a node's path, so a few do.
+    - ``gradient``: the paper's projected ascent λ ← [λ + D (G − target)]₊ on the vector, with
+      each domain's step 1 / (depth_max + 1) L_d (L_d its jobs' Lipschitz terms): the Hessian
+      of the dual is bounded by Σ_d L_d along a path, so the step is safe.
+
+    ``domain_tol`` (default ``tol``) is the window of the domains below the cluster: a job
+    split between two domains of one level couples their prices, which the sweeps resolve to
+    ``tol`` only slowly, while a rack a few watts under its limit changes no decision.
+
+    A price only ever rises in a final pass (`_raise_to_feasible`), which lowers every other
+    domain's power too: whatever the sweeps left, the answer is within every budget.
+    """
+    if mode not in MODES:
+        raise InputError(f"unknown dual mode {mode!r} (known: {', '.join(MODES)})")
+    if not tol > 0:
+        raise InputError(f"dual tolerance must be positive, got {tol}")
+    size = domains.size
+    tols = np.full(size, tol if domain_tol is None else max(domain_tol, tol))
+    tols[0] = tol
+    price = np.zeros(size)
+    if warm_price is not None and warm_price.shape == (size,):
+        price = np.where(np.isfinite(warm_price) & (warm_price > 0), warm_price, 0.0)
+    roots = np.zeros(0)
+    if mode == "gradient":
+        price, evaluations, sweeps = _domain_gradient(
+            problem, domains, price, tols, max_evaluations
+        )
+    else:
+        # bottom-up passes, each holding a split job's other domains at the last pass's roots,
+        # until every domain is in its window; the sweeps only if that does not settle
+        evaluations, sweeps = 0, 0
+        held = warm_roots
+        for _ in range(BOTTOM_UP_PASSES):
+            price, roots, n = _bottom_up(problem, domains, price, held, mode, tols, max_evaluations)
+            held = roots
+            G = domains.gradients(problem, price)
+            evaluations += n + 1
+            if np.all(_kkt(G, price, domains.budget_w, tols)):
+                break
+        else:
+            price, more, sweeps = _domain_sweeps(
+                problem, domains, price, mode, tols, max_evaluations
+            )
+            evaluations += more
+    price, extra = _raise_to_feasible(problem, domains, price, mode, tols, max_evaluations)
+    evaluations += extra
+    status = tuple(
+        StepStatus.INFEASIBLE
+        if not np.isfinite(lam)
+        else StepStatus.BINDING
+        if lam > 0
+        else StepStatus.SLACK
+        for lam in price
+    )
+    return DomainResult(price, status, evaluations, sweeps, mode, roots)
+
+
+def _kkt(G: FloatArray, price: FloatArray, budget_w: FloatArray, tol: FloatArray) -> BoolArray:
+    """Per domain: within its budget, and tight where it has a finite positive price."""
+    tight = (price == 0) | ~np.isfinite(price) | (-tol * budget_w <= G)
+    ok: BoolArray = (G <= 0) & tight | (~np.isfinite(price) & (G > 0))
+    return ok
+
+
+def _solve_level(
+    problem: DualProblem,
+    domains: DomainSet,
+    price: FloatArray,
+    idx: NDArray[np.int64],
+    G: FloatArray,
+    lowest: FloatArray,
+    mode: str,
+    tol: float,
+    max_evals: int,
+) -> tuple[FloatArray, int]:
+    """New prices for the domains ``idx`` of one level, every other price held, from G at the
+    current prices and G at the lowest clocks (``lowest``, G_d(+∞)): +inf where even the
+    lowest clocks do not fit, 0 where the domain fits with no price of its own, else the
+    one-price solver's root of G_d (G_d(0) > 0 ≥ G_d(∞) is then known, as it needs)."""
+    out = price.copy()
+    lam = price[idx].copy()
+    infeasible = lowest > 0.0
+    lam[infeasible] = np.inf
+    evaluations = 0
+    # G_d is non-increasing in λ_d: G > 0 at the current price means G(0) > 0 too; a priced
+    # domain under its window may need no price at all, which only G(0) tells
+    unsure = ~infeasible & (G <= 0.0)
+    if unsure.any():
+        probe = _Level(problem, domains, price, idx[unsure])
+        slack = probe.gradient(np.zeros(int(unsure.sum()))) <= 0.0
+        evaluations += probe.evaluations
+        lam[np.flatnonzero(unsure)[slack]] = 0.0
+        unsure[np.flatnonzero(unsure)[~slack]] = False
+    binding = ~infeasible & ~((G <= 0.0) & (lam == 0.0))
+    if binding.any():
+        held = price.copy()
+        held[idx] = lam
+        sub = _Level(problem, domains, held, idx[binding])
+        warm = price[idx[binding]]
+        ok = np.isfinite(warm) & (warm > 0)
+        if not ok.all():
+            warm = np.where(ok, warm, _cluster_guess(problem))
+        solver = _newton if mode == "newton" else _bisection
+        lam[binding], _ = solver(sub, tol, warm, max_evals)  # type: ignore[arg-type]
+        evaluations += sub.evaluations
+    out[idx] = lam
+    return out, evaluations
+
+
+def _cluster_guess(problem: DualProblem) -> float:
+    guess = _initial_price(problem)
+    return float(guess[0]) if np.isfinite(guess[0]) and guess[0] > 0 else 1.0
+
+
+def _domain_sweeps(
+    problem: DualProblem,
+    domains: DomainSet,
+    price: FloatArray,
+    mode: str,
+    tols: FloatArray,
+    max_evals: int,
+) -> tuple[FloatArray, int, int]:
+    """Block coordinate ascent: each sweep evaluates every domain once, then re-solves the
+    levels whose domains are out of their KKT window, deepest first."""
+    levels = [np.flatnonzero(domains.depth == k) for k in range(int(domains.depth.max()), -1, -1)]
+    lowest = domains.totals(problem.power_w(problem.x_lo, problem.xm_lo)) - domains.budget_w
+    evaluations = 0
+    for sweep in range(1, MAX_SWEEPS + 1):
+        G = domains.gradients(problem, price)
+        evaluations += 1
+        ok = _kkt(G, price, domains.budget_w, tols)
+        if ok.all() or evaluations >= max_evals:
+            return price, evaluations, sweep
+        for idx in levels:
+            off = idx[~ok[idx]]
+            if off.size:
+                tol = float(tols[off[0]])
+                price, n = _solve_level(
+                    problem, domains, price, off, G[off], lowest[off], mode, tol, max_evals
+                )
+                evaluations += n
+                if idx is not levels[-1]:
+                    G = domains.gradients(problem, price)  # the levels above see the change
+                    evaluations += 1
+                    ok = _kkt(G, price, domains.budget_w, tols)
+    return price, evaluations, MAX_SWEEPS
+
+
+def _domain_gradient(
+    problem: DualProblem,
+    domains: DomainSet,
+    price: FloatArray,
+    tols: FloatArray,
+    max_evals: int,
+) -> tuple[FloatArray, int, int]:
+    terms = problem.job_lipschitz()[0]
+    L = domains.totals(terms)
+    if not np.all(np.isfinite(L) & (L > 0)):
+        raise SolverError("the dual gradient's Lipschitz bound is not finite")
+    step = 1.0 / ((int(domains.depth.max()) + 1) * L)
+    target = -0.5 * tols * domains.budget_w
+    for n in range(1, max_evals + 1):
+        G = domains.gradients(problem, price)
+        if np.all(_kkt(G, price, domains.budget_w, tols)):
+            return price, n, n
+        price = np.maximum(price + step * (G - target), 0.0)
+    raise SolverError(f"dual gradient did not converge in {max_evals} evaluations")
+
+
+def _raise_to_feasible(
+    problem: DualProblem,
+    domains: DomainSet,
+    price: FloatArray,
+    mode: str,
+    tols: FloatArray,
+    max_evals: int,
+) -> tuple[FloatArray, int]:
+    """Deepest level first, raise the price of every domain still over its budget until it
+    fits: a higher price lowers every domain's power, so each raise keeps the levels before
+    it within theirs. Costs one evaluation when nothing is over (the usual case)."""
+    G = domains.gradients(problem, price)
+    if np.all((G <= 0.0) | ~np.isfinite(price)):
+        return price, 1
+    evaluations = 1
+    lowest = domains.totals(problem.power_w(problem.x_lo, problem.xm_lo)) - domains.budget_w
+    for k in range(int(domains.depth.max()), -1, -1):
+        idx = np.flatnonzero(domains.depth == k)
+        over = idx[(G[idx] > 0) & np.isfinite(price[idx])]
+        if over.size:
+            tol = float(tols[over[0]])
+            raised, n = _solve_level(
+                problem, domains, price, over, G[over], lowest[over], "bisection", tol, max_evals
+            )
+            price[over] = np.maximum(raised[over], price[over])
+            G = domains.gradients(problem, price)
+            evaluations += n + 1
+    return price, evaluations

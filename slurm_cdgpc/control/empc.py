@@ -10,14 +10,24 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 from numpy.typing import NDArray
 
 from slurm_cdgpc.config import ControlConfig
 from slurm_cdgpc.control.discrete import ClockGrid, DiscretePlan, discretise
-from slurm_cdgpc.control.dual import MODES, DualProblem, DualResult, StepStatus, solve_price
+from slurm_cdgpc.control.domains import DomainLimits
+from slurm_cdgpc.control.dual import (
+    MODES,
+    DomainResult,
+    DomainSet,
+    DualProblem,
+    DualResult,
+    StepStatus,
+    solve_domain_prices,
+    solve_price,
+)
 from slurm_cdgpc.control.limits import LimitShare
 from slurm_cdgpc.errors import InputError
 from slurm_cdgpc.model.estimator import JobEstimator
@@ -34,6 +44,8 @@ class ControllerSettings:
 
     mode: str = _SHIPPED.dual_mode
     tol: float = 1e-6
+    #: the dual's window for the power domains below the cluster (`solve_domain_prices`)
+    domain_tol: float = 1e-3
     interval_s: float = _SHIPPED.interval_s
     #: ε₀: fraction of the budget held back for a hard cap (paper §5.4: 0.2–0.5 %)
     guard_band: float = _SHIPPED.guard_band
@@ -179,6 +191,11 @@ class Decision:
     upgrades: int
     solve_s: float
     learn: tuple[RlsUpdate, RlsUpdate] | None
+    #: per power domain below the cluster (`DomainLimits`' order): its price (0: its limit
+    #: does not bind, +inf: it does not fit even at the lowest clocks) and the planned power
+    #: of the jobs under it, Σ share × job power; empty without domains
+    domain_price: FloatArray = field(default_factory=lambda: np.zeros(0))
+    domain_planned_w: FloatArray = field(default_factory=lambda: np.zeros(0))
 
     @property
     def budget_error_pct(self) -> float:
@@ -200,6 +217,7 @@ class EconomicMPC:
         self.floor_grid = grid.floored(self.settings.min_clock_fraction)
         self.offset = 0.0  # δ
         self._last_price: FloatArray | None = None
+        self._last_roots: FloatArray | None = None  # the domains' (`DomainResult.roots`)
         self._last_step_s: float | None = None
         self.limit_share = LimitShare(self.settings.limit_share_quantile)
 
@@ -220,8 +238,10 @@ class EconomicMPC:
         uncontrolled_w: float = 0.0,
         measured: Measurements | None = None,
         queue: QueueState | None = None,
+        domains: DomainLimits | None = None,
     ) -> Decision:
-        """One interval's clocks for every job in ``jobs``:
+        """One interval's clocks for every job in ``jobs``, within the budget and every power
+        domain's limit (``domains``; DESIGN.md, "Power domains"):
 
         1. learn: RLS update of every job's power and iteration-time model from ``measured``;
         2. offset: δ ← (1−η) δ + η (Σ P_meas − Σ P_plan) / Σ P_plan over the settled jobs' plans;
@@ -263,34 +283,88 @@ class EconomicMPC:
                 estimator.accrue_work(x_a, xm_a, measured.power_w, dt_s)
         self._last_step_s = now_s
 
-        problem, grid = self._problem(estimator, jobs, now_s, budget_w, uncontrolled_w, queue)
-        warm = self._last_price
-        if warm is not None and warm.shape != problem.budget_w.shape:
-            warm = None
-        result = solve_price(problem, s.mode, s.tol, warm_price=warm)
-        if np.all(np.isfinite(result.price) & (result.price > 0)):
-            self._last_price = result.price
-        x, x_m = problem.best_response(result.price)
+        problem, grid, nested = self._problem(
+            estimator, jobs, now_s, budget_w, uncontrolled_w, queue, domains
+        )
+        result = self._solve(problem, nested)
+        x, x_m = self._respond(problem, nested, result)
         binding = result.status[0] is StepStatus.BINDING
         if s.exploration_sigmas > 0 and x_a is not None and xm_a is not None and binding:
             margin_w = self.exploration_margin_w(estimator, x[0], x_m[0], x_a, xm_a)
             if margin_w > 0:
                 # never more than the room above every job's lowest clock: a margin must not
-                # turn a binding step into an infeasible one
+                # turn a binding step into an infeasible one (held back from the cluster's
+                # budget: the domains keep their guard bands)
                 room_w = -problem.gradient(np.full(problem.horizon, np.inf))
                 held_w = np.minimum(margin_w, np.maximum(room_w, 0.0) * (1.0 - 1e-6))
                 problem = replace(problem, budget_w=problem.budget_w - held_w)
-                result = solve_price(problem, s.mode, s.tol, warm_price=result.price)
-                x, x_m = problem.best_response(result.price)
+                if nested is not None:
+                    budgets = nested.budget_w.copy()
+                    budgets[0] = problem.budget_w[0]
+                    nested = replace(nested, budget_w=budgets)
+                result = self._solve(problem, nested, warm=result.price)
+                x, x_m = self._respond(problem, nested, result)
         if result.status[0] is StepStatus.INFEASIBLE:
             # nothing fits: unknown jobs too go to their lowest clock (still counted at the limit)
             x, x_m = problem.x_lo[None, :], problem.xm_lo[None, :]
-        plan = discretise(problem, grid, jobs.gpu_type, x[0], x_m[0], s.greedy_rounds)
+        plan = discretise(problem, grid, jobs.gpu_type, x[0], x_m[0], s.greedy_rounds, nested)
         # the offset learns only from settled models: a young job's error is RLS's to fix, and
         # counting it twice (model and offset) overshoots once the model has caught up
         settled = estimator.power.count >= s.settle_intervals
         planned = np.where(settled, plan.job_power_w, np.nan)
-        return self._decide(planned, problem, result, plan, learn, t0, budget_w)
+        decision = self._decide(planned, problem, result, plan, learn, t0, budget_w)
+        if nested is None:
+            return decision
+        return replace(
+            decision,
+            domain_price=result.price[1:],
+            domain_planned_w=nested.totals(plan.job_power_w)[1:],
+        )
+
+    def _solve(
+        self,
+        problem: DualProblem,
+        nested: DomainSet | None,
+        warm: FloatArray | None = None,
+    ) -> DualResult | DomainResult:
+        """The price (one, or one per domain), warm-started from the last step's."""
+        s = self.settings
+        if warm is None:
+            warm = self._last_price
+        if nested is None:
+            if warm is not None and warm.shape != problem.budget_w.shape:
+                warm = None
+            result: DualResult | DomainResult = solve_price(problem, s.mode, s.tol, warm)
+        else:
+            result = solve_domain_prices(
+                problem,
+                nested,
+                s.mode,
+                s.tol,
+                warm,
+                domain_tol=s.domain_tol,
+                warm_roots=self._last_roots,
+            )
+            self._last_roots = result.roots
+        if nested is not None:
+            self._last_price = np.where(np.isfinite(result.price), result.price, 0.0)
+        elif np.all(np.isfinite(result.price) & (result.price > 0)):
+            self._last_price = result.price
+        return result
+
+    @staticmethod
+    def _respond(
+        problem: DualProblem, nested: DomainSet | None, result: DualResult | DomainResult
+    ) -> tuple[FloatArray, FloatArray]:
+        if not isinstance(result, DomainResult) or nested is None:
+            return problem.best_response(result.price)
+        x, x_m = problem.best_response(result.job_price(nested)[None, :])
+        # under a domain that does not fit even at the lowest clocks every job goes to its
+        # lowest clock, as every job does when the cluster does not fit: an unmeasured job,
+        # counted at its limit whatever its clock, would otherwise keep its top clock
+        lowest = np.zeros(nested.jobs, dtype=bool)
+        lowest[nested.job_row[~np.isfinite(result.price[nested.domain])]] = True
+        return np.where(lowest, problem.x_lo, x), np.where(lowest, problem.xm_lo, x_m)
 
     def jobs_ended(self, work_top_s: FloatArray, time_limit_s: FloatArray) -> None:
         """Jobs that ended (their estimator rows about to go): the work they did against their
@@ -336,9 +410,26 @@ class EconomicMPC:
         budget_w: float,
         uncontrolled_w: float = 0.0,
         queue: QueueState | None = None,
+        domains: DomainLimits | None = None,
     ) -> DualProblem:
         """The continuous problem this step solves (also handed to the cvxpy reference)."""
-        return self._problem(estimator, jobs, now_s, budget_w, uncontrolled_w, queue)[0]
+        return self._problem(estimator, jobs, now_s, budget_w, uncontrolled_w, queue, domains)[0]
+
+    def nested(
+        self,
+        estimator: JobEstimator,
+        jobs: JobState,
+        now_s: float,
+        budget_w: float,
+        uncontrolled_w: float = 0.0,
+        queue: QueueState | None = None,
+        domains: DomainLimits | None = None,
+    ) -> tuple[DualProblem, DomainSet | None]:
+        """The continuous problem and its domain constraints (for the solvers' checks)."""
+        problem, _, nested = self._problem(
+            estimator, jobs, now_s, budget_w, uncontrolled_w, queue, domains
+        )
+        return problem, nested
 
     def _problem(
         self,
@@ -348,20 +439,47 @@ class EconomicMPC:
         budget_w: float,
         uncontrolled_w: float,
         queue: QueueState | None,
-    ) -> tuple[DualProblem, ClockGrid]:
+        domains: DomainLimits | None,
+    ) -> tuple[DualProblem, ClockGrid, DomainSet | None]:
         """The problem above the clock floor, or, with ``floor_fallback``, above the lowest
-        supported clock when every job at the floor exceeds the budget (Σ g P(x_lo) > B_eff)."""
+        supported clock when every job at the floor exceeds the budget (Σ g P(x_lo) > B_eff)
+        or a domain's limit; and the domains' constraints (None without domains)."""
         s = self.settings
         if not np.isfinite(budget_w) or budget_w <= 0:
             raise InputError("the power budget must be a positive number of watts")
         weight = self.weights(estimator, jobs, now_s, queue)
         problem = self._bounded(self.floor_grid, estimator, jobs, weight, budget_w, uncontrolled_w)
+        nested = self._nested(problem, domains)
         if s.floor_fallback and self.floor_grid is not self.grid and len(estimator):
-            floor_w = float(problem.power_w(problem.x_lo, problem.xm_lo).sum())
-            if floor_w > problem.budget_w[0]:
+            floor_w = problem.power_w(problem.x_lo, problem.xm_lo)
+            over = floor_w.sum() > problem.budget_w[0]
+            if nested is not None:
+                over = bool(np.any(nested.totals(floor_w) > nested.budget_w))
+            if over:
                 low = self._bounded(self.grid, estimator, jobs, weight, budget_w, uncontrolled_w)
-                return low, self.grid
-        return problem, self.floor_grid
+                return low, self.grid, self._nested(low, domains)
+        return problem, self.floor_grid, nested
+
+    def _nested(self, problem: DualProblem, domains: DomainLimits | None) -> DomainSet | None:
+        """Each domain's budget for its jobs, as the cluster's: B_d,eff = (B_d − P_d,uncontrolled
+        − ε_d B_d) / (1 + δ), ε_d = max(ε₀, c/√N_d) for its N_d jobs."""
+        if domains is None or not len(domains):
+            return None
+        n = problem.gpus.shape[0]
+        if domains.job_row.size and domains.job_row.max() >= n:
+            raise InputError("a power domain names a job row the controller does not have")
+        guard = np.array([self.settings.guard_for(int(k)) for k in domains.jobs()])
+        limit = domains.limit_w
+        effective = (limit - domains.uncontrolled_w - guard * limit) / (1.0 + self.offset)
+        return DomainSet.nested(
+            n,
+            float(problem.budget_w[0]),
+            domains.domain,
+            domains.job_row,
+            domains.share,
+            np.maximum(effective, 0.0),
+            domains.parents(),
+        )
 
     def _bounded(
         self,
@@ -493,7 +611,7 @@ class EconomicMPC:
         self,
         planned_power_w: FloatArray,
         problem: DualProblem,
-        result: DualResult,
+        result: DualResult | DomainResult,
         plan: DiscretePlan,
         learn: tuple[RlsUpdate, RlsUpdate] | None,
         t0: float,

@@ -13,8 +13,9 @@ from dataclasses import dataclass
 
 import cvxpy as cp
 import numpy as np
+import scipy.sparse
 
-from slurm_cdgpc.control.dual import DualProblem
+from slurm_cdgpc.control.dual import DomainSet, DualProblem
 from slurm_cdgpc.errors import SolverError
 from slurm_cdgpc.model.families import BentPower, CubicPower, FloatArray, LinearPower
 
@@ -40,11 +41,15 @@ def _core_power(problem: DualProblem, x: cp.Variable) -> cp.Expression:
     raise SolverError(f"no cvxpy form for model family {fam.name!r}")
 
 
-def solve_reference(problem: DualProblem, step: int = 0) -> ReferenceSolution:
+def solve_reference(
+    problem: DualProblem, step: int = 0, domains: DomainSet | None = None
+) -> ReferenceSolution:
     """Solve horizon step ``step`` of ``problem`` with cvxpy (Clarabel):
 
         minimise   Σ_n w_n (b_c/x_n + b_m m_n/x_m,n + b_e)
         subject to Σ_n g_n P_n(x_n, x_m,n) ≤ B,   x_lo ≤ x ≤ x_hi,   x_m,lo ≤ x_m ≤ x_m,hi
+
+    and, with ``domains``, Σ_n s_dn g_n P_n ≤ B_d for every domain d (the cluster's row is B).
 
     P is convex in the clocks for every family (non-negative clock coefficients), so the problem
     is DCP and any conic solver gives the global optimum.
@@ -66,6 +71,7 @@ def solve_reference(problem: DualProblem, step: int = 0) -> ReferenceSolution:
     )
     constraints = [
         cp.sum(power) <= problem.budget_w[step],
+        *_domain_constraints(power, domains),
         x >= problem.x_lo,
         x <= problem.x_hi,
         x_m >= problem.xm_lo,
@@ -85,3 +91,12 @@ def solve_reference(problem: DualProblem, step: int = 0) -> ReferenceSolution:
     return ReferenceSolution(
         x=xv, x_m=xmv, objective=float(prob.value), solve_s=elapsed, solver="CLARABEL"
     )
+
+
+def _domain_constraints(power: cp.Expression, domains: DomainSet | None) -> list[cp.Constraint]:
+    if domains is None:
+        return []
+    share = scipy.sparse.csr_matrix(
+        (domains.share, (domains.domain, domains.job_row)), shape=(domains.size, domains.jobs)
+    )
+    return [share @ power <= domains.budget_w]
