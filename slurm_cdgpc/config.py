@@ -292,6 +292,9 @@ class HeadConfig:
     #: running ones), every ``reconcile_interval_s`` but never more often than every 2 intervals
     reconcile: bool = _setting(True, _boolean)
     reconcile_interval_s: float = _setting(30.0, _duration)
+    #: the power-domain topology file (rows, racks, PDUs below the budget: `slurm_cdgpc.topology`;
+    #: None: the cluster is the only domain)
+    topology: Path | None = _setting(None, _optional(_absolute_path))
 
     def leader_lease(self, interval_s: float, agent_lease_s: float) -> float:
         """The leader lease in force: as configured, else 1.5 control intervals (renewed at

@@ -42,6 +42,8 @@ NEVER_REACHES: tuple[tuple[str, tuple[str, ...]], ...] = (
     # the transports and the Prolog/Epilog serve both parties: they import neither
     ("transport", ("agent", "coordinator")),
     ("slurm", ("agent", "coordinator")),
+    # the power-domain file: read by the head, turned into the controller's input
+    ("topology", ("store", "transport", "agent", "coordinator", "cli")),
 )
 
 #: (layer, the only layers of the package it reaches): the GPU floor. `wire`, `errors` and
