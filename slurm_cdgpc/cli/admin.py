@@ -101,13 +101,15 @@ def budget_set(
 @_config_option
 @_json_option
 def budget_show(config_path: Path | None, as_json: bool) -> None:
-    """The budget in force, scheduled changes and recent history."""
+    """The budget in force, scheduled changes, recent history and the power domains' limits."""
     data = _client(_config(config_path)).get("/v1/budget")
     if as_json:
         echo_json(data)
         return
     current = data["current"]
     click.echo("budget: " + ("uncapped" if current is None else format_power(current["budget_w"])))
+    for d in data.get("domains", []):
+        click.echo(f"domain {d['name']}: limit {format_power(d['limit_w'])}")
     rows = [
         [_when(b["effective_at_s"]), format_power(b["budget_w"]), b["set_by"], b["reason"] or "-"]
         for b in data["history"]
@@ -120,7 +122,7 @@ def budget_show(config_path: Path | None, as_json: bool) -> None:
 @_config_option
 @_json_option
 def status(config_path: Path | None, as_json: bool) -> None:
-    """Budget, power, price and the last control interval."""
+    """Budget, power, price and the last control interval, and each power domain's."""
     data = _client(_config(config_path)).get("/v1/status")
     if as_json:
         echo_json(data)
@@ -138,6 +140,11 @@ def status(config_path: Path | None, as_json: bool) -> None:
         f"{last.get('nodes_reachable', 0)} node(s) reachable, "
         f"{last.get('nodes_unreachable', 0)} unreachable"
     )
+    for d in last.get("domains", []):
+        click.echo(
+            f"domain {d['name']}: limit {format_power(d['limit_w'])}, "
+            f"planned {format_power(d['planned_w'])}, measured {format_power(d['measured_w'])}"
+        )
     for line in last.get("limited", []):
         click.echo(f"held by another limiter: {line}")
 

@@ -31,18 +31,18 @@ class PowerLedger:
         #: the last recorded decision and its GPUs: what they drew is filled in at the next
         self._last_decision: tuple[int, tuple[GpuRef, ...]] | None = None
 
-    def uncontrolled_w(
+    def uncontrolled_by_node_w(
         self,
         nodes: NodeBook,
         known: Mapping[str, Job],
         running: RunningJobs,
         held_out: Collection[str],
         releasing: Collection[GpuRef],
-    ) -> float:
-        """What the GPUs outside the plan may draw over the next interval: GPUs of unreachable
-        nodes at their worst case (never zero), GPUs of jobs waiting to be controlled and GPUs
-        being released at their limit, every other GPU outside the plan at its latest reading
-        (at its limit when unreadable)."""
+    ) -> dict[str, float]:
+        """Per node, what its GPUs outside the plan may draw over the next interval (the total
+        is the sum): GPUs of unreachable nodes at their worst case (never zero), GPUs of jobs
+        waiting to be controlled and GPUs being released at their limit, every other GPU
+        outside the plan at its latest reading (at its limit when unreadable)."""
         controlled = {g for j in running.jobs for g in j.gpus}
         waiting = {
             GpuRef(g.node, g.gpu_index)
@@ -50,24 +50,26 @@ class PowerLedger:
             if j.job_id not in running and j.job_id not in held_out
             for g in j.gpus
         }
-        total_w = 0.0
+        by_node: dict[str, float] = {}
         named: dict[str, int] | None = None  # node -> GPUs its jobs name, once one is away
         for name, node in nodes.items():
             if node.reachable is False:
                 if named is None:
                     named = _gpus_named(known)
-                total_w += _worst_case_w(nodes, node, named.get(name, 0))  # never zero
+                by_node[name] = _worst_case_w(nodes, node, named.get(name, 0))  # never zero
                 continue
+            node_w = 0.0
             for r in node.reports:
                 ref = GpuRef(name, r.index)
                 if ref in controlled:
                     continue
                 limit_w = r.enforced_limit_w or nodes.limit_w(r.name)
                 if ref in waiting or ref in releasing or r.power_w is None:
-                    total_w += limit_w
+                    node_w += limit_w
                 else:
-                    total_w += r.power_w
-        return total_w
+                    node_w += r.power_w
+            by_node[name] = node_w
+        return by_node
 
     def planned_reported_w(self, jobs: Sequence[JobInfo]) -> FloatArray:
         """Per job (in ``jobs``' order), the power planned for the interval the reports describe

@@ -319,6 +319,24 @@ def status_dict(coordinator: Coordinator) -> dict[str, object]:
     }
 
 
+def budget_view(coordinator: Coordinator) -> dict[str, object]:
+    """``GET /v1/budget``: the budget in force, the scheduled changes, the recent history, and
+    the power domains' limits below it (none without a topology)."""
+    now_s = coordinator.now_s()
+    current = coordinator.store.current_budget(now_s)
+    history = coordinator.store.budget_history()
+    topology = coordinator.topology
+    return {
+        "current": None if current is None else budget_dict(current),
+        "scheduled": [budget_dict(b) for b in history if b.effective_at_s > now_s],
+        "history": [budget_dict(b) for b in history[-20:]],
+        "domains": [
+            {"name": name, "limit_w": float(limit_w)}
+            for name, limit_w in zip(topology.names, topology.limits_w, strict=True)
+        ],
+    }
+
+
 def _who(principal: Principal) -> str:
     """The store's ``set_by`` for a principal: the user name, else ``uid<N>``."""
     if principal.user is not None and names.ACCOUNT.fullmatch(principal.user):
@@ -336,7 +354,8 @@ class _Handler(JsonHandler):
         DELETE /v1/jobs/{id}   node   deregister; its GPUs are released at the next exchange
         POST   /v1/nodes       node   announce {node, url, gpu_type?} (the agent's URL)
         POST   /v1/budget      admin  {budget_w, effective_at_s?, reason?}
-        GET    /v1/budget      read   the budget in force, scheduled changes, recent history
+        GET    /v1/budget      read   the budget in force, scheduled changes, recent history,
+                                      the power domains' limits
         GET    /v1/status      read   the last interval
         GET    /v1/jobs        read   active jobs: clocks, power, progress, predicted finish
         GET    /v1/nodes       read   nodes, reachability, worst-case power, each GPU's board
@@ -459,14 +478,7 @@ class _Handler(JsonHandler):
             gpus = c.nodes.gpu_views
             return {"nodes": [{**node_dict(n), "gpus": gpus(n.name)} for n in c.store.nodes()]}
         if path == "/v1/budget":
-            now_s = c.now_s()
-            current = c.store.current_budget(now_s)
-            history = c.store.budget_history()
-            return {
-                "current": None if current is None else budget_dict(current),
-                "scheduled": [budget_dict(b) for b in history if b.effective_at_s > now_s],
-                "history": [budget_dict(b) for b in history[-20:]],
-            }
+            return budget_view(c)
         limit_text = query.get("limit", [str(DEFAULT_DECISIONS)])[-1]
         if not limit_text.isdigit() or not 1 <= int(limit_text) <= MAX_DECISIONS:
             raise _bad(f"limit: must be an integer in 1..{MAX_DECISIONS}, got {limit_text!r:.20}")

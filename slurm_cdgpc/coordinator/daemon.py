@@ -2,7 +2,8 @@
 solve → exchange → persist (`Coordinator.run_interval`), each stage's state in a room of its own
 (`nodes`, `roster`, `locks`, `progress`, `accounting`, `registrations`). No sockets here.
 Invariants: DESIGN.md, "Data flow", "Models" (What a sample is), "Safety" and "Standby heads";
-tests: `tests/unit/test_coordinator_daemon.py`, `tests/unit/test_coordinator_boards.py`.
+tests: `tests/unit/test_coordinator_daemon.py`, `tests/unit/test_coordinator_boards.py`,
+`tests/unit/test_coordinator_domains.py`.
 """
 
 from __future__ import annotations
@@ -11,12 +12,16 @@ import logging
 import math
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Final, Protocol
 
+import numpy as np
+
 from slurm_cdgpc.config import Config, configured, configured_values
 from slurm_cdgpc.control.discrete import ClockGrid
+from slurm_cdgpc.control.domains import DomainLimits
 from slurm_cdgpc.control.dual import StepStatus
 from slurm_cdgpc.control.empc import (
     ControllerSettings,
@@ -33,7 +38,7 @@ from slurm_cdgpc.coordinator.metrics import HeadMetrics
 from slurm_cdgpc.coordinator.nodes import NodeBook
 from slurm_cdgpc.coordinator.progress import ProgressGate
 from slurm_cdgpc.coordinator.registrations import Registration, Registrations
-from slurm_cdgpc.coordinator.report import IntervalReport, job_views
+from slurm_cdgpc.coordinator.report import IntervalReport, domain_views, job_views
 from slurm_cdgpc.coordinator.roster import Roster
 from slurm_cdgpc.errors import CdgpcError
 from slurm_cdgpc.gpu.catalog import CATALOG, GpuSpec
@@ -48,6 +53,7 @@ from slurm_cdgpc.store import (
     Store,
 )
 from slurm_cdgpc.store.leader import LeadershipLostError
+from slurm_cdgpc.topology import Topology
 from slurm_cdgpc.transport.http import NodeFailure, NodeTarget
 from slurm_cdgpc.wire.protocol import (
     ExchangeResponse,
@@ -151,10 +157,12 @@ def _wait(stop: threading.Event, replan: threading.Event, next_s: float, earlies
 
 @dataclass(frozen=True)
 class _Plan:
-    """Step 3's output: the budget, the power outside the plan, the decision, its setpoints."""
+    """Step 3's output: the budget, the power outside the plan, the power domains' limits (None:
+    no topology), the decision, its setpoints."""
 
     budget_w: float | None
     uncontrolled_w: float
+    domains: DomainLimits | None
     decision: Decision | None
     setpoints: dict[str, list[AgentSetpoint]]
 
@@ -175,7 +183,8 @@ class Coordinator:
     `run_interval` reads as the interval's data flow; what each stage keeps between intervals
     has a room of its own: `NodeBook` (nodes), `Roster` (jobs), `GpuLocks` (releases and
     refusals), `ProgressGate` (progress), `PowerLedger` (power outside the plan) and
-    `Registrations` (the API's writes).
+    `Registrations` (the API's writes). ``topology``: the power domains below the budget, each
+    with its limit, loaded once at start (None: the budget is the only limit).
     """
 
     def __init__(
@@ -186,12 +195,14 @@ class Coordinator:
         clock: Callable[[], float] = time.time,
         specs: Mapping[str, GpuSpec] = CATALOG,
         leader: Leadership | None = None,
+        topology: Topology | None = None,
     ) -> None:
         self.store = store
         self.transport = transport
         #: None: the only head, with no lock to hold (epoch 0)
         self.leader = leader
         self.settings = settings or CoordinatorSettings()
+        self.topology = topology or Topology.empty()
         self._clock = clock
         #: the controller's GPU types: the catalog's, and every board an agent described
         self.specs: dict[str, GpuSpec] = dict(specs)
@@ -409,13 +420,16 @@ class Coordinator:
         self, now_s: float, measured: Measurements, held_out: Collection[str]
     ) -> _Plan:
         """3. The controller learns from ``measured`` and plans for the budget in force now (the
-        store's, else ``budget.initial``; none: uncapped), less the power outside the plan
-        (`PowerLedger.uncontrolled_w`); the setpoints to send."""
+        store's, else ``budget.initial``; none: uncapped) and each power domain's limit, less
+        the power outside the plan (`PowerLedger.uncontrolled_by_node_w`, summed over the
+        cluster and over each domain); the setpoints to send."""
         budget = self.store.current_budget(now_s)
         budget_w = budget.budget_w if budget is not None else self.settings.initial_budget_w
-        uncontrolled_w = self.ledger.uncontrolled_w(
+        node_uncontrolled_w = self.ledger.uncontrolled_by_node_w(
             self.nodes, self.roster.known, self.running, held_out, self.locks.releasing(self.nodes)
         )
+        uncontrolled_w = sum(node_uncontrolled_w.values())
+        domains = self._domain_limits(node_uncontrolled_w)
         decision: Decision | None = None
         if len(self.running):
             decision = self.controller.step(
@@ -426,14 +440,27 @@ class Coordinator:
                 uncontrolled_w=uncontrolled_w,
                 measured=measured,
                 queue=self._queue_state(),
+                domains=domains,
             )
-        squeeze = budget_w is not None and (
-            decision.status is StepStatus.INFEASIBLE
-            if decision is not None
-            else uncontrolled_w > budget_w
-        )
+        if decision is not None:  # the budget, or a domain's limit, does not fit at all
+            squeeze = (budget_w is not None and decision.status is StepStatus.INFEASIBLE) or bool(
+                np.any(np.isinf(decision.domain_price))
+            )
+        else:  # nothing planned: the power outside the plan alone breaks a limit
+            squeeze = (budget_w is not None and uncontrolled_w > budget_w) or (
+                domains is not None and bool(np.any(domains.uncontrolled_w > domains.limit_w))
+            )
         setpoints = self._setpoints(decision, held_out, squeeze=squeeze)
-        return _Plan(budget_w, uncontrolled_w, decision, setpoints)
+        return _Plan(budget_w, uncontrolled_w, domains, decision, setpoints)
+
+    def _domain_limits(self, node_uncontrolled_w: Mapping[str, float]) -> DomainLimits | None:
+        """The power domains for this step: each running job's GPUs per node (in the
+        controller's row order) and each node's power outside the plan; None without a
+        topology."""
+        if not self.topology.names:
+            return None
+        job_gpus = [Counter(g.node for g in job.gpus) for job in self.running.jobs]
+        return self.topology.limits(job_gpus, node_uncontrolled_w)
 
     def _queue_state(self) -> QueueState | None:
         """The drain's input (`Roster.queue`) while Slurm's queue, as last read, has jobs
@@ -570,6 +597,11 @@ class Coordinator:
             self.settings.controller.work_from_time_limit,
         )
         reachable, unreachable = self.nodes.reachability()
+        domains = (
+            ()
+            if plan.domains is None
+            else domain_views(self.topology, plan.domains, decision, power_by_gpu)
+        )
         return IntervalReport(
             interval=k,
             time_s=now_s,
@@ -587,6 +619,7 @@ class Coordinator:
             setpoints_sent=sum(len(v) for v in plan.setpoints.values()),
             jobs=views,
             limited=self.nodes.other_limiters(self.settings.power_limit_margin),
+            domains=domains,
         )
 
     def _add_type(self, spec: GpuSpec) -> None:

@@ -29,6 +29,7 @@ from slurm_cdgpc.slurm.squeue import SQUEUE, SlurmJob, SqueueError, read_jobs, r
 from slurm_cdgpc.store import Store, StoreError, make_engine, upgrade
 from slurm_cdgpc.store.leader import LeaderLock, LeadershipLostError, default_holder
 from slurm_cdgpc.systemd import Notifier, ProgressWatchdog
+from slurm_cdgpc.topology import Topology, load_topology
 from slurm_cdgpc.transport.auth import (
     AccessPolicy,
 )
@@ -99,13 +100,14 @@ def control_stall_s(interval_s: float) -> float:
 def run(config: Config) -> int:
     """Run the head until SIGTERM, SIGINT or SIGHUP (after the interval in progress); 0.
 
-    Start-up, in this order: open the store and bring its schema up to date; build the signer
-    (the exchanges, the API's signed answers) and the verifier and access policy from ``[auth]``;
-    take the leader lock (`slurm_cdgpc.store.leader`), waiting as a standby while another head
-    holds it; resume the `Coordinator` from the store; start the API on
-    ``head.listen_address:listen_port``; then run the control loop on this thread. At the stop
-    the API closes and the lock is released. `LeadershipLostError` (another head took over)
-    ends it with nothing pushed again.
+    Start-up, in this order: load the power-domain topology (``head.topology``; a bad file
+    stops the head here, as a bad configuration does); open the store and bring its schema up
+    to date; build the signer (the exchanges, the API's signed answers) and the verifier and
+    access policy from ``[auth]``; take the leader lock (`slurm_cdgpc.store.leader`), waiting
+    as a standby while another head holds it; resume the `Coordinator` from the store; start
+    the API on ``head.listen_address:listen_port``; then run the control loop on this thread.
+    At the stop the API closes and the lock is released. `LeadershipLostError` (another head
+    took over) ends it with nothing pushed again.
     """
     stop = threading.Event()
     notifier = Notifier.from_environment()
@@ -118,6 +120,7 @@ def run(config: Config) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, on_signal)
 
+    topology = _topology(config.head.topology)
     engine = make_engine(config.store.url)
     try:
         applied = upgrade(engine)
@@ -137,7 +140,7 @@ def run(config: Config) -> int:
             config.head.leader_lease(config.control.interval_s, config.lease.duration_s),
         )
         try:
-            coordinator = Coordinator(store, exchanger, settings, leader=leader)
+            coordinator = Coordinator(store, exchanger, settings, leader=leader, topology=topology)
             if not wait_for_leadership(leader, stop, notifier):
                 logger.info("cdgpcd stopped as a standby")
                 return 0
@@ -161,6 +164,15 @@ def run(config: Config) -> int:
         engine.dispose()
     logger.info("cdgpcd stopped; the agents fall to the safe cap when their lease lapses")
     return 0
+
+
+def _topology(path: Path | None) -> Topology | None:
+    """The power domains of ``head.topology`` (None: unset, the budget is the only limit)."""
+    if path is None:
+        return None
+    topology = load_topology(path)
+    logger.info("%d power domain(s) below the budget, from %s", len(topology.names), path)
+    return topology
 
 
 def wait_for_leadership(

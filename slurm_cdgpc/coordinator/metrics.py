@@ -1,7 +1,8 @@
 """Prometheus exposition of ``cdgpcd`` (``GET /metrics``): cluster-level series only, none per job,
-node or GPU, and every label from a small fixed set. Each head has a registry of its own
-(`HeadMetrics.registry`), never the library's global one. The series: DESIGN.md, "Metrics";
-tests: `tests/unit/test_metrics.py`, `tests/integration/test_metrics_live.py`.
+node or GPU, and every label from a small fixed set (a power domain is one of the topology's).
+Each head has a registry of its own (`HeadMetrics.registry`), never the library's global one.
+The series: DESIGN.md, "Metrics"; tests: `tests/unit/test_metrics.py`,
+`tests/unit/test_coordinator_domains.py`, `tests/integration/test_metrics_live.py`.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from slurm_cdgpc.store import ACTIVE_STATES
 
 if TYPE_CHECKING:
     from slurm_cdgpc.coordinator.daemon import Coordinator
+    from slurm_cdgpc.coordinator.report import IntervalReport
 
 #: the text format `generate_latest` writes (0.0.4)
 CONTENT_TYPE: Final = CONTENT_TYPE_PLAIN_0_0_4
@@ -181,6 +183,7 @@ class _StateCollector(Collector):
                 "jobs whose clocks the last decision chose",
                 sum(1 for j in report.jobs if j.controlled),
             )
+        yield from _domains(c, report)
         by_state = Tally(j.state for j in c.store.jobs(ACTIVE_STATES))
         jobs = GaugeMetricFamily("cdgpc_jobs", "active jobs by state", labels=["state"])
         for state in ACTIVE_STATES:
@@ -201,6 +204,37 @@ class _StateCollector(Collector):
             "this head's leader epoch (0: no leader lock); it rises at each takeover",
             0 if c.leader is None else c.leader.epoch,
         )
+
+
+def _domains(c: Coordinator, report: IntervalReport | None) -> Iterator[Metric]:
+    """One series per power domain of the topology (none without one): its limit, and the last
+    interval's planned and measured power under it."""
+    if not c.topology.names:
+        return
+    limit = GaugeMetricFamily(
+        "cdgpc_domain_limit_watts", "power limit of each domain below the budget", labels=["domain"]
+    )
+    for name, limit_w in zip(c.topology.names, c.topology.limits_w, strict=True):
+        limit.add_metric([name], float(limit_w))
+    yield limit
+    if report is None or not report.domains:
+        return
+    planned = GaugeMetricFamily(
+        "cdgpc_domain_planned_watts",
+        "power the last decision planned under each domain (its jobs' share and what is "
+        "outside the plan)",
+        labels=["domain"],
+    )
+    measured = GaugeMetricFamily(
+        "cdgpc_domain_power_watts",
+        "GPU power the agents of each domain's nodes reported at the last exchange",
+        labels=["domain"],
+    )
+    for d in report.domains:
+        planned.add_metric([d.name], d.planned_w)
+        measured.add_metric([d.name], d.measured_w)
+    yield planned
+    yield measured
 
 
 def _gauge(name: str, help_text: str, value: float | None) -> GaugeMetricFamily:

@@ -1,7 +1,8 @@
 """One control interval as the API, the metrics and the tests see it: `IntervalReport`, with a
-`JobView` per active job. Built by the loop at the end of each interval and replaced whole, so
-the API's threads read it without a lock (DESIGN.md, "Data flow"); nothing here reads the store
-or talks to the nodes. Test: `tests/unit/test_coordinator_daemon.py`.
+`JobView` per active job and a `DomainView` per power domain. Built by the loop at the end of
+each interval and replaced whole, so the API's threads read it without a lock (DESIGN.md, "Data
+flow"); nothing here reads the store or talks to the nodes. Tests:
+`tests/unit/test_coordinator_daemon.py`, `tests/unit/test_coordinator_domains.py`.
 """
 
 from __future__ import annotations
@@ -10,9 +11,11 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from slurm_cdgpc.control.domains import DomainLimits
 from slurm_cdgpc.control.empc import Decision
 from slurm_cdgpc.coordinator.jobs import GpuRef, RunningJobs
 from slurm_cdgpc.store import Job
+from slurm_cdgpc.topology import Topology
 
 
 def finite_or_none(x: float | None) -> float | None:
@@ -39,6 +42,26 @@ class JobView:
 
 
 @dataclass(frozen=True)
+class DomainView:
+    """One power domain (a row, a rack, a PDU) in an interval, judged as the cluster is."""
+
+    name: str
+    limit_w: float
+    #: the controlled jobs' planned power under it plus its power outside the plan
+    planned_w: float
+    #: what its nodes' GPUs reported in the last exchange (as `IntervalReport.measured_power_w`)
+    measured_w: float
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "name": self.name,
+            "limit_w": self.limit_w,
+            "planned_w": self.planned_w,
+            "measured_w": self.measured_w,
+        }
+
+
+@dataclass(frozen=True)
 class IntervalReport:
     """One interval as the API, the metrics and the tests see it."""
 
@@ -62,6 +85,8 @@ class IntervalReport:
     #: GPUs another limiter holds (a lower enforced limit, a brake, a slowdown, clocks another
     #: process took), one line each: ``node:index: why``
     limited: tuple[str, ...] = ()
+    #: the power domains below the budget, in the topology's order (none without a topology)
+    domains: tuple[DomainView, ...] = ()
 
     def to_dict(self) -> dict[str, object]:
         return {
@@ -81,7 +106,28 @@ class IntervalReport:
             "setpoints_sent": self.setpoints_sent,
             "jobs_controlled": sum(1 for j in self.jobs if j.controlled),
             "limited": list(self.limited),
+            "domains": [d.to_dict() for d in self.domains],
         }
+
+
+def domain_views(
+    topology: Topology,
+    limits: DomainLimits,
+    decision: Decision | None,
+    power_by_gpu: Mapping[GpuRef, float],
+) -> tuple[DomainView, ...]:
+    """Each domain of ``limits``: its limit, its planned power (the decision's share of the
+    controlled jobs' power under it, `Decision.domain_planned_w`, plus its power outside the
+    plan) and its measured power (``power_by_gpu`` summed per node, then per domain)."""
+    node_w: dict[str, float] = {}
+    for ref, power_w in power_by_gpu.items():
+        node_w[ref.node] = node_w.get(ref.node, 0.0) + power_w
+    measured_w = topology.node_power_w(node_w)
+    planned_w = limits.uncontrolled_w + (0.0 if decision is None else decision.domain_planned_w)
+    return tuple(
+        DomainView(name, float(limits.limit_w[d]), float(planned_w[d]), float(measured_w[d]))
+        for d, name in enumerate(limits.names)
+    )
 
 
 def job_views(

@@ -27,6 +27,7 @@ from slurm_cdgpc.coordinator.report import IntervalReport, JobView
 from slurm_cdgpc.gpu.catalog import CATALOG
 from slurm_cdgpc.gpu.simulated import ManualClock, SimulatedGpu, simulated_gpus
 from slurm_cdgpc.store import Node, Store, StoreError, make_engine, upgrade
+from slurm_cdgpc.topology import Topology
 from slurm_cdgpc.transport.http import NodeFailure, NodeTarget
 from slurm_cdgpc.wire.protocol import ExchangeRequest, ExchangeResponse, GpuReport
 
@@ -69,6 +70,7 @@ class Cluster:
     store: Store
     settings: CoordinatorSettings
     head: Coordinator
+    topology: Topology | None = None
 
     def tick(self) -> IntervalReport:
         """One interval: time moves, the agents' watchdogs run, the head runs an interval."""
@@ -78,7 +80,9 @@ class Cluster:
         return self.head.run_interval()
 
     def restart_head(self) -> Coordinator:
-        self.head = Coordinator(self.store, self.transport, self.settings, clock=self.clock)
+        self.head = Coordinator(
+            self.store, self.transport, self.settings, clock=self.clock, topology=self.topology
+        )
         self.head.start()
         return self.head
 
@@ -109,6 +113,7 @@ def make_cluster(tmp_path: Path) -> Iterator[MakeCluster]:
         gpu_type: str = A100,
         agent_class: type[NodeAgent] = NodeAgent,
         power_limit_margin: float = CoordinatorSettings.power_limit_margin,
+        topology: Topology | None = None,
     ) -> Cluster:
         clock = ManualClock(T0_S)
         home = tmp_path / f"cluster{len(engines)}"  # one per cluster, and two in one test
@@ -136,11 +141,11 @@ def make_cluster(tmp_path: Path) -> Iterator[MakeCluster]:
             controller=ControllerSettings(interval_s=INTERVAL_S),
         )
         transport = FakeTransport(agents)
-        head = Coordinator(store, transport, settings, clock=clock)
+        head = Coordinator(store, transport, settings, clock=clock, topology=topology)
         head.start()
         for name in nodes:
             head.register_node(name, f"http://{name}.test:8464")
-        return Cluster(clock, agents, transport, store, settings, head)
+        return Cluster(clock, agents, transport, store, settings, head, topology)
 
     yield make
     for engine in engines:

@@ -1,0 +1,145 @@
+"""cdgpcd with a power-domain topology, and two cdgpc-noded processes (simulated GPUs running a
+job on each GPU) on loopback, HMAC auth, SQLite: the rack both nodes are in holds its limit,
+well under what their jobs draw at top clocks, while the cluster's budget does not bind; and a
+bad topology file stops cdgpcd at start with one line.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import pytest
+from click.testing import CliRunner
+
+from slurm_cdgpc.cli import admin
+from slurm_cdgpc.gpu.workloads import JOBS_DIR_ENV, LAUNCH_SUFFIX, Launch, write_atomically
+from slurm_cdgpc.localcluster import LocalCluster, daemon_env, hmac_auth, write_hmac_key
+from slurm_cdgpc.localcluster import wait_for as _wait
+
+pytestmark = pytest.mark.live
+
+INTERVAL_S = 1.0
+LEASE_S = 4.0
+BUDGET_W = 10_000.0  # four busy A100s draw about 1.5 kW at top clocks: it never binds
+RACK_W = 1000.0
+NODES = ("node1", "node2")
+
+
+def _site(tmp_path: Path, topology: str) -> LocalCluster:
+    key_file = tmp_path / "hmac.key"
+    write_hmac_key(key_file, pytest.skip)
+    site = LocalCluster(
+        tmp_path,
+        hmac_auth(key_file, admin=True),
+        interval_s=INTERVAL_S,
+        lease_s=LEASE_S,
+        safe_cap=0.6,
+        env=daemon_env(source_first=True),
+        start_timeout_s=20,
+    )
+    topology_file = tmp_path / "topology.toml"
+    topology_file.write_text(topology)
+    # the jobs are not this machine's Slurm's: no reconcile with squeue
+    site.add_head(extra={"head": {"reconcile": False, "topology": str(topology_file)}})
+    return site
+
+
+@pytest.fixture
+def site(tmp_path: Path) -> Iterator[LocalCluster]:
+    """Both nodes in rack1 (a limit well under their draw), each running a job on its two
+    GPUs; the agents run, the head does not yet."""
+    site = _site(
+        tmp_path, f'[[domain]]\nname = "rack1"\nlimit = "{RACK_W:g}W"\nnodes = "node[1-2]"\n'
+    )
+    try:
+        for name in NODES:
+            node = site.add_node(name, gpu_type="A100-SXM4-80GB", gpus=2)
+            launch = Launch(f"{name[-1]}", (0, 1), "bert", 10**7)
+            write_atomically(node.jobs_dir / f"{launch.job_id}{LAUNCH_SUFFIX}", launch.to_dict())
+            site.start_agent(name, env={JOBS_DIR_ENV: str(node.jobs_dir)})
+        yield site
+    finally:
+        site.stop(timeout_s=10)
+
+
+def _rack(status: dict[str, Any]) -> dict[str, Any] | None:
+    last = status["last_interval"]
+    return None if last is None or not last["domains"] else last["domains"][0]
+
+
+def test_a_rack_holds_its_limit_under_a_budget_that_does_not_bind(site: LocalCluster) -> None:
+    head = site.start_head()
+    client = site.client()
+    site.announce()
+    client.post("/v1/budget", {"budget_w": BUDGET_W, "reason": "live domains"})
+    _wait(
+        "both nodes report",
+        lambda: all(n["reachable"] for n in client.get("/v1/nodes")["nodes"]),
+        10,
+        site.logs,
+    )
+
+    def rack_over() -> dict[str, Any] | None:
+        """A status whose rack measured its jobs at top clocks, far above the limit."""
+        status = client.get("/v1/status")
+        rack = _rack(status)
+        return status if rack is not None and rack["measured_w"] > 1.2 * RACK_W else None
+
+    _wait("the jobs draw over the rack's limit uncontrolled", rack_over, 10, site.logs)
+    for job_id, node in (("1", "node1"), ("2", "node2")):
+        client.post("/v1/jobs", {"job_id": job_id, "user": "root", "node": node, "gpus": [0, 1]})
+
+    def rack_held() -> dict[str, Any] | None:
+        status = client.get("/v1/status")
+        rack = _rack(status)
+        jobs = client.get("/v1/jobs")["jobs"]
+        held = rack is not None and rack["measured_w"] <= 1.01 * RACK_W
+        return status if held and all(j["state"] == "running" for j in jobs) else None
+
+    first = _wait("the rack within its limit", rack_held, 20, site.logs)
+
+    # it stays there, interval after interval, while the cluster is far under its budget
+    def after(k: int) -> dict[str, Any] | None:
+        status = client.get("/v1/status")
+        return status if status["last_interval"]["interval"] > k else None
+
+    status = first
+    for _ in range(3):
+        k = status["last_interval"]["interval"]
+        status = _wait("the next interval", partial(after, k), 5, site.logs, watch=[head])
+        last = status["last_interval"]
+        rack = _rack(status)
+        assert rack is not None and rack["name"] == "rack1" and rack["limit_w"] == RACK_W
+        assert rack["measured_w"] <= 1.01 * RACK_W, status
+        assert rack["planned_w"] <= RACK_W, status
+        assert last["measured_power_w"] < 0.5 * BUDGET_W
+        assert (last["status"], last["price"]) == ("slack", 0.0), status
+
+    # cdgpc-admin shows the rack, as a person and a script read it
+    runner = CliRunner()
+    config = ["--config", str(site.head.config)]
+    shown = runner.invoke(admin.status, config)
+    assert shown.exit_code == 0, shown.output
+    assert any(
+        line.startswith("domain rack1: limit 1 kW, planned ") for line in shown.output.split("\n")
+    )
+    budget = runner.invoke(admin.budget, ["show", "--json", *config])
+    assert budget.exit_code == 0, budget.output
+    assert json.loads(budget.output)["domains"] == [{"name": "rack1", "limit_w": RACK_W}]
+
+
+def test_a_bad_topology_stops_cdgpcd_at_start_with_one_line(tmp_path: Path) -> None:
+    site = _site(tmp_path, '[[domain]]\nname = "rack1"\nlimit = "-5W"\n')
+    try:
+        head = site.start_head(wait=False)
+        assert head.proc.wait(timeout=30) == 2  # bad input
+        errors = [line for line in head.text().splitlines() if line.startswith("Error: ")]
+        assert len(errors) == 1 and "topology.toml" in errors[0] and "rack1" in errors[0], (
+            head.text()
+        )
+    finally:
+        site.stop(timeout_s=10)
