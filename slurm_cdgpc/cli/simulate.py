@@ -15,13 +15,20 @@ from slurm_cdgpc.cli.sweep import BACKENDS, run_sweep, run_sweep_cell
 from slurm_cdgpc.config import ControlConfig, load_config
 from slurm_cdgpc.errors import CdgpcError, InputError, one_line
 from slurm_cdgpc.sim.cluster import SimulationResult, Simulator
-from slurm_cdgpc.sim.fleet import default_fleet, parse_budget_w, parse_fleet
+from slurm_cdgpc.sim.fleet import (
+    default_fleet,
+    parse_budget_w,
+    parse_fleet,
+    parse_racks,
+    with_domains,
+)
 from slurm_cdgpc.sim.metrics import PolicyRun, compute_metrics, run_policies
 from slurm_cdgpc.sim.policies import POLICIES, make_policy
 from slurm_cdgpc.sim.reporting import DEFAULT_TIME_LIMITS, SOURCES, ProgressMix, TimeLimitModel
 from slurm_cdgpc.sim.sweep import parse_mixes
 from slurm_cdgpc.sim.traces import load_trace
 from slurm_cdgpc.sim.twin import HeadTwin
+from slurm_cdgpc.topology import Topology, load_topology
 from slurm_cdgpc.units import parse_duration_s
 
 #: fast: the policy decides on the simulator's view; head: cdgpc through the head's interval
@@ -35,6 +42,7 @@ _TABLE = (
     ("power_mae_pct", "MAE %"),
     ("over_budget_intervals_pct", "over %"),
     ("max_overshoot_pct", "max over %"),
+    ("domain_over_limit_intervals_pct", "domain over %"),
     ("energy_kwh", "kWh"),
     ("mean_jct_s", "mean JCT s"),
     ("controller_ms_p50", "ctl ms"),
@@ -91,6 +99,20 @@ _TABLE = (
     "limits (replays as before the simulator modelled them).",
 )
 @click.option("--limit-jobs", type=click.IntRange(min=1), default=None, help="First N jobs only.")
+@click.option(
+    "--racks",
+    default=None,
+    help="Power domains: racks of K consecutive nodes (the last holds what is left), each "
+    "limited to F × its GPUs' highest power limits, as K:F (e.g. 4:0.75).",
+)
+@click.option(
+    "--topology",
+    "topology_path",
+    default=None,
+    type=click.Path(dir_okay=False),
+    help="Power domains from a site's topology TOML (daemon/topology.toml's format) whose "
+    "nodes are the simulator's: node0001, node0002, ... in --fleet order. Not with --racks.",
+)
 @click.option(
     "--engine",
     type=click.Choice(ENGINES),
@@ -164,6 +186,8 @@ def simulate(
     progress_mixes: tuple[str, ...],
     time_limit_model: str,
     limit_jobs: int | None,
+    racks: str | None,
+    topology_path: str | None,
     engine: str,
     config_path: str | None,
     as_json: bool,
@@ -188,8 +212,17 @@ def simulate(
 
     With --engine head, cdgpc runs through the head's own interval (cdgpcd's code, a SQLite
     store, node agents answered from the simulator): a digital twin of the product.
+
+    With --racks or --topology, every power domain's limit holds too, and the metrics add
+    how often and how far the worst domain's true power went over its limit.
     """
     try:
+        if racks is not None and topology_path is not None:
+            raise InputError("give --racks or --topology, not both")
+        if racks is not None:
+            parse_racks(racks)
+        if engine == "head" and (racks is not None or topology_path is not None):
+            raise InputError("the head engine does not replay power domains yet")
         if sweep_dir is not None:
             if engine != "fast":
                 raise InputError("--engine head replays one trace: not with --sweep")
@@ -210,6 +243,8 @@ def simulate(
                 progress_mixes=progress_mixes,
                 time_limit_model=time_limit_model,
                 limit_jobs=limit_jobs,
+                racks=racks,
+                topology_path=topology_path,
                 as_json=as_json,
                 backend=backend,
                 workers=workers,
@@ -250,6 +285,8 @@ def simulate(
             mix,
             TimeLimitModel.parse(time_limit_model),
             limit_jobs,
+            racks,
+            None if topology_path is None else load_topology(Path(topology_path)),
             engine,
             None if config_path is None else load_config(Path(config_path), env={}).control,
             as_json,
@@ -288,6 +325,8 @@ def _simulate(
     mix: ProgressMix,
     time_limits: TimeLimitModel,
     limit_jobs: int | None,
+    racks: str | None,
+    topology: Topology | None,
     engine: str,
     control: ControlConfig | None,
     as_json: bool,
@@ -305,7 +344,7 @@ def _simulate(
         trace = trace.head(limit_jobs)
     if len(trace) == 0:
         raise InputError(f"{trace_path}: no jobs to replay")
-    fleet = fleet or default_fleet(trace)
+    fleet = with_domains(fleet or default_fleet(trace), racks, topology)
     budget_w = parse_budget_w(budget, fleet)
     simulator = Simulator(
         trace,
@@ -342,6 +381,8 @@ def _simulate(
         "progress_share": mix.share,
         "progress_mix": str(mix),
         "time_limit_model": str(time_limits),
+        **({} if racks is None else {"racks": racks}),
+        **({} if topology is None else {"domains": len(topology)}),
     }
     if report_dir is not None:
         from slurm_cdgpc.sim.report import write_report  # noqa: PLC0415 (matplotlib is optional)
@@ -379,8 +420,13 @@ def _print(runs: dict[str, PolicyRun], as_json: bool, keyed: bool, engine: str =
         else:
             echo_json(record(next(iter(runs.values()))))
         return
-    rows = [[format_value(r.metrics.as_dict()[k]) for k, _ in _TABLE] for r in runs.values()]
-    click.echo(format_table([h for _, h in _TABLE], rows))
+    columns = [
+        (k, h)
+        for k, h in _TABLE
+        if k != "domain_over_limit_intervals_pct" or any(r.metrics.domains for r in runs.values())
+    ]
+    rows = [[format_value(r.metrics.as_dict()[k]) for k, _ in columns] for r in runs.values()]
+    click.echo(format_table([h for _, h in columns], rows))
     if engine == "head":
         for r in runs.values():
             click.echo(

@@ -85,6 +85,8 @@ def run_sweep(
     progress_mixes: Sequence[str],
     time_limit_model: str,
     limit_jobs: int | None,
+    racks: str | None,
+    topology_path: str | None,
     as_json: bool,
     backend: str,
     workers: int | None,
@@ -104,6 +106,8 @@ def run_sweep(
         fleet=fleet_text,
         interval_s=parse_duration_s(interval),
         time_limits=TimeLimitModel.parse(time_limit_model),
+        racks=racks,
+        topology_path=topology_path,
     )
     sweep = Sweep.create(Path(directory).resolve(), definition)
     pending = sweep.pending()

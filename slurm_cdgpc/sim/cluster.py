@@ -155,6 +155,15 @@ class SimulationResult:
     job_type: npt.NDArray[np.str_] = field(default_factory=lambda: np.zeros(0, dtype=str))
     #: per job: killed by Slurm at its time limit (empty in replays made before limits)
     killed: BoolArray = field(default_factory=lambda: np.zeros(0, dtype=bool))
+    #: with power domains (`FleetSpec.topology`): per simulated interval and node, its true
+    #: mean power (idle GPUs included), float32 (intervals, nodes); no intervals without
+    node_power_w: npt.NDArray[np.float32] = field(
+        default_factory=lambda: np.zeros((0, 0), dtype=np.float32)
+    )
+    #: (domains, nodes): the nodes under each domain (`FleetSpec.domain_nodes`); each
+    #: domain's limit (domains,)
+    domain_nodes: BoolArray = field(default_factory=lambda: np.zeros((0, 0), dtype=bool))
+    domain_limit_w: FloatArray = field(default_factory=lambda: np.zeros(0))
 
 
 @dataclass(frozen=True)
@@ -252,7 +261,8 @@ class Simulator:
        GPUs draw idle power for the rest of the interval and are free at the next boundary. A
        job still running at start + time limit is killed there, as Slurm does
        (`SimulationResult.killed`);
-    6. cluster power over the interval: busy GPUs at plant power, idle GPUs at idle power.
+    6. cluster power over the interval: busy GPUs at plant power, idle GPUs at idle power;
+       with power domains (``fleet.topology``) the same per node is recorded too.
 
     Intervals with nothing running or queued are skipped (their idle energy is still counted).
     Measurements are interval means with seeded noise (`Plant.observe`); Hopper's 1 s power
@@ -423,6 +433,8 @@ class Simulator:
         p_rec: list[float] = []
         d_rec: list[float] = []
         c_rec: list[float] = []
+        topology = self.fleet.topology
+        n_rec: list[npt.NDArray[np.float32]] = []
         energy_j = 0.0
         t = float(trace.submit_s[0]) if n else 0.0
         t0 = t
@@ -553,6 +565,15 @@ class Simulator:
             t_rec.append(t)
             p_rec.append(power_w)
             d_rec.append(float(np.sum(run.gpus * at_max.power_w)) + idle_gpu_w)
+            if (
+                topology is not None
+            ):  # per node, as p_rec: its jobs' GPUs at true power, its idle GPUs
+                n_rec.append(
+                    (
+                        run.alloc.T @ (job_w / run.gpus)
+                        + free * self.idle_w_by_type[self.node_type]
+                    ).astype(np.float32)
+                )
             seen = plant.observe(truth, rng)
             seen_job_w = run.gpus * (seen.power_w * share + idle_job_w * (1.0 - share))
             # per node: Σ_jobs GPUs on the node × measured per-GPU power, plus its idle GPUs
@@ -602,4 +623,7 @@ class Simulator:
             wall_s=time.perf_counter() - wall0,
             job_type=np.asarray(trace.job_type, dtype=str),
             killed=killed,
+            node_power_w=(np.stack(n_rec) if n_rec else np.zeros((0, n_nodes), dtype=np.float32)),
+            domain_nodes=self.fleet.domain_nodes(),
+            domain_limit_w=np.zeros(0) if topology is None else topology.limits_w,
         )

@@ -75,9 +75,20 @@ class Metrics:
     #: ``violations`` and ``violations_induced`` per class. Soft jobs are judged by their first
     #: deadline, like strict ones; best-effort jobs carry none.
     by_job_type: dict[str, dict[str, int | None]] = field(default_factory=dict)
+    #: power domains below the cluster (0: none, and the two below are left out of `as_dict`)
+    domains: int = 0
+    #: the worst domain's share of simulated intervals in which its nodes' true power P_d
+    #: exceeded (1 + `OVER_BUDGET_TOLERANCE`) × its limit L_d, × 100
+    domain_over_limit_intervals_pct: float | None = None
+    #: max over domains and intervals of (P_d − L_d) / L_d × 100
+    domain_max_overshoot_pct: float | None = None
 
     def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        out = asdict(self)
+        if not self.domains:
+            for key in ("domains", "domain_over_limit_intervals_pct", "domain_max_overshoot_pct"):
+                del out[key]
+        return out
 
 
 def missed(result: SimulationResult) -> BoolArray:
@@ -148,7 +159,26 @@ def compute_metrics(result: SimulationResult, reference: SimulationResult | None
         ),
         killed_at_time_limit=int(np.sum(result.killed)),
         by_job_type=_by_job_type(result, miss, None if reference is None else missed(reference)),
+        **_domain_metrics(result),
     )
+
+
+def _domain_metrics(result: SimulationResult) -> dict[str, Any]:
+    """`Metrics`' power-domain fields, from the true power of each domain's nodes."""
+    limit_w = result.domain_limit_w
+    if not limit_w.size:
+        return {}
+    # P_d(t) = Σ_{nodes in d} P_node(t), (intervals, domains)
+    domain_w = result.node_power_w.astype(np.float64) @ result.domain_nodes.T.astype(np.float64)
+    over = domain_w > (1.0 + OVER_BUDGET_TOLERANCE) * limit_w
+    intervals = max(domain_w.shape[0], 1)
+    return {
+        "domains": int(limit_w.size),
+        "domain_over_limit_intervals_pct": 100.0 * int(over.sum(axis=0).max()) / intervals,
+        "domain_max_overshoot_pct": (
+            float(100.0 * ((domain_w - limit_w) / limit_w).max()) if domain_w.size else 0.0
+        ),
+    }
 
 
 def _by_job_type(

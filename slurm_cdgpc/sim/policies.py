@@ -1,7 +1,8 @@
 """Power-capping policies for the cluster simulator, one interface (`Policy.decide`).
 
 ``cdgpc`` and ``cdgpc-paper`` are the controller cdgpcd runs (`Cdgpc`); every policy but the
-oracle sees only a `ClusterView` and has no path to the plant. Design: DESIGN.md, "Controller"
+oracle sees only a `ClusterView` and has no path to the plant. Power domains reach a policy
+with its fleet (`FleetSpec.topology`, in ``start``). Design: DESIGN.md, "Controller"
 (One brain) and "Simulator"; tests: `tests/unit/test_sim_policies.py`,
 `tests/unit/test_one_brain.py`.
 """
@@ -17,6 +18,7 @@ import numpy.typing as npt
 
 from slurm_cdgpc.config import ControlConfig
 from slurm_cdgpc.control.discrete import ClockGrid
+from slurm_cdgpc.control.domains import DomainLimits
 from slurm_cdgpc.control.empc import EconomicMPC, JobState, Measurements, QueueState
 from slurm_cdgpc.control.guard_rail import power_limits_w
 from slurm_cdgpc.control.tuning import Tuning, paper, shipped
@@ -26,6 +28,7 @@ from slurm_cdgpc.gpu.plant import Plant, WorkloadArrays
 from slurm_cdgpc.model.estimator import EstimatorSettings, JobEstimator, JobStatics
 from slurm_cdgpc.sim.cluster import ClusterView, PlantPolicy, Policy, Setpoints
 from slurm_cdgpc.sim.fleet import FleetSpec
+from slurm_cdgpc.topology import Topology
 
 logger = logging.getLogger(__name__)
 
@@ -102,6 +105,37 @@ class UniformPowerCap(Policy):
 
     def decide(self, view: ClusterView) -> Setpoints:
         return Setpoints(limit_w=uniform_limit_w(view))
+
+
+class UniformDomainCap(UniformPowerCap):
+    """``uniform-domain-cap``, NVIDIA DPS / Flux style over power domains: every busy GPU's
+    power limit is the lowest, over the cluster and each domain above its node, of (limit −
+    the domain's idle GPUs at idle power) / the domain's busy GPUs, clipped to its type's
+    limit range; a job spanning nodes takes its lowest node's. Without a topology it is
+    ``uniform-power-cap``."""
+
+    name = "uniform-domain-cap"
+
+    def start(self, fleet: FleetSpec, budget_w: float, interval_s: float) -> None:
+        self.members = fleet.domain_nodes()  # (D, nodes)
+        self.limit_w = np.zeros(0) if fleet.topology is None else fleet.topology.limits_w
+
+    def decide(self, view: ClusterView) -> Setpoints:
+        limit = uniform_limit_w(view)
+        if not self.limit_w.size:
+            return Setpoints(limit_w=limit)
+        members = self.members.astype(np.float64)
+        busy = view.job_nodes.sum(axis=0)
+        idle_w = (view.node_gpus - busy) * np.array([s.idle_power_w for s in view.specs])[
+            view.node_type
+        ]
+        # per domain d: (L_d − Σ_{nodes in d} idle GPUs · P_idle) / busy GPUs in d
+        share = (self.limit_w - members @ idle_w) / np.maximum(members @ busy, 1)
+        node_share = np.where(self.members, share[:, None], np.inf).min(axis=0)
+        job_share = np.where(view.job_nodes > 0, node_share[None, :], np.inf).min(axis=1)
+        lo, hi = _limit_range(view.specs, view.job_type)
+        # clipping is monotone: min(clip(a), clip(b)) = clip(min(a, b))
+        return Setpoints(limit_w=np.minimum(limit, np.clip(job_share, lo, hi)))
 
 
 class EarGreedy(Policy):
@@ -198,7 +232,9 @@ class Cdgpc(Policy):
     ``cdgpc`` is `EconomicMPC` with the shipped configuration's settings
     (`slurm_cdgpc.control.tuning.shipped`); ``cdgpc-paper`` the same controller with the
     paper's (`slurm_cdgpc.control.tuning.paper`): the linear power family and the
-    deadline-aware weights w = R / max(D − t, Δt) alone."""
+    deadline-aware weights w = R / max(D − t, Δt) alone. With power domains (the fleet's
+    topology) each step also gets every domain's limit, its jobs' shares and its idle GPUs'
+    power (`Topology.limits`), as the head builds them."""
 
     def __init__(
         self,
@@ -221,6 +257,26 @@ class Cdgpc(Policy):
         self.estimator = JobEstimator(tuning.estimator)
         self.planned_w = np.zeros(0)
         self.time_limit_s = np.zeros(0)
+        self.topology: Topology | None = fleet.topology
+        self.node_names = fleet.node_names
+
+    def domains(self, view: ClusterView) -> DomainLimits | None:
+        """The controller's power-domain input: each job's GPUs per node, and per node what
+        its idle GPUs draw (the per-node terms of ``view.idle_power_w``)."""
+        if self.topology is None:
+            return None
+        names = self.node_names
+        job_gpus: list[dict[str, int]] = [{} for _ in range(len(view))]
+        rows, nodes = np.nonzero(view.job_nodes)
+        for row, node, count in zip(
+            rows.tolist(), nodes.tolist(), view.job_nodes[rows, nodes].tolist(), strict=True
+        ):
+            job_gpus[row][names[node]] = count
+        idle_w = (view.node_gpus - view.job_nodes.sum(axis=0)) * np.array(
+            [s.idle_power_w for s in self.specs]
+        )[view.node_type]
+        uncontrolled = {names[i]: w for i, w in enumerate(idle_w.tolist()) if w > 0}
+        return self.topology.limits(job_gpus, uncontrolled)
 
     def decide(self, view: ClusterView) -> Setpoints:
         ended = ~view.kept
@@ -253,7 +309,14 @@ class Cdgpc(Policy):
             view.queued_jobs > 0, view.job_nodes, view.node_gpus - view.job_nodes.sum(axis=0)
         )
         d = self.controller.step(
-            self.estimator, jobs, view.now_s, view.budget_w, view.idle_power_w, measured, queue
+            self.estimator,
+            jobs,
+            view.now_s,
+            view.budget_w,
+            view.idle_power_w,
+            measured,
+            queue,
+            domains=self.domains(view),
         )
         self.planned_w = d.planned_power_w
         limits = power_limits_w(
@@ -395,6 +458,7 @@ _FACTORIES: Final[dict[str, Callable[[], Policy]]] = {
     "cdgpc-paper": lambda: Cdgpc("cdgpc-paper", paper),
     "max-clock": MaxClock,
     "uniform-power-cap": UniformPowerCap,
+    "uniform-domain-cap": UniformDomainCap,
     "uniform-clock": UniformClock,
     "ear-greedy": EarGreedy,
     "static-gpu-freq": StaticGpuFreq,

@@ -19,7 +19,7 @@ import re
 import signal
 import tempfile
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import IO, Any, Final, TypeVar
 
@@ -27,11 +27,19 @@ import numpy as np
 
 from slurm_cdgpc.errors import FatalError, InputError
 from slurm_cdgpc.sim.cluster import SimulationResult, Simulator
-from slurm_cdgpc.sim.fleet import FleetSpec, default_fleet, parse_budget_w, parse_fleet
+from slurm_cdgpc.sim.fleet import (
+    FleetSpec,
+    default_fleet,
+    parse_budget_w,
+    parse_fleet,
+    parse_racks,
+    with_domains,
+)
 from slurm_cdgpc.sim.metrics import compute_metrics
 from slurm_cdgpc.sim.policies import POLICIES, make_policy
 from slurm_cdgpc.sim.reporting import DEFAULT_TIME_LIMITS, ProgressMix, TimeLimitModel
 from slurm_cdgpc.sim.traces import Trace, load_trace
+from slurm_cdgpc.topology import Topology, load_topology
 from slurm_cdgpc.units import parse_power_w
 
 logger = logging.getLogger(__name__)
@@ -167,6 +175,12 @@ def simulator_options(mix: ProgressMix, time_limits: TimeLimitModel) -> dict[str
     return options
 
 
+def canonical_racks(text: str) -> str:
+    """One spelling per ``--racks``: ``4:0.750`` → ``4:0.75`` (checked by `parse_racks`)."""
+    nodes, fraction = parse_racks(text)
+    return f"{nodes}:{fraction!r}"
+
+
 def mix_label(mix: ProgressMix) -> str:
     """A mix in keys and tables: ``share0.5`` for ``--progress-share 0.5``, else its shares
     in `SOURCES` order (``progress0.2-0.6-0.2-0``)."""
@@ -181,6 +195,14 @@ def mix_label(mix: ProgressMix) -> str:
 @dataclass(frozen=True)
 class TraceFile:
     name: str  # in keys and tables: the file's stem, reduced to [A-Za-z0-9.-]
+    path: str  # absolute
+    sha256: str
+
+
+@dataclass(frozen=True)
+class TopologyFile:
+    """A sweep's ``--topology``, as the file was when the sweep was defined."""
+
     path: str  # absolute
     sha256: str
 
@@ -220,6 +242,9 @@ class SweepDefinition:
     fleet: str | None  # None: each trace's default fleet
     interval_s: float
     time_limits: TimeLimitModel = DEFAULT_TIME_LIMITS
+    #: the power domains of every cell, one per sweep: ``--racks`` K:F or a ``--topology``
+    racks: str | None = None
+    topology: TopologyFile | None = None
 
     def cells(self) -> tuple[Cell, ...]:
         """Trace by trace, seed by seed: the cells of one reference replay are neighbours."""
@@ -246,14 +271,22 @@ class SweepDefinition:
             "limit_jobs": self.limit_jobs,
             "fleet": self.fleet,
             "interval_s": self.interval_s,
+            "racks": self.racks,
+            "topology": None if self.topology is None else vars(self.topology),
         }
+
+    def domains(self) -> dict[str, str]:
+        """The power domains as a cell's record names them (nothing without)."""
+        if self.racks is not None:
+            return {"racks": self.racks}
+        return {} if self.topology is None else {"topology": self.topology.path}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> SweepDefinition:
         """The definition ``sweep.json`` holds. The time-limit model is one per sweep; a
         definition written before mixes and limits existed (``progress_shares``, no
         ``time_limit_model``) reads as those shares' mixes under the default model, keys
-        unchanged."""
+        unchanged; one written before power domains has none."""
         if data.get("version") != VERSION:
             raise InputError(f"sweep definition version {data.get('version')!r}, not {VERSION}")
         try:
@@ -274,6 +307,10 @@ class SweepDefinition:
                 limit_jobs=data["limit_jobs"],
                 fleet=data["fleet"],
                 interval_s=float(data["interval_s"]),
+                racks=data.get("racks"),
+                topology=(
+                    None if data.get("topology") is None else TopologyFile(**data["topology"])
+                ),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise InputError(f"a sweep definition without a valid {e}") from None
@@ -288,14 +325,20 @@ def _sha256(path: Path) -> str:
 
 
 def _prepare(
-    path: str, trace_format: str | None, limit_jobs: int | None, fleet_text: str | None
+    path: str,
+    trace_format: str | None,
+    limit_jobs: int | None,
+    fleet_text: str | None,
+    racks: str | None = None,
+    topology: Topology | None = None,
 ) -> tuple[Trace, FleetSpec]:
     trace = load_trace(path, trace_format)
     if limit_jobs is not None:
         trace = trace.head(limit_jobs)
     if len(trace) == 0:
         raise InputError(f"{path}: no jobs to replay")
-    return trace, parse_fleet(fleet_text) if fleet_text is not None else default_fleet(trace)
+    fleet = parse_fleet(fleet_text) if fleet_text is not None else default_fleet(trace)
+    return trace, with_domains(fleet, racks, topology)
 
 
 def define_sweep(
@@ -310,12 +353,18 @@ def define_sweep(
     fleet: str | None,
     interval_s: float,
     time_limits: TimeLimitModel = DEFAULT_TIME_LIMITS,
+    racks: str | None = None,
+    topology_path: str | None = None,
 ) -> SweepDefinition:
     """Check what every cell will need (each trace readable and not empty, each budget on each
-    trace's fleet) and return the definition; nothing is written."""
+    trace's fleet, the power domains on each trace's fleet) and return the definition; nothing
+    is written."""
+    if racks is not None:
+        racks = canonical_racks(racks)
+    topology = None if topology_path is None else load_topology(Path(topology_path))
     traces: list[TraceFile] = []
     for path in trace_paths:
-        _, trace_fleet = _prepare(path, trace_format, limit_jobs, fleet)
+        _, trace_fleet = _prepare(path, trace_format, limit_jobs, fleet, racks, topology)
         for budget in budgets:
             parse_budget_w(budget, trace_fleet)
         name = _NAME_UNSAFE.sub("-", Path(path).stem) or "trace"
@@ -336,6 +385,14 @@ def define_sweep(
         fleet=fleet,
         interval_s=float(interval_s),
         time_limits=time_limits,
+        racks=racks,
+        topology=(
+            None
+            if topology_path is None
+            else TopologyFile(
+                str(Path(topology_path).resolve()), _sha256(Path(topology_path).resolve())
+            )
+        ),
     )
 
 
@@ -469,13 +526,21 @@ class _Traces:
     def __init__(self, definition: SweepDefinition) -> None:
         self.definition = definition
         self.loaded: dict[str, tuple[Trace, FleetSpec]] = {}
+        self.topology: Topology | None = None
 
     def get(self, trace: TraceFile) -> tuple[Trace, FleetSpec]:
+        """The trace and its fleet, under the sweep's power domains."""
         if trace.name not in self.loaded:
             if _sha256(Path(trace.path)) != trace.sha256:
                 raise InputError(f"{trace.path} changed since the sweep was defined")
             d = self.definition
-            self.loaded[trace.name] = _prepare(trace.path, d.trace_format, d.limit_jobs, d.fleet)
+            if d.topology is not None and self.topology is None:
+                if _sha256(Path(d.topology.path)) != d.topology.sha256:
+                    raise InputError(f"{d.topology.path} changed since the sweep was defined")
+                self.topology = load_topology(Path(d.topology.path))
+            self.loaded[trace.name] = _prepare(
+                trace.path, d.trace_format, d.limit_jobs, d.fleet, d.racks, self.topology
+            )
         return self.loaded[trace.name]
 
 
@@ -483,8 +548,8 @@ def _reference(sweep: Sweep, cell: Cell, traces: _Traces) -> SimulationResult:
     """The max-clock replay of the cell's trace and seed: from disk, else computed and saved.
 
     It depends on neither budget (max clocks ignore it; `compute_metrics` reads only its
-    finish times and deadlines) nor progress mix (run at the default); it has the sweep's time
-    limits.
+    finish times and deadlines) nor progress mix (run at the default) nor power domains (run
+    without: it records no per-node power); it has the sweep's time limits.
     """
     path = sweep.reference_path(cell)
     if path.exists():
@@ -495,7 +560,7 @@ def _reference(sweep: Sweep, cell: Cell, traces: _Traces) -> SimulationResult:
         trace, fleet = traces.get(cell.trace)
         simulator = Simulator(
             trace,
-            fleet,
+            replace(fleet, topology=None),
             fleet.max_power_w,
             interval_s=sweep.definition.interval_s,
             seed=cell.seed,
@@ -530,6 +595,7 @@ def _run_cell(sweep: Sweep, cell: Cell, traces: _Traces) -> None:
         "fleet": str(fleet),
         "interval_s": sweep.definition.interval_s,
         "limit_jobs": sweep.definition.limit_jobs,
+        **sweep.definition.domains(),
         **compute_metrics(result, reference).as_dict(),
         "wall_s": result.wall_s,
     }
@@ -624,7 +690,8 @@ def record_mix(record: Mapping[str, Any]) -> str:
 
 def aggregate(records: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """One row per trace × budget × progress mix × policy, over its seeds: Σ violations and
-    induced violations, max power MAE and over-budget share, mean energy."""
+    induced violations, max power MAE and over-budget share, mean energy; with power domains
+    the max over seeds of the worst domain's over-limit share."""
     groups: dict[tuple[str, str, str, str], list[Mapping[str, Any]]] = {}
     for r in records:
         key = (r["trace"], r["budget"], record_mix(r), r["policy"])
@@ -633,6 +700,11 @@ def aggregate(records: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     for (trace, budget, mix, policy), group in groups.items():
         mae = [r["power_mae_pct"] for r in group if r["power_mae_pct"] is not None]
         induced = [r["violations_induced"] for r in group]
+        domain_over = [
+            r["domain_over_limit_intervals_pct"]
+            for r in group
+            if r.get("domain_over_limit_intervals_pct") is not None
+        ]
         rows.append(
             {
                 "trace": trace,
@@ -648,6 +720,7 @@ def aggregate(records: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
                 "over_budget_intervals_pct": max(r["over_budget_intervals_pct"] for r in group),
                 "killed_at_time_limit": sum(r.get("killed_at_time_limit", 0) for r in group),
                 "energy_kwh": sum(r["energy_kwh"] for r in group) / len(group),
+                **({"domain_over_limit_intervals_pct": max(domain_over)} if domain_over else {}),
             }
         )
     return rows
