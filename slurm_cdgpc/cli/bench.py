@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import click
 
 from slurm_cdgpc.cli import bench_faults, bench_live, bench_soak
@@ -28,6 +30,12 @@ def bench() -> None:
 )
 @click.option("--mode", type=click.Choice(MODES), default="newton", show_default=True)
 @click.option("--family", type=click.Choice(sorted(FAMILIES)), default="bent", show_default=True)
+@click.option(
+    "--topology",
+    metavar="ROWSxRACKS",
+    help="Power domains over the jobs' nodes: ROWS rows of RACKS racks each (e.g. 50x10), "
+    "racks limited to 0.55-0.8 of their power at top clocks, rows to 0.7.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Accepted for symmetry: output is JSON.")
 def controller_cmd(
     jobs: int,
@@ -36,6 +44,7 @@ def controller_cmd(
     budget_fraction: float,
     mode: str,
     family: str,
+    topology: str | None,
     as_json: bool,
 ) -> None:
     """Time one full control step (RLS update, dual solve, discretisation) for N jobs.
@@ -56,8 +65,18 @@ def controller_cmd(
             budget_fraction=budget_fraction,
             mode=mode,
             family=family,
+            topology=None if topology is None else _rows_by_racks(topology),
         )
     )
+
+
+def _rows_by_racks(text: str) -> tuple[int, int]:
+    match = re.fullmatch(r"([1-9][0-9]{0,4})x([1-9][0-9]{0,4})", text.strip())
+    if match is None:
+        raise click.BadParameter(
+            f"{text!r}: expected ROWSxRACKS, e.g. 50x10", param_hint="--topology"
+        )
+    return int(match[1]), int(match[2])
 
 
 @bench.command("guard-rail")

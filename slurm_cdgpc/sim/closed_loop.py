@@ -8,13 +8,14 @@ Tests: `tests/unit/test_closed_loop.py` (the golden runs DESIGN.md's "Safety" ci
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 from numpy.typing import NDArray
 
 from slurm_cdgpc.control.discrete import ClockGrid
+from slurm_cdgpc.control.domains import DomainLimits
 from slurm_cdgpc.control.dual import StepStatus
 from slurm_cdgpc.control.empc import (
     ControllerSettings,
@@ -153,8 +154,12 @@ class ClosedLoop:
         queued: bool = False,
         power_limit_margin: float = 0.0,
         silent_share: float = 0.0,
+        domains: Callable[[ClosedLoop], DomainLimits] | None = None,
     ) -> None:
         self.fleet = fleet
+        #: the power domains above the jobs, built each step from the loop (None: the cluster
+        #: alone)
+        self.domains = domains
         #: jobs that say no total: the controller sees only their time limit (twice the work
         #: they start with, at top clocks), as the head sees a job whose hook reports steps
         self.silent = (
@@ -226,8 +231,15 @@ class ClosedLoop:
         jobs = self.job_state()
         queue = self.queue()
         t0 = time.perf_counter()
+        domains = None if self.domains is None else self.domains(self)
         d = self.controller.step(
-            self.estimator, jobs, self.t_s, budget_w, measured=self._measured, queue=queue
+            self.estimator,
+            jobs,
+            self.t_s,
+            budget_w,
+            measured=self._measured,
+            queue=queue,
+            domains=domains,
         )
         step_s = time.perf_counter() - t0
         self.last_decision = d
