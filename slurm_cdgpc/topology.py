@@ -43,7 +43,7 @@ def _names(names: Sequence[str], limit: int = 10) -> str:
     return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
-def _both(a_w: float, b_w: float) -> tuple[str, str]:
+def format_powers(a_w: float, b_w: float) -> tuple[str, str]:
     """Two powers as people read them, with every digit when rounding would make them equal."""
     a, b = format_power(a_w), format_power(b_w)
     return (a, b) if a != b else (f"{a_w:g} W", f"{b_w:g} W")
@@ -112,7 +112,7 @@ class Topology:
             elif domain.parent in index:
                 parent = self.domains[index[domain.parent]]
                 if domain.limit_w > parent.limit_w:
-                    mine, theirs = _both(domain.limit_w, parent.limit_w)
+                    mine, theirs = format_powers(domain.limit_w, parent.limit_w)
                     raise InputError(
                         f"domain {name!r}: limit {mine} is above the {theirs} of its parent "
                         f"{parent.name!r}"

@@ -1,4 +1,5 @@
-"""Admin commands of ``cdgpc-admin``: budget set|show, status, jobs, nodes, db upgrade, report.
+"""Admin commands of ``cdgpc-admin``: budget set|show (the budget and the power domains' limits),
+status, jobs, nodes, db upgrade, report.
 
 All but ``db upgrade`` and ``report`` talk to cdgpcd at ``head.url`` over HTTP, signed per
 ``auth.method`` (MUNGE: who you are is your uid; HMAC: the root-only key, so run them as root).
@@ -12,6 +13,7 @@ Shell completion is click's own: ``eval "$(_CDGPC_ADMIN_COMPLETE=bash_source cdg
 from __future__ import annotations
 
 import datetime as dt
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -70,38 +72,105 @@ def _power(watts: float | None) -> str:
 
 @click.group()
 def budget() -> None:
-    """Show or change the cluster's GPU power budget."""
+    """Show or change the cluster's GPU power budget and its power domains' limits."""
 
 
-@budget.command("set")
+#: a negative number, with its unit if any
+_SIGNED = re.compile(r"-[0-9.].*")
+
+
+class _SignedArgument(click.Command):
+    """A command whose argument may start with a minus (``budget set -5W``): it reaches the
+    argument's parser, which names it, instead of being taken for an unknown option ``-5``."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        takes_value = {
+            opt
+            for p in self.params
+            if isinstance(p, click.Option) and not p.is_flag
+            for opt in p.opts
+        }
+        kept: list[str] = []
+        signed: list[str] = []
+        tokens = iter(args)
+        for token in tokens:
+            if token == "--":
+                kept += [token, *tokens]
+            elif token in takes_value:  # its value is the option's, whatever its sign
+                kept += [token, *([] if (value := next(tokens, None)) is None else [value])]
+            elif _SIGNED.fullmatch(token):
+                signed.append(token)
+            else:
+                kept.append(token)
+        if signed:
+            kept = [*kept, *([] if "--" in kept else ["--"]), *signed]
+        return super().parse_args(ctx, kept)
+
+
+@budget.command("set", cls=_SignedArgument)
 @click.argument("power")
 @click.option("--at", "at", default=None, help="when it takes effect: +2h, epoch s, ISO time")
 @click.option("--reason", default="", help="recorded in the audit trail")
+@click.option(
+    "--domain",
+    metavar="NAME",
+    default=None,
+    help="set this power domain's limit (a rack, a row of head.topology), not the budget",
+)
 @_config_option
 @_json_option
 def budget_set(
-    power: str, at: str | None, reason: str, config_path: Path | None, as_json: bool
+    power: str,
+    at: str | None,
+    reason: str,
+    domain: str | None,
+    config_path: Path | None,
+    as_json: bool,
 ) -> None:
-    """Set the budget to POWER (450kW, 1.2MW, 300W), now or --at a time."""
+    """Set the budget, or a power domain's limit (--domain), to POWER (450kW, 1.2MW, 300W), now
+    or --at a time. The head refuses a domain that is not in its topology, and a limit above
+    its parent's in force or below a child's."""
     budget_w = parse_power_w(power)
     payload: dict[str, Any] = {"budget_w": budget_w, "reason": reason}
     if at is not None:
         payload["effective_at_s"] = parse_time_s(at)
+    if domain is not None:
+        payload["domain"] = domain
     change = _client(_config(config_path)).post("/v1/budget", payload)
     if as_json:
         echo_json(change)
         return
+    what = "budget" if change.get("domain") is None else f"domain {change['domain']}: limit"
     click.echo(
-        f"budget {format_power(change['budget_w'])} from {_when(change['effective_at_s'])}"
+        f"{what} {format_power(change['budget_w'])} from {_when(change['effective_at_s'])}"
         f" (set by {change['set_by']})"
     )
+
+
+def _domain_lines(domain: dict[str, Any]) -> list[str]:
+    """A power domain's limit in force and where it comes from, then its scheduled changes."""
+    name, change = domain["name"], domain.get("set")
+    if change is None:
+        source = "topology file"
+    else:
+        source = f"set by {change['set_by']} from {_when(change['effective_at_s'])}"
+        source += f": {change['reason']}" if change["reason"] else ""
+    lines = [f"domain {name}: limit {format_power(domain['limit_w'])} ({source})"]
+    for later in domain.get("scheduled", []):
+        lines.append(
+            f"domain {name}: limit {format_power(later['budget_w'])} from "
+            f"{_when(later['effective_at_s'])} (scheduled by {later['set_by']}"
+            + (f": {later['reason']})" if later["reason"] else ")")
+        )
+    return lines
 
 
 @budget.command("show")
 @_config_option
 @_json_option
 def budget_show(config_path: Path | None, as_json: bool) -> None:
-    """The budget in force, scheduled changes, recent history and the power domains' limits."""
+    """The budget in force, scheduled changes, recent history, and each power domain's limit in
+    force, where it comes from and its scheduled changes."""
     data = _client(_config(config_path)).get("/v1/budget")
     if as_json:
         echo_json(data)
@@ -109,7 +178,8 @@ def budget_show(config_path: Path | None, as_json: bool) -> None:
     current = data["current"]
     click.echo("budget: " + ("uncapped" if current is None else format_power(current["budget_w"])))
     for d in data.get("domains", []):
-        click.echo(f"domain {d['name']}: limit {format_power(d['limit_w'])}")
+        for line in _domain_lines(d):
+            click.echo(line)
     rows = [
         [_when(b["effective_at_s"]), format_power(b["budget_w"]), b["set_by"], b["reason"] or "-"]
         for b in data["history"]

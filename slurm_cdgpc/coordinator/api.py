@@ -235,12 +235,14 @@ def _checked(check: Callable[[object, str], str], value: object, name: str) -> s
 
 
 def budget_dict(change: BudgetChange) -> dict[str, object]:
+    """A change of the budget, or of a power domain's limit (``domain``; null: the budget)."""
     return {
         "budget_w": change.budget_w,
         "effective_at_s": change.effective_at_s,
         "set_by": change.set_by,
         "reason": change.reason,
         "created_at_s": change.created_at_s,
+        "domain": change.domain,
     }
 
 
@@ -321,18 +323,33 @@ def status_dict(coordinator: Coordinator) -> dict[str, object]:
 
 def budget_view(coordinator: Coordinator) -> dict[str, object]:
     """``GET /v1/budget``: the budget in force, the scheduled changes, the recent history, and
-    the power domains' limits below it (none without a topology)."""
+    the power domains below it (none without a topology), each with its limit in force, where
+    that comes from (``source``: ``file``, or ``set`` by the change in ``set``), the file's
+    limit and the changes scheduled for it."""
     now_s = coordinator.now_s()
     current = coordinator.store.current_budget(now_s)
     history = coordinator.store.budget_history()
     topology = coordinator.topology
+    limits_w, sources = coordinator.domain_limits_in_force(now_s)
+    scheduled: dict[str, list[dict[str, object]]] = {name: [] for name in topology.names}
+    if topology.names:
+        for change in coordinator.store.domain_limit_history(since_s=now_s):
+            if change.effective_at_s > now_s and change.domain in scheduled:
+                scheduled[change.domain].append(budget_dict(change))
     return {
         "current": None if current is None else budget_dict(current),
         "scheduled": [budget_dict(b) for b in history if b.effective_at_s > now_s],
         "history": [budget_dict(b) for b in history[-20:]],
         "domains": [
-            {"name": name, "limit_w": float(limit_w)}
-            for name, limit_w in zip(topology.names, topology.limits_w, strict=True)
+            {
+                "name": domain.name,
+                "limit_w": float(limit_w),
+                "source": "file" if change is None else "set",
+                "set": None if change is None else budget_dict(change),
+                "file_limit_w": domain.limit_w,
+                "scheduled": scheduled[domain.name],
+            }
+            for domain, limit_w, change in zip(topology.domains, limits_w, sources, strict=True)
         ],
     }
 
@@ -353,9 +370,12 @@ class _Handler(JsonHandler):
                                       a multi-node job registers once per node
         DELETE /v1/jobs/{id}   node   deregister; its GPUs are released at the next exchange
         POST   /v1/nodes       node   announce {node, url, gpu_type?} (the agent's URL)
-        POST   /v1/budget      admin  {budget_w, effective_at_s?, reason?}
+        POST   /v1/budget      admin  {budget_w, effective_at_s?, reason?, domain?}: the budget,
+                                      or with domain that power domain's limit (checked
+                                      against the topology: `Coordinator.set_budget`)
         GET    /v1/budget      read   the budget in force, scheduled changes, recent history,
-                                      the power domains' limits
+                                      the power domains' limits in force, where each comes
+                                      from, and their scheduled changes
         GET    /v1/status      read   the last interval
         GET    /v1/jobs        read   active jobs: clocks, power, progress, predicted finish
         GET    /v1/nodes       read   nodes, reachability, worst-case power, each GPU's board
@@ -485,14 +505,20 @@ class _Handler(JsonHandler):
         return {"decisions": [decision_dict(d) for d in c.store.decisions(limit=int(limit_text))]}
 
     def _set_budget(self, body: bytes, principal: Principal) -> dict[str, object]:
-        d = _object(body, ("budget_w",), ("effective_at_s", "reason"))
+        d = _object(body, ("budget_w",), ("effective_at_s", "reason", "domain"))
         budget_w = _number(d["budget_w"], "budget_w", positive=True)
         effective_at_s = _optional_number(d.get("effective_at_s"), "effective_at_s")
         reason = "" if d.get("reason") is None else _text(d["reason"], "reason", limit=1000)
+        domain = None if d.get("domain") is None else _text(d["domain"], "domain", limit=255)
         change = self.server.coordinator.set_budget(
-            budget_w, _who(principal), effective_at_s=effective_at_s, reason=reason
+            budget_w, _who(principal), effective_at_s=effective_at_s, reason=reason, domain=domain
         )
-        logger.info("budget change by %s: %.0f W", principal, budget_w)
+        logger.info(
+            "%s change by %s: %.0f W",
+            "budget" if domain is None else f"power domain {domain} limit",
+            principal,
+            budget_w,
+        )
         return budget_dict(change)
 
     def _register(self, body: bytes, principal: Principal) -> None:

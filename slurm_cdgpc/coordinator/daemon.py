@@ -40,9 +40,10 @@ from slurm_cdgpc.coordinator.progress import ProgressGate
 from slurm_cdgpc.coordinator.registrations import Registration, Registrations
 from slurm_cdgpc.coordinator.report import IntervalReport, domain_views, job_views
 from slurm_cdgpc.coordinator.roster import Roster
-from slurm_cdgpc.errors import CdgpcError
+from slurm_cdgpc.errors import CdgpcError, InputError
 from slurm_cdgpc.gpu.catalog import CATALOG, GpuSpec
 from slurm_cdgpc.model.estimator import EstimatorSettings, JobEstimator
+from slurm_cdgpc.model.families import FloatArray
 from slurm_cdgpc.store import (
     ACTIVE_STATES,
     BudgetChange,
@@ -53,7 +54,7 @@ from slurm_cdgpc.store import (
     Store,
 )
 from slurm_cdgpc.store.leader import LeadershipLostError
-from slurm_cdgpc.topology import Topology
+from slurm_cdgpc.topology import CLUSTER, Topology, format_powers
 from slurm_cdgpc.transport.http import NodeFailure, NodeTarget
 from slurm_cdgpc.wire.protocol import (
     ExchangeResponse,
@@ -153,6 +154,35 @@ def _wait(stop: threading.Event, replan: threading.Event, next_s: float, earlies
             continue
         replan.wait(next_s - now_s)
     return False
+
+
+def _check_nesting(
+    topology: Topology, index: int, limits_w: FloatArray, from_s: float | None
+) -> None:
+    """`InputError` unless domain ``index``'s limit is no more than its parent's and no less
+    than any child's, in ``limits_w`` (those in force; ``from_s``: a later time they are in
+    force from, which the message names)."""
+    names, parents = topology.names, topology.parents
+    when = (
+        ""
+        if from_s is None
+        else " from " + time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(from_s))
+    )
+    mine_w = float(limits_w[index])
+    parent = int(parents[index])
+    if parent >= 0 and mine_w > limits_w[parent]:
+        mine, theirs = format_powers(mine_w, float(limits_w[parent]))
+        raise InputError(
+            f"power domain {names[index]!r}: limit {mine} is above the {theirs} in force for its "
+            f"parent {names[parent]!r}{when}"
+        )
+    for child in np.flatnonzero(parents == index):
+        if limits_w[child] > mine_w:
+            mine, theirs = format_powers(mine_w, float(limits_w[child]))
+            raise InputError(
+                f"power domain {names[index]!r}: limit {mine} is below the {theirs} in force for "
+                f"its child {names[child]!r}{when}"
+            )
 
 
 @dataclass(frozen=True)
@@ -305,16 +335,80 @@ class Coordinator:
         *,
         effective_at_s: float | None = None,
         reason: str = "",
+        domain: str | None = None,
     ) -> BudgetChange:
-        change = self.store.set_budget(budget_w, user, effective_at_s=effective_at_s, reason=reason)
+        """Record the cluster's budget, or with ``domain`` that power domain's limit, from now or
+        ``effective_at_s``. A domain's limit is checked against the topology first: the domain
+        must be one of its, and its limit no more than its parent's in force then, nor less
+        than any child's (`InputError`, one line naming it, nothing recorded)."""
+        if domain is None:
+            change = self.store.set_budget(
+                budget_w, user, effective_at_s=effective_at_s, reason=reason
+            )
+        else:
+            change = self._set_domain_limit(domain, budget_w, user, effective_at_s, reason)
         logger.info(
-            "budget %.0f W set by %s, effective at %.0f (%s)",
+            "%s %.0f W set by %s, effective at %.0f (%s)",
+            "budget" if domain is None else f"power domain {domain}: limit",
             budget_w,
             user,
             change.effective_at_s,
             reason or "no reason given",
         )
         return change
+
+    def domain_limits_in_force(
+        self, at_s: float
+    ) -> tuple[FloatArray, tuple[BudgetChange | None, ...]]:
+        """(D,) each power domain's limit at ``at_s``, in the topology's order: the latest
+        change an admin set for it by then (`Store.domain_limits`), else the topology file's;
+        and for each, that change (None: the file's)."""
+        changes = self.store.domain_limits(at_s) if self.topology.names else {}
+        sources = tuple(changes.get(name) for name in self.topology.names)
+        limits_w = self.topology.limits_w  # a new array: the file's limits
+        for i, change in enumerate(sources):
+            if change is not None:
+                limits_w[i] = change.budget_w
+        return limits_w, sources
+
+    def _set_domain_limit(
+        self,
+        domain: str,
+        limit_w: float,
+        user: str,
+        effective_at_s: float | None,
+        reason: str,
+    ) -> BudgetChange:
+        """Check ``domain``'s new limit against its parent and children over the time it is in
+        force (from ``effective_at_s`` until the domain's next scheduled change, at each change
+        of theirs scheduled meanwhile), then record it, in one store transaction."""
+        if domain == CLUSTER:
+            raise InputError(
+                f"{CLUSTER!r} is the root: its limit is the budget (budget set without --domain)"
+            )
+        index = self.topology.index(domain)  # unknown: one line naming the known ones
+        if not (math.isfinite(limit_w) and limit_w > 0):
+            raise InputError(
+                f"power domain {domain!r}: limit must be a positive power, got {limit_w!r}"
+            )
+        at_s = self._clock() if effective_at_s is None else effective_at_s
+        parents = self.topology.parents
+        related = {self.topology.names[j] for j in np.flatnonzero(parents == index)}
+        if parents[index] >= 0:
+            related.add(self.topology.names[parents[index]])
+        with self.store.transaction():  # checked against what is recorded, and recorded, at once
+            later = [
+                c for c in self.store.domain_limit_history(since_s=at_s) if c.effective_at_s > at_s
+            ]
+            until_s = min((c.effective_at_s for c in later if c.domain == domain), default=math.inf)
+            times_s = {c.effective_at_s for c in later if c.domain in related}
+            for t_s in [at_s, *sorted(t for t in times_s if t < until_s)]:
+                limits_w, _ = self.domain_limits_in_force(t_s)
+                limits_w[index] = limit_w
+                _check_nesting(self.topology, index, limits_w, None if t_s == at_s else t_s)
+            return self.store.set_budget(
+                limit_w, user, effective_at_s=at_s, reason=reason, domain=domain
+            )
 
     def observe_queue(self, waiting: bool | None) -> None:
         """Whether jobs wait for GPUs in Slurm, from the reconcile (any thread); None: Slurm
@@ -429,7 +523,7 @@ class Coordinator:
             self.nodes, self.roster.known, self.running, held_out, self.locks.releasing(self.nodes)
         )
         uncontrolled_w = sum(node_uncontrolled_w.values())
-        domains = self._domain_limits(node_uncontrolled_w)
+        domains = self._domain_limits(now_s, node_uncontrolled_w)
         decision: Decision | None = None
         if len(self.running):
             decision = self.controller.step(
@@ -453,14 +547,18 @@ class Coordinator:
         setpoints = self._setpoints(decision, held_out, squeeze=squeeze)
         return _Plan(budget_w, uncontrolled_w, domains, decision, setpoints)
 
-    def _domain_limits(self, node_uncontrolled_w: Mapping[str, float]) -> DomainLimits | None:
-        """The power domains for this step: each running job's GPUs per node (in the
+    def _domain_limits(
+        self, now_s: float, node_uncontrolled_w: Mapping[str, float]
+    ) -> DomainLimits | None:
+        """The power domains for this step: each one's limit in force now (an admin's, else the
+        file's: `domain_limits_in_force`), each running job's GPUs per node (in the
         controller's row order) and each node's power outside the plan; None without a
         topology."""
         if not self.topology.names:
             return None
+        limits_w, _ = self.domain_limits_in_force(now_s)
         job_gpus = [Counter(g.node for g in job.gpus) for job in self.running.jobs]
-        return self.topology.limits(job_gpus, node_uncontrolled_w)
+        return self.topology.limits(job_gpus, node_uncontrolled_w, limits_w)
 
     def _queue_state(self) -> QueueState | None:
         """The drain's input (`Roster.queue`) while Slurm's queue, as last read, has jobs

@@ -214,7 +214,8 @@ def _domains(c: Coordinator, report: IntervalReport | None) -> Iterator[Metric]:
     limit = GaugeMetricFamily(
         "cdgpc_domain_limit_watts", "power limit of each domain below the budget", labels=["domain"]
     )
-    for name, limit_w in zip(c.topology.names, c.topology.limits_w, strict=True):
+    limits_w, _ = c.domain_limits_in_force(c.now_s())  # an admin's, else the file's
+    for name, limit_w in zip(c.topology.names, limits_w, strict=True):
         limit.add_metric([name], float(limit_w))
     yield limit
     if report is None or not report.domains:

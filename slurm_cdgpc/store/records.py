@@ -19,12 +19,17 @@ ACTIVE_STATES = ("registered", "running", "adopted")
 
 @dataclass(frozen=True)
 class BudgetChange:
+    """A change of the cluster's budget, or of one power domain's limit (``domain``)."""
+
     id: int
     effective_at_s: float
+    #: the budget, or the domain's limit
     budget_w: float
     set_by: str
     reason: str
     created_at_s: float
+    #: the power domain whose limit this sets; None: the cluster's budget
+    domain: str | None = None
 
 
 @dataclass(frozen=True, order=True)

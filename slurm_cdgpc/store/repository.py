@@ -181,11 +181,17 @@ class Store:
         *,
         effective_at_s: float | None = None,
         reason: str = "",
+        domain: str | None = None,
     ) -> BudgetChange:
-        """Record a budget change, effective now or at ``effective_at_s`` (may be in the future)."""
+        """Record a budget change, or with ``domain`` a change of that power domain's limit,
+        effective now or at ``effective_at_s`` (may be in the future). Whether the domain exists
+        and its limit fits its parent's and children's is the head's to check (the topology)."""
         if not (math.isfinite(budget_w) and budget_w > 0):
-            raise InputError(f"budget must be a positive number of watts, got {budget_w!r}")
+            what = "budget" if domain is None else f"power domain {domain!r}: limit"
+            raise InputError(f"{what} must be a positive number of watts, got {budget_w!r}")
         names.account(user)
+        if domain is not None:
+            names.node_name(domain, "power domain")  # a domain's name is a node name's grammar
         if len(reason) > _MAX_REASON:
             raise InputError(f"reason is longer than {_MAX_REASON} characters")
         now = self._clock()
@@ -195,19 +201,27 @@ class Store:
             set_by=user,
             reason=reason,
             created_at_s=now,
+            domain=domain,
         )
         with self._begin(write=True) as session:
             session.add(row)
             session.flush()
-            logger.info("budget %.0f W set by %s, effective %s", budget_w, user, row.effective_at_s)
+            logger.info(
+                "%s %.0f W set by %s, effective %s",
+                "budget" if domain is None else f"power domain {domain} limit",
+                budget_w,
+                user,
+                row.effective_at_s,
+            )
             return _budget(row)
 
     def current_budget(self, at_s: float | None = None) -> BudgetChange | None:
-        """The change in force at ``at_s`` (default now); None if no budget was ever set."""
+        """The cluster's budget change in force at ``at_s`` (default now); None if no budget was
+        ever set. A power domain's limit is never the budget (`domain_limits`)."""
         at = self._now(at_s)
         query = (
             select(BudgetChangeRow)
-            .where(BudgetChangeRow.effective_at_s <= at)
+            .where(BudgetChangeRow.domain.is_(None), BudgetChangeRow.effective_at_s <= at)
             .order_by(BudgetChangeRow.effective_at_s.desc(), BudgetChangeRow.id.desc())
             .limit(1)
         )
@@ -216,8 +230,40 @@ class Store:
             return None if row is None else _budget(row)
 
     def budget_history(self, since_s: float | None = None) -> list[BudgetChange]:
-        """Every change in effective order (scheduled ones included), optionally from a time."""
-        query = select(BudgetChangeRow).order_by(BudgetChangeRow.effective_at_s, BudgetChangeRow.id)
+        """Every change of the cluster's budget in effective order (scheduled ones included),
+        optionally from a time."""
+        query = (
+            select(BudgetChangeRow)
+            .where(BudgetChangeRow.domain.is_(None))
+            .order_by(BudgetChangeRow.effective_at_s, BudgetChangeRow.id)
+        )
+        if since_s is not None:
+            query = query.where(BudgetChangeRow.effective_at_s >= since_s)
+        with self._begin(write=False) as session:
+            return [_budget(row) for row in session.scalars(query)]
+
+    def domain_limits(self, at_s: float | None = None) -> dict[str, BudgetChange]:
+        """Each power domain's limit in force at ``at_s`` (default now), by domain: its latest
+        change effective at or before then (at the same instant, the later one set). A domain
+        never set is absent: its limit is the topology file's."""
+        at = self._now(at_s)
+        query = (
+            select(BudgetChangeRow)
+            .where(BudgetChangeRow.domain.is_not(None), BudgetChangeRow.effective_at_s <= at)
+            .order_by(BudgetChangeRow.effective_at_s, BudgetChangeRow.id)
+        )
+        with self._begin(write=False) as session:
+            # the last row of each domain wins; a site sets few limits, so all rows are read
+            return {row.domain: _budget(row) for row in session.scalars(query) if row.domain}
+
+    def domain_limit_history(self, since_s: float | None = None) -> list[BudgetChange]:
+        """Every change of a power domain's limit in effective order (scheduled ones included),
+        optionally from a time."""
+        query = (
+            select(BudgetChangeRow)
+            .where(BudgetChangeRow.domain.is_not(None))
+            .order_by(BudgetChangeRow.effective_at_s, BudgetChangeRow.id)
+        )
         if since_s is not None:
             query = query.where(BudgetChangeRow.effective_at_s >= since_s)
         with self._begin(write=False) as session:
@@ -812,6 +858,7 @@ def _budget(row: BudgetChangeRow) -> BudgetChange:
         set_by=row.set_by,
         reason=row.reason,
         created_at_s=row.created_at_s,
+        domain=row.domain,
     )
 
 

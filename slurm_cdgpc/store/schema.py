@@ -43,7 +43,9 @@ class SchemaVersionRow(Base):
 
 
 class BudgetChangeRow(Base):
-    """The budget history; the budget at time t is the latest change effective at or before t."""
+    """The budget history, and that of each power domain's limit set by an admin: the budget (a
+    domain's limit) at time t is the latest change with no domain (that domain) effective at or
+    before t."""
 
     __tablename__ = "budget_changes"
     __table_args__ = (
@@ -57,6 +59,8 @@ class BudgetChangeRow(Base):
     set_by: Mapped[str] = mapped_column(String(64))
     reason: Mapped[str] = mapped_column(Text)
     created_at_s: Mapped[float] = mapped_column(Double)
+    #: the power domain whose limit this sets (a name of the topology file); NULL: the budget
+    domain: Mapped[str | None] = mapped_column(String(255))
 
 
 class JobRow(Base):

@@ -7,6 +7,8 @@ bad topology file stops cdgpcd at start with one line.
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
@@ -19,6 +21,7 @@ from slurm_cdgpc.cli import admin
 from slurm_cdgpc.gpu.workloads import JOBS_DIR_ENV, LAUNCH_SUFFIX, Launch, write_atomically
 from slurm_cdgpc.localcluster import LocalCluster, daemon_env, hmac_auth, write_hmac_key
 from slurm_cdgpc.localcluster import wait_for as _wait
+from slurm_cdgpc.transport.http import HeadClient
 
 pytestmark = pytest.mark.live
 
@@ -27,6 +30,7 @@ LEASE_S = 4.0
 BUDGET_W = 10_000.0  # four busy A100s draw about 1.5 kW at top clocks: it never binds
 RACK_W = 1000.0
 NODES = ("node1", "node2")
+ADMIN = (sys.executable, "-c", "from slurm_cdgpc.cli.main import main; main()")
 
 
 def _site(tmp_path: Path, topology: str) -> LocalCluster:
@@ -71,6 +75,28 @@ def _rack(status: dict[str, Any]) -> dict[str, Any] | None:
     return None if last is None or not last["domains"] else last["domains"][0]
 
 
+def _rack_held(client: HeadClient, limit_w: float) -> dict[str, Any] | None:
+    """The status once every job runs and the rack holds ``limit_w``, drawn and planned (the
+    jobs are measured: an unmeasured job counts at its limit, so until then the rack cannot
+    fit and its jobs sit at the lowest clock); None before."""
+    status = client.get("/v1/status")
+    rack = _rack(status)
+    jobs = client.get("/v1/jobs")["jobs"]
+    held = (
+        rack is not None
+        and rack["limit_w"] == limit_w
+        and rack["measured_w"] <= 1.01 * limit_w
+        and rack["planned_w"] <= limit_w
+    )
+    return status if held and all(j["state"] == "running" for j in jobs) else None
+
+
+def _after(client: HeadClient, k: int) -> dict[str, Any] | None:
+    """The status of an interval after ``k``; None before."""
+    status = client.get("/v1/status")
+    return status if status["last_interval"]["interval"] > k else None
+
+
 def test_a_rack_holds_its_limit_under_a_budget_that_does_not_bind(site: LocalCluster) -> None:
     head = site.start_head()
     client = site.client()
@@ -93,30 +119,13 @@ def test_a_rack_holds_its_limit_under_a_budget_that_does_not_bind(site: LocalClu
     for job_id, node in (("1", "node1"), ("2", "node2")):
         client.post("/v1/jobs", {"job_id": job_id, "user": "root", "node": node, "gpus": [0, 1]})
 
-    def rack_held() -> dict[str, Any] | None:
-        status = client.get("/v1/status")
-        rack = _rack(status)
-        jobs = client.get("/v1/jobs")["jobs"]
-        # held, and planned within it: the jobs are measured (an unmeasured job counts at
-        # its limit, so until then the rack cannot fit and its jobs sit at the lowest clock)
-        held = (
-            rack is not None
-            and rack["measured_w"] <= 1.01 * RACK_W
-            and rack["planned_w"] <= RACK_W
-        )
-        return status if held and all(j["state"] == "running" for j in jobs) else None
-
-    first = _wait("the rack within its limit", rack_held, 20, site.logs)
+    first = _wait("the rack within its limit", partial(_rack_held, client, RACK_W), 20, site.logs)
 
     # it stays there, interval after interval, while the cluster is far under its budget
-    def after(k: int) -> dict[str, Any] | None:
-        status = client.get("/v1/status")
-        return status if status["last_interval"]["interval"] > k else None
-
     status = first
     for _ in range(3):
         k = status["last_interval"]["interval"]
-        status = _wait("the next interval", partial(after, k), 5, site.logs, watch=[head])
+        status = _wait("the next interval", partial(_after, client, k), 5, site.logs, watch=[head])
         last = status["last_interval"]
         rack = _rack(status)
         assert rack is not None and rack["name"] == "rack1" and rack["limit_w"] == RACK_W
@@ -135,7 +144,77 @@ def test_a_rack_holds_its_limit_under_a_budget_that_does_not_bind(site: LocalClu
     )
     budget = runner.invoke(admin.budget, ["show", "--json", *config])
     assert budget.exit_code == 0, budget.output
-    assert json.loads(budget.output)["domains"] == [{"name": "rack1", "limit_w": RACK_W}]
+    assert json.loads(budget.output)["domains"] == [
+        {
+            "name": "rack1",
+            "limit_w": RACK_W,
+            "source": "file",
+            "set": None,
+            "file_limit_w": RACK_W,
+            "scheduled": [],
+        }
+    ]
+
+
+def _admin(*args: str) -> subprocess.CompletedProcess[str]:
+    """``cdgpc-admin ARGS`` in a process of its own, as an admin types it."""
+    return subprocess.run([*ADMIN, *args], capture_output=True, text=True, timeout=60, check=False)
+
+
+def test_an_admin_lowers_the_racks_limit_and_its_power_follows(site: LocalCluster) -> None:
+    """``cdgpc-admin budget set --domain rack1`` below the file's limit: within a few intervals
+    the rack draws no more than the new limit (+1 %), and ``budget show`` says who set it."""
+    head = site.start_head()
+    client = site.client()
+    site.announce()
+    client.post("/v1/budget", {"budget_w": BUDGET_W, "reason": "live domains"})
+    _wait(
+        "both nodes report",
+        lambda: all(n["reachable"] for n in client.get("/v1/nodes")["nodes"]),
+        10,
+        site.logs,
+    )
+    for job_id, node in (("1", "node1"), ("2", "node2")):
+        client.post("/v1/jobs", {"job_id": job_id, "user": "root", "node": node, "gpus": [0, 1]})
+    _wait("the rack within its file's limit", partial(_rack_held, client, RACK_W), 20, site.logs)
+    config = ("--config", str(site.head.config))
+
+    refused = _admin("budget", "set", "--domain", "rack9", "500W", *config)
+    assert (refused.returncode, refused.stderr) == (
+        1,
+        "Error: cdgpcd refused (400): unknown power domain 'rack9' (known: 'rack1')\n",
+    )
+    lowered_w = 0.7 * RACK_W
+    done = _admin("budget", "set", "--domain", "rack1", "700W", "--reason", "breaker", *config)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("domain rack1: limit 700 W from "), done.stdout
+
+    status = _wait(
+        "the rack within its new limit",
+        partial(_rack_held, client, lowered_w),
+        8 * INTERVAL_S,
+        site.logs,
+        watch=[head],
+    )
+    for _ in range(3):  # and it stays there
+        k = status["last_interval"]["interval"]
+        status = _wait("the next interval", partial(_after, client, k), 5, site.logs, watch=[head])
+        rack = _rack(status)
+        assert rack is not None and rack["limit_w"] == lowered_w, status
+        assert rack["measured_w"] <= 1.01 * lowered_w, status
+        assert rack["planned_w"] <= lowered_w, status
+
+    shown = _admin("budget", "show", "--json", *config)
+    assert shown.returncode == 0, shown.stderr
+    [rack1] = json.loads(shown.stdout)["domains"]
+    assert (rack1["name"], rack1["limit_w"], rack1["source"], rack1["file_limit_w"]) == (
+        "rack1",
+        lowered_w,
+        "set",
+        RACK_W,
+    )
+    assert (rack1["set"]["set_by"], rack1["set"]["reason"]) == ("root", "breaker")
+    assert json.loads(shown.stdout)["current"]["budget_w"] == BUDGET_W
 
 
 def test_a_bad_topology_stops_cdgpcd_at_start_with_one_line(tmp_path: Path) -> None:

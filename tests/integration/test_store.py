@@ -89,6 +89,78 @@ def test_bad_budget_is_refused_and_changes_nothing(
     assert [c.budget_w for c in store.budget_history()] == [450e3]
 
 
+def test_a_domain_limit_is_its_latest_change_and_never_the_budget(
+    store: Store, clock: FakeClock
+) -> None:
+    store.set_budget(450e3, "root")
+    assert store.domain_limits() == {}  # never set: the topology file's limits hold
+    rack = store.set_budget(40e3, "alice", domain="rack12", reason="PDU swap")
+    store.set_budget(200e3, "root", domain="row1")
+    clock.advance(HOUR_S)
+    store.set_budget(35e3, "alice", domain="rack12", effective_at_s=T0_S + 2 * HOUR_S)
+    store.set_budget(38e3, "bob", domain="rack12", effective_at_s=T0_S + 2 * HOUR_S)  # wins
+    store.set_budget(30e3, "root", domain="rack7", effective_at_s=T0_S + 3 * HOUR_S)
+
+    assert rack.domain == "rack12" and rack.reason == "PDU swap"
+    assert store.domain_limits(T0_S - 1) == {}
+    now = store.domain_limits()
+    assert now == {"rack12": rack, "row1": now["row1"]} and now["row1"].budget_w == 200e3
+    later = store.domain_limits(T0_S + 3 * HOUR_S)
+    assert {d: (c.budget_w, c.set_by) for d, c in later.items()} == {
+        "rack12": (38e3, "bob"),
+        "row1": (200e3, "root"),
+        "rack7": (30e3, "root"),
+    }
+    # the cluster's budget, its history and its schedule know nothing of the domains
+    assert store.current_budget(T0_S + 3 * HOUR_S).budget_w == 450e3  # type: ignore[union-attr]
+    assert [(c.budget_w, c.domain) for c in store.budget_history()] == [(450e3, None)]
+    assert [(c.domain, c.budget_w) for c in store.domain_limit_history(since_s=clock.now_s)] == [
+        ("rack12", 35e3),
+        ("rack12", 38e3),
+        ("rack7", 30e3),
+    ]
+    assert len(store.domain_limit_history()) == 5
+
+
+@pytest.mark.parametrize(
+    ("limit_w", "domain"), [(0.0, "rack12"), (-5.0, "rack12"), (math.nan, "rack12"), (1e3, "a b")]
+)
+def test_bad_domain_limit_is_refused_and_changes_nothing(
+    store: Store, limit_w: float, domain: str
+) -> None:
+    with pytest.raises(InputError, match="power domain"):
+        store.set_budget(limit_w, "root", domain=domain)
+    assert store.domain_limit_history() == [] and store.budget_history() == []
+
+
+def test_budgets_kept_before_the_domains_stay_the_clusters(
+    engine: Engine, clock: FakeClock, tmp_path: Path
+) -> None:
+    """``db upgrade`` on a version 3 store with a budget history adds the domain column (version
+    4); the budgets recorded before it are still the cluster's, and domains can be set."""
+    dialect = engine.dialect.name
+    (tmp_path / dialect).mkdir()
+    for migration in migrations(dialect):
+        if migration.version <= 3:
+            (tmp_path / dialect / migration.path.name).write_text(migration.path.read_text())
+    assert upgrade(engine, root=tmp_path) == [1, 2, 3]
+    with engine.begin() as conn:
+        conn.execute(
+            text(
+                "INSERT INTO budget_changes (effective_at_s, budget_w, set_by, reason, "
+                "created_at_s) VALUES (:t, 450000, 'root', 'before domains', :t)"
+            ),
+            {"t": T0_S},
+        )
+    assert upgrade(engine)[0] == 4
+    store = Store(engine, clock=clock)
+    kept = store.current_budget()
+    assert kept is not None and (kept.budget_w, kept.domain) == (450e3, None)
+    store.set_budget(40e3, "root", domain="rack12")
+    assert store.current_budget() == kept and store.budget_history() == [kept]
+    assert store.domain_limits()["rack12"].budget_w == 40e3
+
+
 # -- jobs ------------------------------------------------------------------------------------
 
 

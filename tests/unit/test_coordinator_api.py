@@ -10,6 +10,7 @@ import sqlite3
 import threading
 import time
 from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from slurm_cdgpc.coordinator.daemon import Coordinator, CoordinatorSettings
 from slurm_cdgpc.errors import InputError
 from slurm_cdgpc.store import Job, Store, make_engine, upgrade
 from slurm_cdgpc.store.repository import JobRegistration
+from slurm_cdgpc.topology import Topology, parse_topology
 from slurm_cdgpc.transport.auth import AccessPolicy, HmacKey, HmacSigner, HmacVerifier
 from slurm_cdgpc.transport.http import HeadClient, HeadRefusedError, NodeFailure, NodeTarget
 from slurm_cdgpc.wire.protocol import ExchangeResponse
@@ -80,9 +82,18 @@ class Api:
 
 @pytest.fixture
 def api(tmp_path: Path) -> Iterator[Api]:
+    with _serving(tmp_path) as api:
+        yield api
+
+
+@contextmanager
+def _serving(tmp_path: Path, topology: Topology | None = None) -> Iterator[Api]:
+    """A head (``topology``: its power domains) and its API on a loopback port."""
     engine = make_engine(f"sqlite:///{tmp_path / 'head.db'}")
     upgrade(engine)
-    coordinator = Coordinator(Store(engine), NoAgents(), CoordinatorSettings(interval_s=1.0))
+    coordinator = Coordinator(
+        Store(engine), NoAgents(), CoordinatorSettings(interval_s=1.0), topology=topology
+    )
     coordinator.start()
     key = HmacKey(secrets.token_bytes(32))
     server = HeadHttpServer(
@@ -94,11 +105,13 @@ def api(tmp_path: Path) -> Iterator[Api]:
     )
     thread = threading.Thread(target=server.serve_forever, name="http-loop", daemon=True)
     thread.start()
-    yield Api(server, coordinator, HmacSigner(key, uid=0, gid=0))
-    server.shutdown()
-    server.server_close()
-    thread.join(timeout=5)
-    engine.dispose()
+    try:
+        yield Api(server, coordinator, HmacSigner(key, uid=0, gid=0))
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=5)
+        engine.dispose()
 
 
 JOB = {"job_id": "42", "user": "alice", "node": "n1", "gpus": [1, 0], "gpu_type": "A100"}
@@ -187,6 +200,141 @@ def test_budget_needs_an_admin_and_a_positive_finite_value(api: Api) -> None:
     assert data["current"]["reason"] == "summer"  # type: ignore[index]
     status, data, _ = api.call("GET", "/v1/status")
     assert data["budget_w"] == 450000.0
+
+
+#: row1 holds rack1 and rack2; rack3 is directly under the cluster
+DOMAINS = """
+[[domain]]
+name = "row1"
+limit = "2kW"
+[[domain]]
+name = "rack1"
+parent = "row1"
+limit = "1kW"
+nodes = "n[1-2]"
+[[domain]]
+name = "rack2"
+parent = "row1"
+limit = "1.5kW"
+nodes = "n3"
+[[domain]]
+name = "rack3"
+limit = "3kW"
+nodes = "n4"
+"""
+
+
+@pytest.fixture
+def domain_api(tmp_path: Path) -> Iterator[Api]:
+    with _serving(tmp_path, parse_topology(DOMAINS)) as api:
+        api.server.policy = AccessPolicy(hmac_is_admin=True)
+        api.post("/v1/budget", {"budget_w": 1000.0})  # the cluster's, below rack3's limit
+        yield api
+
+
+def _limits(api: Api) -> dict[str, tuple[float, str]]:
+    """Each domain's limit in force and its source, as ``GET /v1/budget`` has them."""
+    status, data, _ = api.call("GET", "/v1/budget")
+    assert status == 200
+    return {d["name"]: (d["limit_w"], d["source"]) for d in data["domains"]}  # type: ignore[attr-defined]
+
+
+def test_a_domain_limit_the_head_cannot_hold_is_refused_with_one_line_and_changes_nothing(
+    domain_api: Api,
+) -> None:
+    api, store = domain_api, domain_api.coordinator.store
+    later_s = time.time() + 3600
+    refused: list[tuple[dict[str, object], int, str]] = [
+        ({"domain": "rack99", "budget_w": 500.0}, 400,
+         "unknown power domain 'rack99' (known: 'row1', 'rack1', 'rack2', 'rack3')"),
+        ({"domain": "cluster", "budget_w": 500.0}, 400,
+         "'cluster' is the root: its limit is the budget (budget set without --domain)"),
+        ({"domain": "rack1", "budget_w": 0}, 400, "budget_w: must be positive, got 0"),
+        ({"domain": "rack1", "budget_w": -5}, 400, "budget_w: must be positive, got -5"),
+        ({"domain": "rack1", "budget_w": "40kW"}, 400,
+         "budget_w: must be a finite number, got '40kW'"),
+        ({"domain": 12, "budget_w": 500.0}, 400, "domain: not a valid value: 12"),
+        ({"domain": "rack1", "budget_w": 2500.0}, 400,
+         "power domain 'rack1': limit 2.5 kW is above the 2 kW in force for its parent 'row1'"),
+        ({"domain": "row1", "budget_w": 1200.0}, 400,
+         "power domain 'row1': limit 1.2 kW is below the 1.5 kW in force for its child 'rack2'"),
+        ({"domain": "rack1", "budget_w": 2500.0, "effective_at_s": later_s}, 400,
+         "power domain 'rack1': limit 2.5 kW is above the 2 kW in force for its parent 'row1'"),
+    ]  # fmt: skip
+    for body, code, message in refused:
+        status, data = api.post("/v1/budget", body)
+        assert (status, data) == (code, {"error": message}), body
+    api.server.policy = AccessPolicy(hmac_is_admin=False)
+    status, data = api.post("/v1/budget", {"domain": "rack1", "budget_w": 500.0})
+    assert status == 403 and "admin" in str(data["error"])
+    api.server.policy = AccessPolicy(hmac_is_admin=True)
+    assert store.domain_limit_history() == []
+    assert store.current_budget().budget_w == 1000.0  # type: ignore[union-attr]
+
+    # the parent's limit in force is the admin's, not the file's; a top-level domain may be set
+    # above the cluster's budget, which may change freely
+    assert api.post("/v1/budget", {"domain": "row1", "budget_w": 1800.0})[0] == 200
+    assert api.post("/v1/budget", {"domain": "rack3", "budget_w": 2500.0})[0] == 200
+    status, data = api.post("/v1/budget", {"domain": "rack2", "budget_w": 1900.0})
+    assert (status, data) == (
+        400,
+        {"error": "power domain 'rack2': limit 1.9 kW is above the 1.8 kW in force for its "
+                  "parent 'row1'"},
+    )  # fmt: skip
+    # a parent's change scheduled for later bounds a child's set now, from its time on
+    lowered = {"domain": "row1", "budget_w": 1600.0, "effective_at_s": later_s}
+    assert api.post("/v1/budget", lowered)[0] == 200
+    status, data = api.post("/v1/budget", {"domain": "rack2", "budget_w": 1700.0})
+    assert status == 400
+    assert data["error"] == (
+        "power domain 'rack2': limit 1.7 kW is above the 1.6 kW in force for its parent 'row1' "
+        f"from {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime(later_s))}"
+    )
+    # and a child's limit bounds its parent's change scheduled for later
+    status, data = api.post(
+        "/v1/budget", {"domain": "row1", "budget_w": 1400.0, "effective_at_s": later_s + 1}
+    )
+    assert (status, data) == (
+        400,
+        {"error": "power domain 'row1': limit 1.4 kW is below the 1.5 kW in force for its "
+                  "child 'rack2'"},
+    )  # fmt: skip
+    assert [(c.domain, c.budget_w) for c in store.domain_limit_history()] == [
+        ("row1", 1800.0),
+        ("rack3", 2500.0),
+        ("row1", 1600.0),
+    ]
+    assert _limits(api) == {
+        "row1": (1800.0, "set"),
+        "rack1": (1000.0, "file"),
+        "rack2": (1500.0, "file"),
+        "rack3": (2500.0, "set"),
+    }
+    assert store.current_budget().budget_w == 1000.0  # type: ignore[union-attr]
+
+
+def test_a_domain_limit_set_through_the_api_is_the_heads(domain_api: Api) -> None:
+    api = domain_api
+    status, data = api.post("/v1/budget", {"domain": "rack1", "budget_w": 800.0, "reason": "PDU"})
+    assert status == 200
+    assert (data["domain"], data["budget_w"], data["set_by"], data["reason"]) == (
+        "rack1", 800.0, "root", "PDU"
+    )  # fmt: skip
+    at_s = time.time() + 600
+    body = {"domain": "rack1", "budget_w": 600.0, "effective_at_s": at_s}
+    assert api.post("/v1/budget", body)[0] == 200
+    status, view, _ = api.call("GET", "/v1/budget")
+    rack1 = view["domains"][1]  # type: ignore[index]
+    assert (rack1["name"], rack1["limit_w"], rack1["source"], rack1["file_limit_w"]) == (
+        "rack1", 800.0, "set", 1000.0
+    )  # fmt: skip
+    assert rack1["set"]["reason"] == "PDU"
+    assert [(c["budget_w"], c["effective_at_s"]) for c in rack1["scheduled"]] == [(600.0, at_s)]
+    # the cluster's budget, its schedule and its history know nothing of the domains
+    assert view["current"]["budget_w"] == 1000.0 and view["current"]["domain"] is None  # type: ignore[index]
+    assert view["scheduled"] == [] and len(view["history"]) == 1  # type: ignore[arg-type]
+    limits_w, _ = api.coordinator.domain_limits_in_force(at_s)
+    assert list(limits_w) == [2000.0, 600.0, 1500.0, 3000.0]
 
 
 def test_malformed_and_oversized_bodies(api: Api) -> None:

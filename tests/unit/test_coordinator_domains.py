@@ -7,6 +7,7 @@ The clusters are `tests.unit.test_coordinator_daemon`'s: in-process agents on si
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -19,6 +20,7 @@ from slurm_cdgpc.cli import admin
 from slurm_cdgpc.coordinator.api import budget_view, status_dict
 from slurm_cdgpc.coordinator.daemon import Coordinator
 from slurm_cdgpc.coordinator.report import IntervalReport
+from slurm_cdgpc.errors import InputError
 from slurm_cdgpc.gpu.catalog import CATALOG
 from slurm_cdgpc.topology import Topology, parse_topology
 from tests.unit.test_coordinator_daemon import Cluster, MakeCluster, make_cluster, register_job
@@ -160,9 +162,10 @@ def test_the_report_api_admin_and_metrics_carry_each_domain(
     ]
     assert report.to_dict()["domains"] == expected
     assert status_dict(head)["last_interval"]["domains"] == expected  # type: ignore[index]
+    from_file = {"source": "file", "set": None, "scheduled": []}
     assert budget_view(head)["domains"] == [
-        {"name": "rack1", "limit_w": RACK1_W},
-        {"name": "rack2", "limit_w": 3000.0},
+        {"name": "rack1", "limit_w": RACK1_W, "file_limit_w": RACK1_W, **from_file},
+        {"name": "rack2", "limit_w": 3000.0, "file_limit_w": 3000.0, **from_file},
     ]
 
     status = _admin(monkeypatch, head, "status").splitlines()
@@ -176,11 +179,14 @@ def test_the_report_api_admin_and_metrics_carry_each_domain(
         json.dumps(status_dict(head))
     )
     shown = _admin(monkeypatch, head, "budget", "show").splitlines()
-    assert shown[:3] == ["budget: 5 kW", "domain rack1: limit 1 kW", "domain rack2: limit 3 kW"]
-    assert json.loads(_admin(monkeypatch, head, "budget", "show", "--json"))["domains"] == [
-        {"name": "rack1", "limit_w": RACK1_W},
-        {"name": "rack2", "limit_w": 3000.0},
+    assert shown[:3] == [
+        "budget: 5 kW",
+        "domain rack1: limit 1 kW (topology file)",
+        "domain rack2: limit 3 kW (topology file)",
     ]
+    assert json.loads(_admin(monkeypatch, head, "budget", "show", "--json")) == json.loads(
+        json.dumps(budget_view(head))
+    )
 
     assert _domain_samples(head) == {
         ("cdgpc_domain_limit_watts", "rack1"): RACK1_W,
@@ -203,3 +209,95 @@ def test_without_a_topology_there_is_no_domain_anywhere(
     assert "domain" not in _admin(monkeypatch, head, "status")
     assert "domain" not in _admin(monkeypatch, head, "budget", "show")
     assert _domain_samples(head) == {}
+
+
+def test_an_admins_rack_limit_is_the_one_the_plan_keeps_until_the_next_one(
+    make_cluster: MakeCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``budget set --domain rack1`` lowers rack1 below its file's limit at once, and a change
+    scheduled for later takes over at its time; ``budget show`` says where each limit comes
+    from, and the cluster's budget is untouched."""
+    cluster = _busy_cluster(make_cluster, parse_topology(TOPOLOGY))
+    head = cluster.head
+    lowered_w, raised_w = 700.0, 900.0
+    head.set_budget(lowered_w, "alice", domain="rack1", reason="breaker work")
+    later_s = cluster.clock() + 6.5
+    head.set_budget(raised_w, "alice", domain="rack1", effective_at_s=later_s)
+    assert cluster.store.current_budget().budget_w == BUDGET_W  # type: ignore[union-attr]
+
+    for _ in range(5):
+        rack1, rack2 = cluster.tick().domains
+        assert (rack1.limit_w, rack2.limit_w) == (lowered_w, 3000.0)
+    assert 0.9 * lowered_w < rack1.planned_w <= lowered_w
+    assert rack1.measured_w <= 1.01 * lowered_w
+    text = head.metrics.render().decode()  # /metrics: the limit in force, not the file's
+    assert 'cdgpc_domain_limit_watts{domain="rack1"} 700.0' in text
+
+    view = budget_view(head)["domains"]
+    assert [(d["name"], d["limit_w"], d["source"], d["file_limit_w"]) for d in view] == [  # type: ignore[attr-defined]
+        ("rack1", lowered_w, "set", RACK1_W),
+        ("rack2", 3000.0, "file", 3000.0),
+    ]
+    [rack1_view, _] = view  # type: ignore[misc]
+    assert rack1_view["set"]["set_by"] == "alice" and rack1_view["set"]["domain"] == "rack1"
+    assert [c["budget_w"] for c in rack1_view["scheduled"]] == [raised_w]
+    shown = _admin(monkeypatch, head, "budget", "show").splitlines()
+    assert shown[1].startswith("domain rack1: limit 700 W (set by alice from ")
+    assert shown[1].endswith(": breaker work)")
+    assert shown[2].startswith("domain rack1: limit 900 W from ")
+    assert shown[2].endswith(" (scheduled by alice)")
+    assert shown[3] == "domain rack2: limit 3 kW (topology file)"
+
+    for _ in range(4):
+        report = cluster.tick()
+    assert report.domains[0].limit_w == raised_w
+    assert report.domains[0].planned_w <= raised_w
+    assert budget_view(head)["domains"][0]["scheduled"] == []  # type: ignore[index]
+
+
+@dataclass
+class _Posts:
+    """``cdgpc-admin``'s client, recording what it would post."""
+
+    posted: list[tuple[str, dict[str, Any]]]
+
+    def post(self, path: str, payload: dict[str, Any]) -> dict[str, Any]:
+        self.posted.append((path, payload))
+        return {"set_by": "root", "effective_at_s": 0.0, **payload}
+
+
+def _budget_set(monkeypatch: pytest.MonkeyPatch, *args: str) -> tuple[Any, list[Any]]:
+    posts = _Posts([])
+    monkeypatch.setattr(admin, "_config", lambda path: None)
+    monkeypatch.setattr(admin, "_client", lambda config: posts)
+    return CliRunner().invoke(admin.budget, ["set", *args]), posts.posted
+
+
+def test_budget_set_domain_only_parses_and_the_head_decides(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    result, posted = _budget_set(monkeypatch, "--domain", "rack12", "40kW", "--reason", "PDU")
+    assert result.exit_code == 0, result.output
+    assert (
+        result.output == "domain rack12: limit 40 kW from " + admin._when(0.0) + " (set by root)\n"
+    )
+    assert posted == [("/v1/budget", {"budget_w": 40e3, "reason": "PDU", "domain": "rack12"})]
+
+    # --at as the budget's, in either order; a negative reason is the option's
+    result, posted = _budget_set(monkeypatch, "35kW", "--at", "+1h", "--domain", "rack12")
+    assert result.exit_code == 0, result.output
+    [(_, payload)] = posted
+    assert payload["domain"] == "rack12" and payload["budget_w"] == 35e3
+    assert payload["effective_at_s"] == pytest.approx(time.time() + 3600, abs=60)
+
+    # a power that is not one: one line naming it, nothing posted (-5W is not an option -5)
+    for power, *where in (("-5W", "--domain", "rack12"), ("-5W",), ("0W", "--domain", "rack12"),
+                          ("40 parsecs", "--domain", "rack12")):  # fmt: skip
+        for args in ([*where, power], [power, *where]):
+            result, posted = _budget_set(monkeypatch, *args)
+            assert result.exit_code != 0 and posted == [], args
+            assert isinstance(result.exception, InputError), args
+            message = str(result.exception)
+            assert "\n" not in message and repr(power) in message, args
+    result, posted = _budget_set(monkeypatch, "--domain")
+    assert result.exit_code == 2 and posted == []
