@@ -874,9 +874,11 @@ def _domain_gradient(
 ) -> tuple[FloatArray, int, int]:
     terms = problem.job_lipschitz()[0]
     L = domains.totals(terms)
-    if not np.all(np.isfinite(L) & (L > 0)):
+    if not np.all(np.isfinite(L)):
         raise SolverError("the dual gradient's Lipschitz bound is not finite")
-    step = 1.0 / ((int(domains.depth.max()) + 1) * L)
+    # a domain with no job under it has G = −B whatever the prices: its price stays 0
+    with np.errstate(divide="ignore"):
+        step = np.where(L > 0, 1.0 / ((int(domains.depth.max()) + 1) * L), 0.0)
     target = -0.5 * tols * domains.budget_w
     for n in range(1, max_evals + 1):
         G = domains.gradients(problem, price)

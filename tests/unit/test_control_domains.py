@@ -115,6 +115,23 @@ def test_modes_agree_on_every_price_of_three_levels(limit: float) -> None:
         assert np.allclose(prices[mode], ref, rtol=1e-4, atol=1e-9 * ref.max()), mode
 
 
+def test_a_domain_with_no_job_keeps_a_zero_price_in_every_mode() -> None:
+    p = build_problem(n=100, budget_fraction=0.5, seed=4)
+    d = _racks(p, rows=1, racks_per_row=2, limit=0.7)
+    empty = DomainSet.nested(
+        100,
+        float(p.budget_w[0]),
+        d.domain[d.depth[d.domain] > 0] - 1,
+        d.job_row[d.depth[d.domain] > 0],
+        d.share[d.depth[d.domain] > 0],
+        np.concatenate([d.budget_w[1:], [1e3]]),
+        np.concatenate([d.parent[1:] - 1, [-1]]).clip(-1),
+    )
+    prices = [solve_domain_prices(p, empty, mode, TOL).price for mode in MODES]
+    assert all(price[-1] == 0.0 for price in prices)
+    assert np.allclose(prices[2], prices[0], rtol=1e-4)
+
+
 def test_newton_takes_few_evaluations_and_a_warm_start_fewer() -> None:
     p = build_problem(n=400, budget_fraction=0.6, seed=5)
     d = _racks(p, rows=2, racks_per_row=4, limit=0.6, span=40)
