@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import resource
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -22,7 +23,15 @@ import numpy as np
 from numpy.typing import NDArray
 
 from slurm_cdgpc.control.domains import DomainLimits
-from slurm_cdgpc.control.dual import MODES, DomainSet, DualProblem, solve_domain_prices, solve_price
+from slurm_cdgpc.control.dual import (
+    MODES,
+    DomainResult,
+    DomainSet,
+    DualProblem,
+    DualResult,
+    solve_domain_prices,
+    solve_price,
+)
 from slurm_cdgpc.control.reference import solve_reference
 from slurm_cdgpc.control.tuning import shipped
 from slurm_cdgpc.errors import InputError
@@ -90,10 +99,12 @@ def bench_controller(
         loop.estimator, loop.job_state(), loop.t_s, budget_w, queue=loop.queue(), domains=domains
     )
     if nested is None:
-        agreement = _modes_agree(problem)
+        agreement = _modes_agree(lambda m: solve_price(problem, m, tol=AGREEMENT_TOL))
         reference = _reference_gap(problem, rng)
     else:
-        agreement = _domain_modes_agree(problem, nested)
+        agreement = _modes_agree(
+            lambda m: solve_domain_prices(problem, nested, m, tol=AGREEMENT_TOL)
+        )
         reference = _domain_reference_gap(problem, nested, rng)
     return {
         "jobs": jobs,
@@ -114,11 +125,12 @@ def bench_controller(
     }
 
 
-def _modes_agree(problem: DualProblem) -> dict[str, Any]:
+def _modes_agree(solve: Callable[[str], DualResult | DomainResult]) -> dict[str, Any]:
+    """Every mode's price (one, or one per domain) against Newton's."""
     prices, iterations, millis = {}, {}, {}
     for m in MODES:
         t0 = time.perf_counter()
-        result = solve_price(problem, m, tol=AGREEMENT_TOL)
+        result = solve(m)
         millis[m] = round(1e3 * (time.perf_counter() - t0), 1)
         prices[m] = result.price
         iterations[m] = result.evaluations
@@ -129,11 +141,13 @@ def _modes_agree(problem: DualProblem) -> dict[str, Any]:
         for p in prices.values()
     )
     same_status = all(np.array_equal(np.isfinite(p), np.isfinite(base)) for p in prices.values())
+    same_binding = all(np.array_equal(p > 0, base > 0) for p in prices.values())
     return {
-        "modes_agree": bool(same_status and spread <= 1e-6),
+        "modes_agree": bool(same_status and same_binding and spread <= 1e-6),
         "modes_price_spread_rel": spread,
         "modes_iterations": iterations,
         "modes_ms": millis,
+        "domains_binding": int(np.count_nonzero(base[1:] > 0)),
     }
 
 
@@ -226,30 +240,6 @@ class RackedFleet:
             share,
             parent=self.parent,
         )
-
-
-def _domain_modes_agree(problem: DualProblem, nested: DomainSet) -> dict[str, Any]:
-    prices, iterations, millis = {}, {}, {}
-    for m in MODES:
-        t0 = time.perf_counter()
-        result = solve_domain_prices(problem, nested, m, tol=AGREEMENT_TOL)
-        millis[m] = round(1e3 * (time.perf_counter() - t0), 1)
-        prices[m] = result.price
-        iterations[m] = result.evaluations
-    base = prices["newton"]
-    finite = np.isfinite(base) & (base > 0)
-    spread = max(
-        float(np.max(np.abs(p[finite] - base[finite]) / base[finite])) if finite.any() else 0.0
-        for p in prices.values()
-    )
-    same = all(np.array_equal(p > 0, base > 0) for p in prices.values())
-    return {
-        "modes_agree": bool(same and spread <= 1e-6),
-        "modes_price_spread_rel": spread,
-        "modes_iterations": iterations,
-        "modes_ms": millis,
-        "domains_binding": int(np.count_nonzero(base[1:] > 0)),
-    }
 
 
 def _domain_reference_gap(

@@ -417,40 +417,34 @@ class DomainResult:
         return domains.job_price(self.price)
 
 
-class _Level:
-    """The domains ``idx`` (of one depth) as problems in their own prices, every other price
-    held at ``price``: what `_newton` and `_bisection` solve. One row per (domain, job), the
-    job priced μ = μ_held + s_dn (λ_d − λ_d,held): each G_d depends on λ_d alone, so it is
-    non-increasing in it and a bracket stays a bracket (a job under two of them is evaluated
-    for each; Jacobi). Only the jobs under them are evaluated."""
+class _OneEach:
+    """Domains ``idx`` of one level as independent problems in their own prices, one row per
+    (domain, job): what `_newton` and `_bisection` solve. A subclass prices the rows
+    (`_price`) and says how a row's price moves with its domain's (`_moves`)."""
 
-    def __init__(
-        self, problem: DualProblem, domains: DomainSet, price: FloatArray, idx: NDArray[np.int64]
-    ) -> None:
+    def _rows(self, problem: DualProblem, domains: DomainSet, idx: NDArray[np.int64]) -> None:
         self.idx = idx
         self.budget_w = domains.budget_w[idx]
         self.evaluations = 0
         position = np.full(domains.size, -1, dtype=np.int64)
         position[idx] = np.arange(idx.size)
-        own = np.flatnonzero(position[domains.domain] >= 0)
-        rows = domains.job_row[own]
+        self.own = np.flatnonzero(position[domains.domain] >= 0)
+        rows = domains.job_row[self.own]
         every = rows.size == domains.jobs and bool(np.all(rows == np.arange(domains.jobs)))
         self.problem = problem if every else problem.rows(rows)
-        self._pos = position[domains.domain[own]]
-        self._share = domains.share[own]
-        self._held = price[idx]
-        with np.errstate(invalid="ignore"):  # ∞ − ∞: a job under a domain that cannot fit
-            base = domains.job_price(price)[rows] - self._share * price[domains.domain[own]]
-        self._base = np.where(np.isnan(base), np.inf, base)
+        self._pos = position[domains.domain[self.own]]
+        self._share = domains.share[self.own]
 
     @property
     def horizon(self) -> int:
         return int(self.idx.shape[0])
 
     def _price(self, lam: FloatArray) -> FloatArray:
-        with np.errstate(invalid="ignore"):
-            mu = self._base + self._share * lam[self._pos]
-        return np.where(np.isnan(mu), np.inf, mu)
+        raise NotImplementedError
+
+    def _moves(self, lam: FloatArray) -> FloatArray:
+        """dμ_row / dλ_d for each row."""
+        raise NotImplementedError
 
     def _totals(self, values: FloatArray) -> FloatArray:
         sums = np.bincount(self._pos, weights=self._share * values, minlength=self.horizon)
@@ -462,10 +456,34 @@ class _Level:
         return self._totals(self.problem.power_w(x, x_m)[0]) - self.budget_w
 
     def gradient_slope(self, lam: FloatArray) -> tuple[FloatArray, FloatArray]:
-        """G_d and dG_d/dλ_d = Σ s_dn² d(g P_n)/dμ_n for the level's domains."""
+        """G_d and dG_d/dλ_d = Σ_rows s g P'(μ) dμ/dλ_d."""
         self.evaluations += 1
         power, slope = self.problem.power_slope(self._price(lam)[None, :])
-        return self._totals(power[0]) - self.budget_w, self._totals(self._share * slope[0])
+        return self._totals(power[0]) - self.budget_w, self._totals(slope[0] * self._moves(lam))
+
+
+class _Level(_OneEach):
+    """The domains ``idx`` (of one depth) in their own prices, every other price held at
+    ``price``: a row's job pays μ = μ_held + s_dn (λ_d − λ_d,held), so each G_d depends on λ_d
+    alone, is non-increasing in it, and a bracket stays a bracket (a job under two of them is
+    evaluated for each; Jacobi). Only the jobs under them are evaluated."""
+
+    def __init__(
+        self, problem: DualProblem, domains: DomainSet, price: FloatArray, idx: NDArray[np.int64]
+    ) -> None:
+        self._rows(problem, domains, idx)
+        rows = domains.job_row[self.own]
+        with np.errstate(invalid="ignore"):  # ∞ − ∞: a job under a domain that cannot fit
+            base = domains.job_price(price)[rows] - self._share * price[domains.domain[self.own]]
+        self._base = np.where(np.isnan(base), np.inf, base)
+
+    def _price(self, lam: FloatArray) -> FloatArray:
+        with np.errstate(invalid="ignore"):
+            mu = self._base + self._share * lam[self._pos]
+        return np.where(np.isnan(mu), np.inf, mu)
+
+    def _moves(self, lam: FloatArray) -> FloatArray:
+        return self._share
 
 
 @dataclass
@@ -508,7 +526,7 @@ class _Pieces:
         return cls(job, share, ancestor, np.zeros(job.size))
 
 
-class _Subtree:
+class _Subtree(_OneEach):
     """The domains ``idx`` of one depth, each in its total price π_d (the sum of the prices on
     its path), the levels below solved and every other price held: one independent problem per
     domain, so each G_d is non-increasing in π_d alone and a bracket stays a bracket.
@@ -527,17 +545,10 @@ class _Subtree:
         depth: int,
         held: FloatArray,
     ) -> None:
-        self.idx = idx
-        self.budget_w = domains.budget_w[idx]
-        self.evaluations = 0
+        self._rows(problem, domains, idx)
+        own, rows = self.own, domains.job_row[self.own]
         position = np.full(domains.size, -1, dtype=np.int64)
         position[idx] = np.arange(idx.size)
-        own = np.flatnonzero(position[domains.domain] >= 0)  # one row per (domain, job)
-        rows = domains.job_row[own]
-        self._pos = position[domains.domain[own]]
-        self._share = domains.share[own]
-        every = rows.size == domains.jobs and bool(np.all(rows == np.arange(domains.jobs)))
-        self.problem = problem if every else problem.rows(rows)
         # each row's pieces: those under its domain move with π_d, the others are held
         anc = pieces.ancestor[:, depth]
         own_domain = pieces.ancestor.max(axis=1)
@@ -566,33 +577,17 @@ class _Subtree:
             fixed = held_total[rows] - moved_held
         self._fixed = np.where(np.isnan(fixed), np.inf, fixed)
 
-    @property
-    def horizon(self) -> int:
-        return int(self.idx.shape[0])
-
     def _price(self, pi: FloatArray) -> FloatArray:
         moving = self._m_share * np.maximum(pi[self._pos[self._m_row]], self._m_floor)
         with np.errstate(invalid="ignore"):
             mu = self._fixed + np.bincount(self._m_row, weights=moving, minlength=self._fixed.size)
         return np.where(np.isnan(mu), np.inf, mu)
 
-    def _totals(self, values: FloatArray) -> FloatArray:
-        sums = np.bincount(self._pos, weights=self._share * values, minlength=self.horizon)
-        return sums.astype(np.float64)
-
-    def gradient(self, pi: FloatArray) -> FloatArray:
-        self.evaluations += 1
-        x, x_m = self.problem.best_response(self._price(pi)[None, :])
-        return self._totals(self.problem.power_w(x, x_m)[0]) - self.budget_w
-
-    def gradient_slope(self, pi: FloatArray) -> tuple[FloatArray, FloatArray]:
-        """G_d and dG_d/dπ_d = Σ_rows s g P'(μ) dμ/dπ_d, dμ/dπ_d the moving pieces' shares
-        above their floors."""
-        self.evaluations += 1
-        power, slope = self.problem.power_slope(self._price(pi)[None, :])
+    def _moves(self, pi: FloatArray) -> FloatArray:
+        """The moving pieces' shares above their floors, per row."""
         above = pi[self._pos[self._m_row]] > self._m_floor
-        d_mu = np.bincount(self._m_row, weights=self._m_share * above, minlength=self._fixed.size)
-        return self._totals(power[0]) - self.budget_w, self._totals(slope[0] * d_mu)
+        moves = np.bincount(self._m_row, weights=self._m_share * above, minlength=self._fixed.size)
+        return moves.astype(np.float64)
 
 
 def _bottom_up(
