@@ -29,6 +29,27 @@ def test_bench_controller_prints_one_json_object_with_the_promised_keys() -> Non
     assert abs(report["reference_gap_pct"]) < 0.1
 
 
+def test_bench_controller_with_racks_checks_every_domain_price() -> None:
+    code, out = _run(
+        "bench", "controller", "--jobs", "400", "--steps", "2", "--topology", "2x3",
+        "--budget-fraction", "0.9", "--json",
+    )  # fmt: skip
+    assert code == 0, out
+    report = json.loads(out)
+    assert report["domains"] == 2 + 6
+    # the budget does not bind; racks at 0.55-0.8 and rows at 0.7 of their top-clock power do
+    assert report["domains_binding"] >= 2
+    assert report["modes_agree"] is True
+    assert abs(report["reference_gap_pct"]) < 0.1
+
+
+@pytest.mark.parametrize("topology", ["0x3", "2", "2x3x4", "-1x2"])
+def test_bench_controller_refuses_a_topology_it_cannot_read(topology: str) -> None:
+    code, out = _run("bench", "controller", "--jobs", "10", "--topology", topology)
+    assert code == 2
+    assert "expected ROWSxRACKS" in out
+
+
 def test_demo_holds_the_budget_and_applies_the_budget_change() -> None:
     code, out = _run(
         "demo", "--in-process", "--jobs", "16", "--intervals", "12", "--speed", "0", "--json"
