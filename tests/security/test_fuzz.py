@@ -529,7 +529,11 @@ _BODIES: dict[str, st.SearchStrategy[Any]] = {
     ),
     "head POST /v1/budget": st.fixed_dictionaries(
         {"budget_w": st.floats() | st.integers() | json_values},
-        optional={"effective_at_s": st.floats() | json_values, "reason": json_values},
+        optional={
+            "effective_at_s": st.floats() | json_values,
+            "reason": json_values,
+            "domain": st.sampled_from(["rack1", "cluster", "rack99", ""]) | json_values,
+        },
     ),
     "agent POST /v1/exchange": _exchange_like,
     "agent POST /v1/release": st.fixed_dictionaries(
