@@ -302,7 +302,11 @@ class EconomicMPC:
                     budgets = nested.budget_w.copy()
                     budgets[0] = problem.budget_w[0]
                     nested = replace(nested, budget_w=budgets)
-                result = self._solve(problem, nested, warm=result.price)
+                # the next step starts from the prices applied with domains, and from the
+                # first solve's price without (as the one-price controller always has)
+                result = self._solve(
+                    problem, nested, warm=result.price, remember=nested is not None
+                )
                 x, x_m = self._respond(problem, nested, result)
         if result.status[0] is StepStatus.INFEASIBLE:
             # nothing fits: unknown jobs too go to their lowest clock (still counted at the limit)
@@ -326,8 +330,10 @@ class EconomicMPC:
         problem: DualProblem,
         nested: DomainSet | None,
         warm: FloatArray | None = None,
+        remember: bool = True,
     ) -> DualResult | DomainResult:
-        """The price (one, or one per domain), warm-started from the last step's."""
+        """The price (one, or one per domain), warm-started from the last step's; the next
+        step starts from it if ``remember`` (the first solve of a step, not the margin's)."""
         s = self.settings
         if warm is None:
             warm = self._last_price
@@ -345,7 +351,10 @@ class EconomicMPC:
                 domain_tol=s.domain_tol,
                 warm_roots=self._last_roots,
             )
-            self._last_roots = result.roots
+            if remember:
+                self._last_roots = result.roots
+        if not remember:
+            return result
         if nested is not None:
             self._last_price = np.where(np.isfinite(result.price), result.price, 0.0)
         elif np.all(np.isfinite(result.price) & (result.price > 0)):
