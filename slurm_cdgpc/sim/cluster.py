@@ -565,9 +565,8 @@ class Simulator:
             t_rec.append(t)
             p_rec.append(power_w)
             d_rec.append(float(np.sum(run.gpus * at_max.power_w)) + idle_gpu_w)
-            if (
-                topology is not None
-            ):  # per node, as p_rec: its jobs' GPUs at true power, its idle GPUs
+            if topology is not None:
+                # per node, as p_rec: its jobs' GPUs at true power, its idle GPUs at idle power
                 n_rec.append(
                     (
                         run.alloc.T @ (job_w / run.gpus)
