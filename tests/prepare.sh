@@ -21,6 +21,8 @@ command -v sshd >/dev/null || [ -x /usr/sbin/sshd ] ||
     missing "openssh-server openssh-client" "the SSH transport tests"
 command -v ip >/dev/null || missing iproute2 "the network partition fault tests"
 command -v promtool >/dev/null || missing prometheus "the promtool check of /metrics"
+command -v lua5.1 >/dev/null || command -v lua >/dev/null ||
+    missing lua5.1 "the test of daemon/job_submit.lua against the Prolog's grammar"
 
 if ((${#need[@]})); then
     if [ "$(id -u)" -eq 0 ] && command -v apt-get >/dev/null; then
