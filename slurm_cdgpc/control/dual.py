@@ -596,6 +596,7 @@ def _bottom_up(
     domains: DomainSet,
     warm_price: FloatArray,
     warm_roots: FloatArray | None,
+    lowest: FloatArray,
     mode: str,
     tols: FloatArray,
     max_evals: int,
@@ -621,7 +622,6 @@ def _bottom_up(
         warm_root = np.where(np.isfinite(warm_roots) & (warm_roots > 0), warm_roots, 0.0)
     pieces = _Pieces.of(domains)
     held = warm_root.copy()  # each domain's root as known so far: warm, then solved
-    lowest = domains.totals(problem.power_w(problem.x_lo, problem.xm_lo)) - domains.budget_w
     evaluations = 0
     for k in range(int(domains.depth.max()), -1, -1):
         idx = np.flatnonzero(domains.depth == k)
@@ -737,6 +737,8 @@ def solve_domain_prices(
     if warm_price is not None and warm_price.shape == (size,):
         price = np.where(np.isfinite(warm_price) & (warm_price > 0), warm_price, 0.0)
     roots = np.zeros(0)
+    # G_d with every job under d at its lowest clocks: where it is > 0 nothing fits (+inf)
+    lowest = domains.totals(problem.power_w(problem.x_lo, problem.xm_lo)) - domains.budget_w
     if mode == "gradient":
         price, evaluations, sweeps = _domain_gradient(
             problem, domains, price, tols, max_evaluations
@@ -747,7 +749,9 @@ def solve_domain_prices(
         evaluations, sweeps = 0, 0
         held = warm_roots
         for _ in range(BOTTOM_UP_PASSES):
-            price, roots, n = _bottom_up(problem, domains, price, held, mode, tols, max_evaluations)
+            price, roots, n = _bottom_up(
+                problem, domains, price, held, lowest, mode, tols, max_evaluations
+            )
             held = roots
             G = domains.gradients(problem, price)
             evaluations += n + 1
@@ -755,11 +759,14 @@ def solve_domain_prices(
                 break
         else:
             price, more, sweeps = _domain_sweeps(
-                problem, domains, price, mode, tols, max_evaluations
+                problem, domains, price, lowest, mode, tols, max_evaluations
             )
-            evaluations += more
-    price, extra = _raise_to_feasible(problem, domains, price, mode, tols, max_evaluations)
-    evaluations += extra
+            # the sweeps may stop unsettled; a settled pass, or the gradient's answer (it
+            # returns only once every domain is in its window), is within every limit already
+            price, extra = _raise_to_feasible(
+                problem, domains, price, lowest, tols, max_evaluations
+            )
+            evaluations += more + extra
     status = tuple(
         StepStatus.INFEASIBLE
         if not np.isfinite(lam)
@@ -832,6 +839,7 @@ def _domain_sweeps(
     problem: DualProblem,
     domains: DomainSet,
     price: FloatArray,
+    lowest: FloatArray,
     mode: str,
     tols: FloatArray,
     max_evals: int,
@@ -839,7 +847,6 @@ def _domain_sweeps(
     """Block coordinate ascent: each sweep evaluates every domain once, then re-solves the
     levels whose domains are out of their KKT window, deepest first."""
     levels = [np.flatnonzero(domains.depth == k) for k in range(int(domains.depth.max()), -1, -1)]
-    lowest = domains.totals(problem.power_w(problem.x_lo, problem.xm_lo)) - domains.budget_w
     evaluations = 0
     for sweep in range(1, MAX_SWEEPS + 1):
         G = domains.gradients(problem, price)
@@ -903,7 +910,7 @@ def _raise_to_feasible(
     problem: DualProblem,
     domains: DomainSet,
     price: FloatArray,
-    mode: str,
+    lowest: FloatArray,
     tols: FloatArray,
     max_evals: int,
 ) -> tuple[FloatArray, int]:
@@ -914,7 +921,6 @@ def _raise_to_feasible(
     if np.all((G <= 0.0) | ~np.isfinite(price)):
         return price, 1
     evaluations = 1
-    lowest = domains.totals(problem.power_w(problem.x_lo, problem.xm_lo)) - domains.budget_w
     for k in range(int(domains.depth.max()), -1, -1):
         idx = np.flatnonzero(domains.depth == k)
         over = idx[(G[idx] > 0) & np.isfinite(price[idx])]
