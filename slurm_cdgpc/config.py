@@ -426,6 +426,16 @@ class RetentionConfig:
 
 
 @dataclass(frozen=True)
+class AdmissionConfig:
+    """[admission]: the PrologSlurmctld's verdict on a starting job's deadline
+    (`slurm_cdgpc.slurm.admission`; DESIGN.md, "Admission at job start")."""
+
+    #: an "infeasible" verdict fails the PrologSlurmctld, so Slurm requeues the job (cancels it
+    #: under ``--no-requeue``); false: the verdict is only written, every job starts
+    enforce: bool = _setting(False, _boolean)
+
+
+@dataclass(frozen=True)
 class Config:
     head: HeadConfig = HeadConfig()
     store: StoreConfig = StoreConfig()
@@ -435,6 +445,7 @@ class Config:
     auth: AuthConfig = AuthConfig()
     node: NodeConfig = NodeConfig()
     retention: RetentionConfig = RetentionConfig()
+    admission: AdmissionConfig = AdmissionConfig()
     #: the file that was read (None: defaults and environment only)
     path: Path | None = None
 

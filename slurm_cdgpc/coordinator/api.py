@@ -1,6 +1,7 @@
 """cdgpcd's HTTP API (`_Handler`): ``POST /v1/jobs``, ``DELETE /v1/jobs/{id}``, ``GET /v1/jobs``,
-``POST /v1/nodes``, ``GET /v1/nodes``, ``POST /v1/budget``, ``GET /v1/budget``,
-``GET /v1/status``, ``GET /v1/decisions``, ``GET /metrics`` and ``GET /v1/health``. All but the
+``POST /v1/admission``, ``POST /v1/nodes``, ``GET /v1/nodes``, ``POST /v1/budget``,
+``GET /v1/budget``, ``GET /v1/status``, ``GET /v1/decisions``, ``GET /metrics`` and
+``GET /v1/health``. All but the
 last two are authenticated, every authenticated answer is signed, and a refused request changes
 nothing. Tests: `tests/unit/test_coordinator_api.py`, `tests/security/test_live_attacks.py`;
 design: DESIGN.md, "The head's API" and "Authentication".
@@ -18,6 +19,7 @@ from http import HTTPStatus
 from typing import Any, Final
 from urllib.parse import parse_qs, urlsplit
 
+from slurm_cdgpc.coordinator.admission import AdmissionRequest, judge
 from slurm_cdgpc.coordinator.daemon import Coordinator
 from slurm_cdgpc.coordinator.metrics import CONTENT_TYPE
 from slurm_cdgpc.coordinator.registrations import Registration
@@ -51,6 +53,8 @@ logger = logging.getLogger(__name__)
 
 MAX_BODY_BYTES: Final = 64 * 1024
 MAX_GPUS_PER_NODE: Final = 1024
+#: the most GPUs, and nodes, one admission request may name
+MAX_GPUS_PER_JOB: Final = 1_000_000
 DEFAULT_DECISIONS: Final = 20
 MAX_DECISIONS: Final = 1000
 _JOB_PATH: Final = re.compile(r"/v1/jobs/(?P<job_id>[^/?]+)")
@@ -369,6 +373,10 @@ class _Handler(JsonHandler):
                                       iterations_total?, time_limit_s?, start_s?}; idempotent,
                                       a multi-node job registers once per node
         DELETE /v1/jobs/{id}   node   deregister; its GPUs are released at the next exchange
+        POST   /v1/admission   node   {job_id, user, gpus (count), nodes, deadline_s?, gpu_type?,
+                                      iterations_total?, time_limit_s?}: would the starting
+                                      job meet its deadline under the current plan
+                                      (`coordinator.admission.judge`); records nothing
         POST   /v1/nodes       node   announce {node, url, gpu_type?} (the agent's URL)
         POST   /v1/budget      admin  {budget_w, effective_at_s?, reason?, domain?}: the budget,
                                       or with domain that power domain's limit (checked
@@ -456,6 +464,7 @@ class _Handler(JsonHandler):
             return
         routes = {
             "/v1/jobs": ("GET", "POST"),
+            "/v1/admission": ("POST",),
             "/v1/nodes": ("GET", "POST"),
             "/v1/budget": ("GET", "POST"),
             "/v1/status": ("GET",),
@@ -475,6 +484,9 @@ class _Handler(JsonHandler):
         elif path == "/v1/jobs":
             principal = self._authenticate(method, body, Operation.NODE)
             self._register(body, principal)
+        elif path == "/v1/admission":
+            principal = self._authenticate(method, body, Operation.NODE)
+            self._send(HTTPStatus.OK, self._admit(body, principal))
         else:
             self._authenticate(method, body, Operation.NODE)
             d = _object(body, ("node", "url"), ("gpu_type",))
@@ -520,6 +532,51 @@ class _Handler(JsonHandler):
             budget_w,
         )
         return budget_dict(change)
+
+    def _admit(self, body: bytes, principal: Principal) -> dict[str, object]:
+        """``POST /v1/admission``: the verdict on a starting job, logged; nothing recorded."""
+        d = _object(
+            body,
+            ("job_id", "user", "gpus", "nodes"),
+            ("deadline_s", "gpu_type", "iterations_total", "time_limit_s"),
+        )
+        job = _checked(names.job_id, d["job_id"], "job_id")
+        user = _checked(names.account, d["user"], "user")
+        gpus = _count(d["gpus"], "gpus")
+        if gpus is None or not 1 <= gpus <= MAX_GPUS_PER_JOB:
+            raise _bad(f"gpus: must be a count of GPUs from 1 to {MAX_GPUS_PER_JOB}, got {gpus}")
+        raw_nodes = d["nodes"]
+        if not isinstance(raw_nodes, list) or not 1 <= len(raw_nodes) <= MAX_GPUS_PER_JOB:
+            raise _bad(f"nodes: must be a non-empty list of node names, got {raw_nodes!r:.60}")
+        nodes = tuple(_checked(names.node_name, n, f"nodes[{i}]") for i, n in enumerate(raw_nodes))
+        if len(set(nodes)) != len(nodes):
+            raise _bad("nodes: a node is listed twice")
+        gpu_type = None if d.get("gpu_type") is None else _text(d["gpu_type"], "gpu_type", limit=64)
+        time_limit_s = _optional_number(d.get("time_limit_s"), "time_limit_s")
+        if time_limit_s is not None and time_limit_s <= 0:
+            raise _bad(f"time_limit_s: must be > 0, got {time_limit_s:g}")
+        admission = judge(
+            self.server.coordinator,
+            AdmissionRequest(
+                job,
+                user,
+                gpus,
+                nodes,
+                deadline_s=_optional_number(d.get("deadline_s"), "deadline_s"),
+                gpu_type=gpu_type,
+                iterations_total=_count(d.get("iterations_total"), "iterations_total"),
+                time_limit_s=time_limit_s,
+            ),
+        )
+        logger.info(
+            "job %s: admission for %s, asked by %s: %s: %s",
+            job,
+            user,
+            principal,
+            admission.verdict,
+            admission.reason,
+        )
+        return {"job_id": job, **admission.to_dict()}
 
     def _register(self, body: bytes, principal: Principal) -> None:
         """Queue the registration and answer once it is committed (`GroupCommit`), on the

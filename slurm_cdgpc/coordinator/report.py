@@ -11,6 +11,8 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+import numpy as np
+
 from slurm_cdgpc.control.domains import DomainLimits
 from slurm_cdgpc.control.empc import Decision
 from slurm_cdgpc.coordinator.jobs import GpuRef, RunningJobs
@@ -51,6 +53,10 @@ class DomainView:
     planned_w: float
     #: what its nodes' GPUs reported in the last exchange (as `IntervalReport.measured_power_w`)
     measured_w: float
+    #: its price in the decision (`Decision.domain_price`: 0 where its limit does not bind, +inf
+    #: where it does not fit even at the lowest clocks); a job under it pays it on top of the
+    #: cluster's (`coordinator.admission`)
+    price: float = 0.0
 
     def to_dict(self) -> dict[str, object]:
         return {
@@ -124,8 +130,17 @@ def domain_views(
         node_w[ref.node] = node_w.get(ref.node, 0.0) + power_w
     measured_w = topology.node_power_w(node_w)
     planned_w = limits.uncontrolled_w + (0.0 if decision is None else decision.domain_planned_w)
+    prices = np.zeros(len(limits.names))
+    if decision is not None and decision.domain_price.shape == prices.shape:
+        prices = decision.domain_price
     return tuple(
-        DomainView(name, float(limits.limit_w[d]), float(planned_w[d]), float(measured_w[d]))
+        DomainView(
+            name,
+            float(limits.limit_w[d]),
+            float(planned_w[d]),
+            float(measured_w[d]),
+            float(prices[d]),
+        )
         for d, name in enumerate(limits.names)
     )
 

@@ -135,6 +135,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         "CDGPC_SLURM_LAB": str(lab),
         "CDGPC_PYTHON": sys.executable,
         "CDGPC_SLURM_HOOK_CONFIG": str(hooks_config),
+        # cdgpc-prolog-slurmctld as PrologSlurmctld: the admission verdict at every job start
+        "CDGPC_SLURM_PROLOG_SLURMCTLD": "1",
     }
     started = subprocess.run(
         ["bash", str(HARNESS), "start"],
@@ -227,6 +229,28 @@ def test_job_registers_gets_clocks_and_is_deregistered(slurm: Cluster) -> None:
         5,
         slurm.logs,
     )
+
+
+def test_a_starting_job_gets_the_heads_deadline_verdict_in_its_admin_comment(
+    slurm: Cluster,
+) -> None:
+    """The PrologSlurmctld asks the head and writes its verdict where ``scontrol show job``
+    shows it to the user; the head logs it. Half an hour of work at most (``--time=30``),
+    two hours to the deadline, no budget: feasible at the top clock."""
+    job = slurm.sbatch("--comment=deadline=+2h", "--gres=gpu:1", "--time=30", "--wrap", "sleep 3")
+    wait("job running", lambda: _running(slurm, job), 15, slurm.logs)
+    shown = subprocess.run(
+        ["scontrol", "show", "job", job], capture_output=True, text=True, check=True
+    ).stdout
+    comment = re.search(r"AdminComment=(.*)", shown)
+    assert comment, shown
+    assert comment[1].startswith("cdgpc: feasible: work ≤ 0.50 h at top clocks"), comment[1]
+    assert re.search(r"at [0-9]+ MHz \(", comment[1]) and "to its deadline" in comment[1]
+    logged = slurm.local.head.daemon.text() if slurm.local.head.daemon else ""
+    assert f"job {job}: admission for root" in logged
+    ran = (slurm.lab / "log" / "prolog-slurmctld.log").read_text().split("\n")
+    assert f"{job} 0" in ran
+    wait("job ended", lambda: slurm.state(job) in ("COMPLETED", "GONE"), 30, slurm.logs)
 
 
 #: a PyTorch training loop that knows nothing of slurm-cdgpc; it notes when its first step is done

@@ -14,6 +14,9 @@
 #   CDGPC_PYTHON             interpreter the hooks run with (absolute)   default: .venv, else python3
 #   CDGPC_SLURM_HOOK_CONFIG  cdgpc.toml the hooks read                    default: none (defaults)
 #   CDGPC_SLURM_SKIP_INSTALL=1  never run apt-get
+#   CDGPC_SLURM_PROLOG_SLURMCTLD=1  also run cdgpc-prolog-slurmctld (the admission verdict) as
+#                            PrologSlurmctld; off by default: it costs every job start a Python
+#                            start and two scontrol calls in slurmctld, which the bench would count
 # $LAB/hooks/env/NODE (optional, KEY=VALUE lines) is exported to NODE's hooks only: every node
 # here shares one host and one hook config, so a test names each node's own agent that way
 # (CDGPC_NODE_LISTEN_PORT=...), as each real node's /etc/cdgpc/cdgpc.toml would.
@@ -98,6 +101,14 @@ exit \$rc
 EOF
         chmod 755 "$LAB/hooks/$kind"
     done
+    cat >"$LAB/hooks/prolog-slurmctld" <<EOF
+#!/bin/bash
+$LAB/hooks/real/cdgpc-prolog-slurmctld
+rc=\$?
+echo "\$SLURM_JOB_ID \$rc" >>$LAB/log/prolog-slurmctld.log
+exit \$rc
+EOF
+    chmod 755 "$LAB/hooks/prolog-slurmctld"
     # the TaskProlog's stdout is Slurm's: its export lines go into the task's environment
     cat >"$LAB/hooks/task-prolog" <<EOF
 #!/bin/bash
@@ -182,6 +193,9 @@ TaskProlog=$LAB/hooks/task-prolog
 PrologFlags=Alloc
 PrologEpilogTimeout=20
 EOF
+        if [ "${CDGPC_SLURM_PROLOG_SLURMCTLD:-0}" = 1 ]; then
+            echo "PrologSlurmctld=$LAB/hooks/prolog-slurmctld"
+        fi
         i=1
         for n in "${NODES[@]}"; do
             echo "NodeName=$n NodeHostname=$HOST NodeAddr=127.0.0.1 Port=$((17000 + i)) CPUs=8 RealMemory=4000 Gres=gpu:$GPUS State=UNKNOWN"

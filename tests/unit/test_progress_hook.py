@@ -578,7 +578,16 @@ def test_the_installer_writes_the_task_prolog_with_its_config_only(tmp_path: Pat
     argv = ["--dest", str(tmp_path), "--python", sys.executable, "--config", "/etc/c.toml"]
     assert install.main([*argv, "--spool-dir", "/var/spool/cdgpc", "--strict"]) == 0
     written = sorted(p.name for p in tmp_path.iterdir())
-    assert written == ["cdgpc-epilog", "cdgpc-prolog", "cdgpc-task-prolog"]
+    assert written == [
+        "cdgpc-epilog",
+        "cdgpc-prolog",
+        "cdgpc-prolog-slurmctld",
+        "cdgpc-task-prolog",
+    ]
+    # the PrologSlurmctld has no spool and never --strict: only the config, as given
+    assert (tmp_path / "cdgpc-prolog-slurmctld").read_text() == install.render_hook(
+        "prolog-slurmctld", sys.executable, ["--config", "/etc/c.toml"]
+    )
     text = (tmp_path / "cdgpc-task-prolog").read_text()
     assert text == install.render_hook("task-prolog", sys.executable, ["--config", "/etc/c.toml"])
     assert text.startswith(f"#!{sys.executable} -I\n") and "--strict" not in text

@@ -207,6 +207,7 @@ def test_committed_entry_points_match_the_installer() -> None:
         ("prolog", REPO / "prolog" / "cdgpc-prolog"),
         ("epilog", REPO / "epilog" / "cdgpc-epilog"),
         ("task-prolog", REPO / "prolog" / "cdgpc-task-prolog"),
+        ("prolog-slurmctld", REPO / "prolog" / "cdgpc-prolog-slurmctld"),
     ):
         assert path.read_text() == render_hook(kind)
         assert path.stat().st_mode & 0o111
