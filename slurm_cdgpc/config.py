@@ -22,7 +22,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from slurm_cdgpc.errors import InputError
-from slurm_cdgpc.units import parse_duration_s, parse_power_w
+from slurm_cdgpc.units import parse_duration_s, parse_power_w, parse_ramp_w_per_s
 from slurm_cdgpc.wire.names import ACCOUNT, NODE_NAME
 
 logger = logging.getLogger(__name__)
@@ -78,6 +78,13 @@ def _duration(value: object) -> float:
 
 def _power(value: object) -> float:
     return _quantity(value, "must be a power like 450kW", parse_power_w)
+
+
+def _ramp(value: object) -> float:
+    """A ramp rate in W/s: a positive number, text like ``5kW/s``, or ``off`` (inf)."""
+    if isinstance(value, str) and value.strip().lower() == "off":
+        return math.inf
+    return _quantity(value, "must be a power per second like 5kW/s, or off", parse_ramp_w_per_s)
 
 
 def _optional(parse: Parser) -> Parser:
@@ -351,6 +358,14 @@ class ControlConfig:
     #: the guard rail: each controlled GPU's power limit at its planned power times (1 + this),
     #: so the firmware clips a model's under-prediction within a second (0: off)
     power_limit_margin: float = _setting(0.0, _non_negative)
+    #: how fast the cluster's planned power may move up, and toward a lower budget scheduled
+    #: ahead (DESIGN.md, "Ramp limits and the emergency cut"): W/s, e.g. "5kW/s"; off: no limit
+    ramp: float = _setting(math.inf, _ramp)
+    #: the emergency cut: where the nodes' answers show a limit broken by more than
+    #: max(guard band, emergency_margin), its lowest-pressure jobs go to their lowest clocks in
+    #: the same exchange round, before the next plan
+    emergency: bool = _setting(True, _boolean)
+    emergency_margin: float = _setting(0.01, _in_range(0.0, 1.0, hi_open=True))
     #: decide and record, but apply nothing
     shadow: bool = _setting(False, _boolean)
 

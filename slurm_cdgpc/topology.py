@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 from numpy.typing import NDArray
 
-from slurm_cdgpc.config import _BadValueError, _power
+from slurm_cdgpc.config import _BadValueError, _power, _ramp
 from slurm_cdgpc.control.domains import DomainLimits
 from slurm_cdgpc.errors import InputError, one_line
 from slurm_cdgpc.model.families import FloatArray
@@ -30,7 +30,7 @@ from slurm_cdgpc.wire.names import NODE_NAME
 #: the root: every node is under it, and its limit is the budget (``cdgpc-admin budget set``)
 CLUSTER = "cluster"
 #: a ``[[domain]]`` table's keys
-KEYS = ("name", "parent", "limit", "nodes")
+KEYS = ("name", "parent", "limit", "nodes", "ramp")
 
 
 def _got(value: object) -> str:
@@ -67,6 +67,8 @@ class Domain:
     limit_w: float
     #: the nodes named directly here (not through a child), expanded and sorted
     nodes: tuple[str, ...] = ()
+    #: how fast its GPUs' planned power may move, W/s (inf: only the cluster's ramp)
+    ramp_w_per_s: float = math.inf
 
 
 @dataclass(frozen=True)
@@ -151,6 +153,11 @@ class Topology:
     def limits_w(self) -> FloatArray:
         """(D,) each domain's limit, as the file has it."""
         return np.array([d.limit_w for d in self.domains], dtype=np.float64)
+
+    @property
+    def ramps_w_per_s(self) -> FloatArray:
+        """(D,) each domain's ramp rate in W/s (inf: none of its own)."""
+        return np.array([d.ramp_w_per_s for d in self.domains], dtype=np.float64)
 
     def index(self, name: str) -> int:
         try:
@@ -310,7 +317,11 @@ def _domain(table: dict[str, object], where: str, source: str) -> Domain:
         limit_w = _power(table["limit"])
     except _BadValueError as e:
         raise InputError(f"{where}: limit: {e}") from None
-    return Domain(name, parent, limit_w, _nodes(table.get("nodes", ()), where))
+    try:
+        ramp_w_per_s = _ramp(table.get("ramp", "off"))
+    except _BadValueError as e:
+        raise InputError(f"{where}: ramp: {e}") from None
+    return Domain(name, parent, limit_w, _nodes(table.get("nodes", ()), where), ramp_w_per_s)
 
 
 def _nodes(value: object, where: str) -> tuple[str, ...]:

@@ -38,6 +38,21 @@ def parse_power_w(text: str) -> float:
     return watts
 
 
+def parse_ramp_w_per_s(text: str) -> float:
+    """``5kW/s`` → 5000.0 W/s: a power per second (``/s`` may be left out; a bare number is W/s),
+    positive; ``off`` → inf (no ramp limit)."""
+    stripped = text.strip()
+    if stripped.lower() == "off":
+        return math.inf
+    power = re.sub(r"\s*/\s*s$", "", stripped)
+    try:
+        return parse_power_w(power)
+    except InputError:
+        raise InputError(
+            f"cannot read ramp {text!r}: use a power per second (e.g. 5kW/s) or off"
+        ) from None
+
+
 def span_s(text: str) -> float | None:
     """The seconds of a span (``90s``, ``1.5h``, ``1h30m``, ``250ms``); None if ``text`` is none.
 

@@ -29,6 +29,7 @@ from slurm_cdgpc.control.dual import (
     solve_price,
 )
 from slurm_cdgpc.control.limits import LimitShare
+from slurm_cdgpc.control.ramp import Ramp
 from slurm_cdgpc.errors import InputError
 from slurm_cdgpc.model.estimator import JobEstimator
 from slurm_cdgpc.model.families import FloatArray
@@ -82,6 +83,14 @@ class ControllerSettings:
     #: ... sharpened to this quantile of the share of their limit that ended jobs' work took
     #: (`LimitShare`); 1 keeps the whole limit
     limit_share_quantile: float = _SHIPPED.limit_share_quantile
+    #: how fast the cluster's planned power may move, in W/s (`Ramp`; inf: as fast as the
+    #: budget lets it); each power domain's own rate comes with the topology
+    ramp_w_per_s: float = _SHIPPED.ramp
+    #: the emergency cut: a limit whose measured power is over it by more than this share (or
+    #: its guard band, if more) sends its lowest-pressure jobs to their lowest clocks at once,
+    #: before the next plan (`emergency_cut`; the head's exchange round)
+    emergency: bool = _SHIPPED.emergency
+    emergency_margin: float = _SHIPPED.emergency_margin
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -101,6 +110,10 @@ class ControllerSettings:
             raise InputError(f"limit share quantile must be in (0, 1], got {q}")
         if self.drain_pressure < 0 or self.exploration_sigmas < 0:
             raise InputError("drain pressure and exploration sigmas must not be negative")
+        if not 0.0 <= self.emergency_margin < 1.0:
+            raise InputError(f"emergency margin must be in [0, 1), got {self.emergency_margin}")
+        if not self.ramp_w_per_s > 0:
+            raise InputError(f"ramp must be a positive rate in W/s, got {self.ramp_w_per_s}")
 
     def guard_for(self, jobs: int) -> float:
         """ε = max(ε₀, c/√N)."""
@@ -219,6 +232,8 @@ class EconomicMPC:
         self._last_price: FloatArray | None = None
         self._last_roots: FloatArray | None = None  # the domains' (`DomainResult.roots`)
         self._last_step_s: float | None = None
+        #: what the last ramped step put in force, per limit (`_in_force_w`)
+        self._ramp_from: FloatArray | None = None
         self.limit_share = LimitShare(self.settings.limit_share_quantile)
 
     def use_grid(self, grid: ClockGrid) -> None:
@@ -239,9 +254,11 @@ class EconomicMPC:
         measured: Measurements | None = None,
         queue: QueueState | None = None,
         domains: DomainLimits | None = None,
+        ramp: Ramp | None = None,
     ) -> Decision:
         """One interval's clocks for every job in ``jobs``, within the budget and every power
-        domain's limit (``domains``; DESIGN.md, "Power domains"):
+        domain's limit (``domains``; DESIGN.md, "Power domains"), each capped by its ramp
+        (``ramp``: `Ramp.caps_w`; the decision's ``budget_w`` is the capped budget):
 
         1. learn: RLS update of every job's power and iteration-time model from ``measured``;
         2. offset: δ ← (1−η) δ + η (Σ P_meas − Σ P_plan) / Σ P_plan over the settled jobs' plans;
@@ -282,6 +299,8 @@ class EconomicMPC:
                 dt_s = min(max(now_s - self._last_step_s, 0.0), 2.0 * s.interval_s)
                 estimator.accrue_work(x_a, xm_a, measured.power_w, dt_s)
         self._last_step_s = now_s
+        if ramp is not None:
+            budget_w, domains = self._ramped(ramp, now_s, budget_w, domains)
 
         problem, grid, nested = self._problem(
             estimator, jobs, now_s, budget_w, uncontrolled_w, queue, domains
@@ -317,13 +336,67 @@ class EconomicMPC:
         settled = estimator.power.count >= s.settle_intervals
         planned = np.where(settled, plan.job_power_w, np.nan)
         decision = self._decide(planned, problem, result, plan, learn, t0, budget_w)
-        if nested is None:
-            return decision
-        return replace(
-            decision,
-            domain_price=result.price[1:],
-            domain_planned_w=nested.totals(plan.job_power_w)[1:],
-        )
+        if nested is not None:
+            decision = replace(
+                decision,
+                domain_price=result.price[1:],
+                domain_planned_w=nested.totals(plan.job_power_w)[1:],
+            )
+        if ramp is not None:
+            self._ramp_from = self._in_force_w(decision, uncontrolled_w, domains)
+        return decision
+
+    def _ramped(
+        self, ramp: Ramp, now_s: float, budget_w: float, domains: DomainLimits | None
+    ) -> tuple[float, DomainLimits | None]:
+        """The budget and the domains' limits capped by their ramps (`Ramp.caps_w`), each
+        ramp from the power the last plan put in force (`_in_force_w`) where there was one:
+        what was measured describes the interval before it, and ramping from that would let
+        every other step jump by the last plan's change as well."""
+        limits_w = np.concatenate(([budget_w], np.zeros(0) if domains is None else domains.limit_w))
+        last = self._ramp_from
+        if last is not None and last.shape == ramp.last_w.shape:
+            ramp = replace(ramp, last_w=np.where(np.isfinite(last), last, ramp.last_w))
+        caps_w = ramp.caps_w(limits_w, now_s, self.settings.interval_s)
+        if domains is not None:
+            domains = replace(domains, limit_w=caps_w[1:])
+        return float(caps_w[0]), domains
+
+    def _in_force_w(
+        self, decision: Decision, uncontrolled_w: float, domains: DomainLimits | None
+    ) -> FloatArray:
+        """(1+D,) the power the decision puts in force under the cluster and each domain: the
+        plan, as the offset says plans turn out, and the power outside it; a plan held under
+        its cap by the guard band counts as at the cap (else each ramped step would lose the
+        guard band's share of the power)."""
+        s = self.settings
+        scale = 1.0 + self.offset
+        total = decision.predicted_power_w * scale + uncontrolled_w
+        drawn = [min(total / (1.0 - s.guard_for(len(decision.job_power_w))), decision.budget_w)]
+        if domains is not None:
+            guard = np.array([s.guard_for(int(k)) for k in domains.jobs()])
+            planned = decision.domain_planned_w * scale + domains.uncontrolled_w
+            drawn.extend(np.minimum(planned / (1.0 - guard), domains.limit_w).tolist())
+        return np.array(drawn)
+
+    def cut_order(
+        self, estimator: JobEstimator, jobs: JobState, now_s: float, queue: QueueState | None
+    ) -> IntArray:
+        """The jobs by deadline pressure at top clocks (after the rules: `weights`), lowest
+        first: the order in which the emergency cut takes them (`emergency_cut`)."""
+        one = np.ones(len(estimator))
+        t_top = estimator.predict_iteration_s(one, one)
+        t_top = np.where(np.isfinite(t_top) & (t_top > 0), t_top, 1.0)
+        pressure = self.weights(estimator, jobs, now_s, queue)[0] * t_top
+        return np.argsort(pressure, kind="stable").astype(np.int64)
+
+    def lowest_power_w(self, estimator: JobEstimator, jobs: JobState) -> FloatArray:
+        """(N,) each job's predicted power at its lowest supported clocks, all its GPUs (its
+        model's prior while unmeasured)."""
+        st = estimator.statics
+        g_lo, m_lo = self.grid.bottom_mhz(jobs.gpu_type)
+        per_gpu_w = estimator.predict_power_w(g_lo / st.graphics_max_mhz, m_lo / st.memory_max_mhz)
+        return np.minimum(per_gpu_w, st.power_limit_w) * st.gpus
 
     def _solve(
         self,

@@ -40,6 +40,9 @@ class Tuning:
                 drain_pressure=control.drain_pressure,
                 work_from_time_limit=control.work_from_time_limit,
                 limit_share_quantile=control.limit_share_quantile,
+                ramp_w_per_s=control.ramp,
+                emergency=control.emergency,
+                emergency_margin=control.emergency_margin,
             ),
             estimator=EstimatorSettings(
                 family=control.model_family,

@@ -7,7 +7,7 @@ limit); test: `tests/unit/test_coordinator_daemon.py`.
 from __future__ import annotations
 
 import math
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -85,6 +85,13 @@ class PowerLedger:
             if decision is None
             else {j.job_id: float(decision.planned_power_w[i]) for i, j in enumerate(jobs)}
         )
+
+    def overridden(self, job_ids: Iterable[str]) -> None:
+        """The jobs just sent other clocks than planned (the emergency cut): what they draw next
+        is judged against no plan."""
+        for job_id in job_ids:
+            if job_id in self._planned_w:
+                self._planned_w[job_id] = math.nan
 
     def fill_measured(self, store: Store, power_by_gpu: Mapping[GpuRef, float]) -> None:
         """Fill in what the last recorded decision's GPUs drew (inside the interval's store

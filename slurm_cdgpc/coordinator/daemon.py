@@ -30,9 +30,10 @@ from slurm_cdgpc.control.empc import (
     Measurements,
     QueueState,
 )
+from slurm_cdgpc.control.ramp import Ramp, ScheduledLimit, emergency_cut
 from slurm_cdgpc.control.tuning import Tuning, shipped
 from slurm_cdgpc.coordinator.accounting import PowerLedger
-from slurm_cdgpc.coordinator.jobs import GpuRef, GpuSample, RunningJobs
+from slurm_cdgpc.coordinator.jobs import GpuRef, GpuSample, JobInfo, RunningJobs
 from slurm_cdgpc.coordinator.locks import GpuLocks
 from slurm_cdgpc.coordinator.metrics import HeadMetrics
 from slurm_cdgpc.coordinator.nodes import NodeBook
@@ -140,15 +141,21 @@ def _full_grid(specs: Mapping[str, GpuSpec]) -> ClockGrid:
     return ClockGrid.from_tables([(n, s.clocks) for n, s in specs.items()], min_fraction=0.0)
 
 
-def _wait(stop: threading.Event, replan: threading.Event, next_s: float, earliest_s: float) -> bool:
-    """Until ``next_s``, or a registration's wake-up (``replan``) from ``earliest_s`` on; True
-    if woken out of cycle."""
+def _wait(
+    stop: threading.Event,
+    replan: threading.Event,
+    next_s: float,
+    earliest_s: float,
+    urgent: threading.Event | None = None,
+) -> bool:
+    """Until ``next_s``, or a registration's wake-up (``replan``) from ``earliest_s`` on, or an
+    ``urgent`` one (a limit lowered now) at once; True if woken out of cycle."""
     while not stop.is_set():
         now_s = time.monotonic()
         if now_s >= next_s:
             return False
         if replan.is_set():
-            if now_s >= earliest_s:
+            if now_s >= earliest_s or (urgent is not None and urgent.is_set()):
                 return True
             stop.wait(min(earliest_s, next_s) - now_s)
             continue
@@ -195,6 +202,18 @@ class _Plan:
     domains: DomainLimits | None
     decision: Decision | None
     setpoints: dict[str, list[AgentSetpoint]]
+
+
+@dataclass(frozen=True)
+class EmergencyCut:
+    """An emergency cut (`Coordinator._cut_if_over`): when, the limits that were over (their
+    names, ``cluster`` for the budget), the jobs sent to their lowest clocks, and how long the
+    check and the cut's exchange took."""
+
+    at_s: float
+    over: tuple[str, ...]
+    jobs: tuple[str, ...]
+    exchange_s: float
 
 
 @dataclass(frozen=True)
@@ -247,6 +266,11 @@ class Coordinator:
         self.progress = ProgressGate()
         self.ledger = PowerLedger(mode=self.settings.controller.mode, shadow=self.settings.shadow)
         self._replan = threading.Event()  # a job registered: plan for it out of cycle
+        self._urgent = threading.Event()  # a limit lowered now: plan at once, gap or not
+        #: the limits (the budget, then each domain's) of the last plan and of the one before:
+        #: the answers of an exchange measure the interval the one before planned for
+        self._plan_limits: tuple[FloatArray | None, FloatArray | None] = (None, None)
+        self.last_cut: EmergencyCut | None = None
         self.registrations = Registrations(
             store,
             node_transport=self.settings.node_transport,
@@ -347,6 +371,10 @@ class Coordinator:
             )
         else:
             change = self._set_domain_limit(domain, budget_w, user, effective_at_s, reason)
+        if change.effective_at_s <= self._clock():
+            # in force now: checked against the nodes' last answers at once (`_cut_if_over`)
+            self._urgent.set()
+            self._replan.set()
         logger.info(
             "%s %.0f W set by %s, effective at %.0f (%s)",
             "budget" if domain is None else f"power domain {domain}: limit",
@@ -435,6 +463,7 @@ class Coordinator:
         while not stop.is_set():
             began_s = time.monotonic()
             self._replan.clear()
+            self._urgent.clear()
             try:
                 self.run_interval()
             except LeadershipLostError:
@@ -455,7 +484,8 @@ class Coordinator:
                     "interval overran by %.2f s; %d tick(s) skipped", now_s - next_s, missed
                 )
                 next_s += missed * period_s
-            if _wait(stop, self._replan, next_s, began_s + self.settings.replan_gap_s):
+            earliest_s = began_s + self.settings.replan_gap_s
+            if _wait(stop, self._replan, next_s, earliest_s, self._urgent):
                 next_s = time.monotonic()  # planned out of cycle: a full period from here
 
     @property
@@ -465,7 +495,8 @@ class Coordinator:
 
     def run_interval(self) -> IntervalReport:
         """One interval, each stage's output handed to the next: reconcile → measure → learn
-        and solve → exchange → persist."""
+        and solve → exchange → persist → the emergency cut where the answers just in show a
+        limit broken (`_cut_if_over`)."""
         began_s = time.perf_counter()
         k = self.interval
         now_s = self._clock()
@@ -474,6 +505,8 @@ class Coordinator:
         plan = self._learn_and_solve(now_s, measured, held_out)
         exchanged = self._exchange(k, now_s, plan.setpoints)
         report = self._persist(k, now_s, plan, exchanged)
+        if exchanged.responses:
+            self._cut_if_over(k)
         self.last_report = report
         self.interval = k + 1
         self.metrics.interval_seconds.observe(time.perf_counter() - began_s)
@@ -524,8 +557,16 @@ class Coordinator:
         )
         uncontrolled_w = sum(node_uncontrolled_w.values())
         domains = self._domain_limits(now_s, node_uncontrolled_w)
+        limits_w = np.concatenate(
+            (
+                [math.inf if budget_w is None else budget_w],
+                () if domains is None else domains.limit_w,
+            )
+        )
+        self._plan_limits = (limits_w, self._plan_limits[0])
         decision: Decision | None = None
         if len(self.running):
+            ramp = self._ramp(now_s, domains is not None)
             decision = self.controller.step(
                 self.running.estimator,
                 self.running.job_state(),
@@ -535,6 +576,7 @@ class Coordinator:
                 measured=measured,
                 queue=self._queue_state(),
                 domains=domains,
+                ramp=ramp,
             )
         if decision is not None:  # the budget, or a domain's limit, does not fit at all
             squeeze = (budget_w is not None and decision.status is StepStatus.INFEASIBLE) or bool(
@@ -559,6 +601,150 @@ class Coordinator:
         limits_w, _ = self.domain_limits_in_force(now_s)
         job_gpus = [Counter(g.node for g in job.gpus) for job in self.running.jobs]
         return self.topology.limits(job_gpus, node_uncontrolled_w, limits_w)
+
+    def _measured_w(self, power_by_gpu: Mapping[GpuRef, float]) -> FloatArray:
+        """(1+D,) what the cluster and each power domain drew in the nodes' last answers."""
+        node_w: dict[str, float] = {}
+        for ref, power_w in power_by_gpu.items():
+            node_w[ref.node] = node_w.get(ref.node, 0.0) + power_w
+        total = float(sum(node_w.values()))
+        if not self.topology.names:
+            return np.array([total])
+        return np.concatenate(([total], self.topology.node_power_w(node_w)))
+
+    def _ramp(self, now_s: float, with_domains: bool) -> Ramp | None:
+        """The ramp rule's input (`Ramp`): the cluster's rate and, with domains, each one's;
+        what each drew in the nodes' last answers (NaN before any); the limits scheduled after
+        now. None when no rate is set."""
+        rates = [self.settings.controller.ramp_w_per_s]
+        if with_domains:
+            rates.extend(self.topology.ramps_w_per_s.tolist())
+        rate = np.array(rates)
+        if not np.isfinite(rate).any():
+            return None
+        power_by_gpu = self.nodes.power_by_gpu()
+        last_w = self._measured_w(power_by_gpu) if power_by_gpu else np.full(rate.size, np.nan)
+        if last_w.size != rate.size:
+            last_w = last_w[:1]  # no domains planned this step
+        ahead = [
+            ScheduledLimit(c.effective_at_s, 0, c.budget_w)
+            for c in self.store.budget_history(since_s=now_s)
+            if c.effective_at_s > now_s
+        ]
+        if with_domains:
+            index = {name: 1 + i for i, name in enumerate(self.topology.names)}
+            ahead.extend(
+                ScheduledLimit(c.effective_at_s, index[c.domain], c.budget_w)
+                for c in self.store.domain_limit_history(since_s=now_s)
+                if c.effective_at_s > now_s and c.domain in index
+            )
+        return Ramp(rate, last_w, tuple(ahead))
+
+    def _cut_if_over(self, k: int) -> EmergencyCut | None:
+        """The emergency path: where the answers just in show the interval they measure over a
+        limit it was planned under (the budget, or a power domain's) by more than its guard
+        band, the lowest-pressure jobs under that limit go to their lowest clocks at once
+        (`EconomicMPC.cut_order`, `emergency_cut`), in an exchange with their nodes alone,
+        before the controller re-plans. Cut jobs are planned again at the next interval; their
+        planned power does not teach the offset meanwhile. A limit lowered now needs no cut: it
+        wakes the loop at once (`set_budget`) and the plan meets it. DESIGN.md, "Ramp limits and
+        the emergency cut"."""
+        limits_w = self._plan_limits[1]
+        settings = self.settings.controller
+        if not settings.emergency or self.settings.shadow or not len(self.running):
+            return None
+        if limits_w is None:
+            return None
+        power_by_gpu = self.nodes.power_by_gpu()
+        if not power_by_gpu:
+            return None
+        began_s = time.perf_counter()
+        now_s = self._clock()
+        measured_w = self._measured_w(power_by_gpu)
+        jobs = self.running.jobs
+        domains = self._domain_limits(now_s, {})
+        counts = [len(jobs)] + ([] if domains is None else domains.jobs().tolist())
+        if len(counts) != limits_w.size:
+            return None  # the topology's domains were not planned for then
+        guard = np.array([settings.guard_for(n) for n in counts])
+        margin = np.maximum(guard, settings.emergency_margin)
+        over = (measured_w > limits_w * (1.0 + margin)) & np.isfinite(limits_w)
+        if not over.any():
+            return None
+        excess_w = np.where(over, measured_w - limits_w * (1.0 - guard), 0.0)
+        estimator, state = self.running.estimator, self.running.job_state()
+        drawn_w = np.array([sum(power_by_gpu.get(g, 0.0) for g in job.gpus) for job in jobs])
+        saving_w = np.maximum(drawn_w - self.controller.lowest_power_w(estimator, state), 0.0)
+        empty = np.zeros(0, dtype=np.int64)
+        cut = emergency_cut(
+            excess_w,
+            empty if domains is None else domains.domain + 1,
+            empty if domains is None else domains.job_row,
+            np.zeros(0) if domains is None else domains.share,
+            saving_w,
+            self.controller.cut_order(estimator, state, now_s, None),
+        )
+        names = (CLUSTER, *self.topology.names)
+        over_names = tuple(names[i] for i in np.flatnonzero(over))
+        cut_jobs = [jobs[i] for i in np.flatnonzero(cut).tolist()]
+        for name in over_names:
+            self.metrics.emergency_cuts.labels(name).inc()
+        if not cut_jobs:
+            logger.error(
+                "emergency: %s over the limit, and no controlled job can shed power",
+                ", ".join(over_names),
+            )
+            return None
+        self._send_cut(k, now_s, cut_jobs)
+        self.ledger.overridden(j.job_id for j in cut_jobs)
+        event = EmergencyCut(
+            now_s,
+            over_names,
+            tuple(j.job_id for j in cut_jobs),
+            time.perf_counter() - began_s,
+        )
+        self.last_cut = event
+        logger.warning(
+            "emergency: %s over the limit by more than its margin: %d job(s) to their "
+            "lowest clocks in %.3f s (%s)",
+            ", ".join(
+                f"{n} {measured_w[i]:.0f} W > {limits_w[i]:.0f} W"
+                for i, n in zip(np.flatnonzero(over).tolist(), over_names, strict=True)
+            ),
+            len(cut_jobs),
+            event.exchange_s,
+            ", ".join(f"job {j}" for j in event.jobs[:20]),
+        )
+        return event
+
+    def _send_cut(self, k: int, now_s: float, cut_jobs: Sequence[JobInfo]) -> None:
+        """Exchange the cut jobs' GPUs' lowest clocks with their nodes alone (the leader lock
+        renewed first); the answers update the nodes and the locks as any exchange's do."""
+        setpoints: dict[str, list[AgentSetpoint]] = {}
+        for job in cut_jobs:
+            for ref in job.gpus:
+                t = self.nodes.gpu_type(ref)
+                if t is None or t not in self.specs:
+                    continue
+                g_lo, m_lo = self.grid.bottom_mhz(np.array([self.grid.type_index(t)]))
+                memory = int(m_lo[0]) if self.specs[t].memory_lockable else None
+                point = AgentSetpoint(ref.index, job.job_id, int(g_lo[0]), memory)
+                setpoints.setdefault(ref.node, []).append(point)
+        if self.leader is not None:
+            self.leader.confirm()
+        epoch = 0 if self.leader is None else self.leader.epoch
+        targets, _ = self.nodes.requests(k, now_s + self.settings.lease_s, epoch, setpoints, None)
+        targets = {name: t for name, t in targets.items() if name in setpoints}
+        responses = self.transport.exchange(targets)
+        known = self.roster.known
+        for name, target in targets.items():
+            result = responses.get(name, NodeFailure("not exchanged"))
+            if isinstance(result, NodeFailure):
+                self.metrics.exchange_failed(result.reason)
+                self.nodes.lost(name, result.reason)
+                continue
+            self.nodes.answered(name, target.request, result, now_s, self.settings.lease_s)
+            self.locks.answered(name, target.request, result, known, self.roster.held_on(name))
 
     def _queue_state(self) -> QueueState | None:
         """The drain's input (`Roster.queue`) while Slurm's queue, as last read, has jobs

@@ -127,6 +127,14 @@ class HeadMetrics:
         self.intervals_failed = Counter(
             "cdgpc_intervals_failed", "control intervals that failed (nothing pushed)", registry=r
         )
+        self.emergency_cuts = Counter(
+            "cdgpc_emergency_cuts",
+            "emergency cuts: a limit's measured power over it by more than the guard band, its "
+            "lowest-pressure jobs sent to their lowest clocks before the next plan (by limit: "
+            "cluster or a power domain)",
+            ["domain"],
+            registry=r,
+        )
 
     def registration_answered(self, status: int, elapsed_s: float) -> None:
         """Count a registration's answer; an accepted one is timed as well."""

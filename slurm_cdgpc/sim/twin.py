@@ -96,7 +96,8 @@ class ViewTransport:
     gpus: dict[str, list[_Gpu]]
     readings: dict[tuple[str, int], Reading] = field(default_factory=dict)
     progress: dict[str, tuple[ProgressReport, ...]] = field(default_factory=dict)
-    #: per job id, the last exchange's setpoint: graphics MHz, memory MHz (None: not lockable)
+    #: per job id, the interval's setpoint (an emergency cut's over the plan's): graphics MHz,
+    #: memory MHz (None: not lockable)
     applied: dict[str, tuple[int, int | None]] = field(default_factory=dict)
     exchanges: int = 0
     _lowest_mhz: dict[tuple[str, int | None], int] = field(default_factory=dict)
@@ -115,7 +116,7 @@ class ViewTransport:
     ) -> dict[str, ExchangeResponse | NodeFailure]:
         now_s = self.clock()
         self.exchanges += 1
-        self.applied = {}
+        applied: dict[str, tuple[int, int | None]] = {}
         out: dict[str, ExchangeResponse | NodeFailure] = {}
         for name, target in targets.items():
             gpus = self.gpus.get(name)
@@ -131,13 +132,14 @@ class ViewTransport:
                     self._lowest_mhz[key] = min(gpu.spec.clocks.graphics_for(point.memory_mhz))
                 gpu.locked = LockReport(self._lowest_mhz[key], point.graphics_mhz, point.memory_mhz)
                 gpu.job_id = point.job_id
-                self.applied.setdefault(point.job_id, (point.graphics_mhz, point.memory_mhz))
+                applied.setdefault(point.job_id, (point.graphics_mhz, point.memory_mhz))
             for index in request.release:
                 gpus[index].locked = None
                 gpus[index].job_id = None
             out[name] = ExchangeResponse(
                 node=name, time_s=now_s, gpus=reports, progress=self.progress.get(name, ())
             )
+        self.applied.update(applied)  # an emergency cut's exchange after the interval's wins
         return out
 
     def _read(self, node: str, index: int, gpu: _Gpu, now_s: float) -> GpuReport:
@@ -280,6 +282,7 @@ class HeadTwin(Policy):
             self.budget_w = view.budget_w
         head.observe_queue(view.queued_jobs > 0)
         transport.readings, transport.progress = self._readings(view)
+        transport.applied = {}
         self.report = head.run_interval()
         return self._setpoints(view, transport.applied)
 

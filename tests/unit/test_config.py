@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 import subprocess
@@ -20,6 +21,7 @@ from slurm_cdgpc.config import (
     load_config,
 )
 from slurm_cdgpc.control.dual import MODES
+from slurm_cdgpc.control.tuning import Tuning
 from slurm_cdgpc.errors import InputError
 from slurm_cdgpc.model.families import FAMILIES
 
@@ -415,3 +417,24 @@ def test_a_removed_key_says_what_became_of_it(tmp_path: Path) -> None:
     path = write(tmp_path, "[control]\nhorizon = 1\n")
     with pytest.raises(ConfigError, match=r"control\.horizon: was removed: .*delete the line"):
         load_config(path, env={})
+
+
+@pytest.mark.parametrize(
+    ("text", "rate"),
+    [('"5kW/s"', 5000.0), ('"750 W / s"', 750.0), ("1200", 1200.0), ('"off"', math.inf)],
+)
+def test_a_ramp_is_a_power_per_second_or_off(tmp_path: Path, text: str, rate: float) -> None:
+    path = tmp_path / "cdgpc.toml"
+    path.write_text(f"[control]\nramp = {text}\n")
+    config = load_config(path, env={})
+    assert config.control.ramp == rate
+    assert Tuning.from_config(config.control).controller.ramp_w_per_s == rate
+
+
+@pytest.mark.parametrize("text", ['"fast"', "-5", '"5kW/h"', "0"])
+def test_a_bad_ramp_is_refused_naming_the_key(tmp_path: Path, text: str) -> None:
+    path = tmp_path / "cdgpc.toml"
+    path.write_text(f"[control]\nramp = {text}\n")
+    with pytest.raises(ConfigError, match=r"control\.ramp.*5kW/s") as caught:
+        load_config(path, env={})
+    assert "\n" not in str(caught.value)

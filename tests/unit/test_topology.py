@@ -65,6 +65,8 @@ def test_the_shipped_example_parses_with_its_commented_keys_too() -> None:
         "gpu016",
     )
     assert [shipped.names[d] for d in shipped.path("gpu110")] == ["row2", "pdu2a", "rack22"]
+    # row1 ramps at 5 kW/s; the rest have no ramp of their own
+    assert shipped.ramps_w_per_s.tolist() == [5000.0, *[np.inf] * 6]
     # a commented ``# key = value`` line is a valid alternative: uncommented, the file still loads
     lines = EXAMPLE.read_text().splitlines()
     commented = [i for i, line in enumerate(lines) if re.match(r"^# \w+ = ", line)]
@@ -191,6 +193,8 @@ REFUSED = [
     ("zero limit", '[[domain]]\nname = "row1"\nlimit = 0\n', ["'row1'", "limit", "got 0"]),
     ("unreadable limit", DOMAIN.format(name="row1", limit="abc"), ["'row1'", "limit", "'abc'"]),
     ("boolean limit", '[[domain]]\nname = "row1"\nlimit = true\n', ["'row1'", "limit", "True"]),
+    ("bad ramp", ROW + 'ramp = "fast"\n', ["'row1'", "ramp", "5kW/s", "'fast'"]),
+    ("negative ramp", ROW + 'ramp = "-2kW/s"\n', ["'row1'", "ramp", "'-2kW/s'"]),
     ("unbalanced hostlist", ROW + rack("rack1", nodes='"n[1-2"'), ["'rack1'", "nodes", "n[1-2"]),
     ("reversed range", ROW + rack("rack1", nodes='"n[5-1]"'), ["'rack1'", "nodes", "5-1"]),
     ("not a node name", ROW + rack("rack1", nodes='"n 1"'), ["'rack1'", "nodes", "'n 1'"]),
