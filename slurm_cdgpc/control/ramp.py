@@ -9,7 +9,6 @@ tests: `tests/unit/test_control_ramp.py`.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -55,10 +54,11 @@ class Ramp:
 
         - up: at most what it drew over the last interval plus one interval at its rate, so a
           budget raised, or a burst of jobs starting, moves the plan up no faster than the rate;
-        - ahead: a lower limit scheduled at ``t`` must hold from the step that is running at
-          ``t`` (the step starting at now + j Δt with j = ⌊(t − now)/Δt⌋), and the power may fall
-          by only one interval's rate per step, so this step plans at most L + r Δt j: a
-          scheduled drop is met on time, approached at the rate.
+        - ahead: a lower limit L scheduled at ``t`` must hold in the step that is running at
+          ``t``, and the power may fall at the rate only, so this step (now to now + Δt) plans
+          at most L + r · max(t − now − Δt, 0): L itself once ``t`` falls within it, and each
+          step before it at most r times the time between their starts above the next. A
+          scheduled drop is met on time, approached at the rate however the steps are spaced.
 
         A plan falls no faster than the limits make it: with no energy term, every job already
         runs as fast as the caps let it, and nothing draws power to hold the plan up when jobs
@@ -71,10 +71,11 @@ class Ramp:
         ramped = np.isfinite(rate) & np.isfinite(self.last_w)
         caps[ramped] = np.minimum(caps[ramped], self.last_w[ramped] + rate[ramped] * interval_s)
         for change in self.ahead:
-            steps = math.floor((change.at_s - now_s) / interval_s)
-            if steps < 0 or not 0 <= change.index < caps.size:
+            ahead_s = change.at_s - now_s
+            if ahead_s < 0 or not 0 <= change.index < caps.size:
                 continue  # in force already (the limit itself), or a domain no longer planned
-            room_w = 0.0 if steps == 0 else float(rate[change.index]) * interval_s * steps
+            early_s = max(ahead_s - interval_s, 0.0)
+            room_w = 0.0 if early_s == 0 else float(rate[change.index]) * early_s
             caps[change.index] = min(caps[change.index], change.limit_w + room_w)
         return caps
 

@@ -642,8 +642,9 @@ class Coordinator:
 
     def _cut_if_over(self, k: int) -> EmergencyCut | None:
         """The emergency path: where the answers just in show the interval they measure over a
-        limit it was planned under (the budget, or a power domain's) by more than its guard
-        band, the lowest-pressure jobs under that limit go to their lowest clocks at once
+        limit it was planned under (the budget, or a power domain's) by more than its margin
+        (`ControllerSettings.emergency_margin`, or its guard band if more), the lowest-pressure
+        jobs under that limit go to their lowest clocks at once
         (`EconomicMPC.cut_order`, `emergency_cut`), in an exchange with their nodes alone,
         before the controller re-plans. Cut jobs are planned again at the next interval; their
         planned power does not teach the offset meanwhile. A limit lowered now needs no cut: it
@@ -671,9 +672,12 @@ class Coordinator:
         over = (measured_w > limits_w * (1.0 + margin)) & np.isfinite(limits_w)
         if not over.any():
             return None
-        excess_w = np.where(over, measured_w - limits_w * (1.0 - guard), 0.0)
+        # sized on what each GPU draws now where that is more than the interval's mean (a
+        # process that started within the interval): the cut must cover the excess as it is
+        now_w = {ref: max(w, self.nodes.reading_w(ref) or 0.0) for ref, w in power_by_gpu.items()}
+        excess_w = np.where(over, self._measured_w(now_w) - limits_w * (1.0 - guard), 0.0)
         estimator, state = self.running.estimator, self.running.job_state()
-        drawn_w = np.array([sum(power_by_gpu.get(g, 0.0) for g in job.gpus) for job in jobs])
+        drawn_w = np.array([sum(now_w.get(g, 0.0) for g in job.gpus) for job in jobs])
         saving_w = np.maximum(drawn_w - self.controller.lowest_power_w(estimator, state), 0.0)
         empty = np.zeros(0, dtype=np.int64)
         cut = emergency_cut(

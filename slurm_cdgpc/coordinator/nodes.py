@@ -364,6 +364,13 @@ class NodeBook(Mapping[str, NodeState]):
             if (power_w := node.mean_w.get(r.index, r.power_w)) is not None
         }
 
+    def reading_w(self, ref: GpuRef) -> float | None:
+        """The GPU's power as its agent read it at the last answer (None: none)."""
+        node = self._nodes.get(ref.node)
+        if node is None:
+            return None
+        return next((r.power_w for r in node.reports if r.index == ref.index), None)
+
     def free_gpus(self, busy: Collection[GpuRef]) -> list[int]:
         """Per node, in order, its reported GPUs outside ``busy`` (none while it is away)."""
         return [

@@ -35,32 +35,38 @@ def test_no_rate_or_no_measurement_leaves_the_limit() -> None:
 
 
 def test_a_drop_scheduled_ahead_is_approached_at_the_rate_and_met_on_time() -> None:
-    # 500 W from NOW + 95 s: the step running then starts at NOW + 90 s, three steps on, so
-    # this one may plan at most 500 W + 3 × 30 s × 10 W/s
+    # 500 W from NOW + 95 s: this step ends at NOW + 30 s, 65 s before it, so it may plan at
+    # most 500 W + 65 s × 10 W/s
     drop = ScheduledLimit(NOW_S + 95.0, 0, 500.0)
-    assert _caps([2000.0], [10.0], [math.nan], [drop]) == [1400.0]
+    assert _caps([2000.0], [10.0], [math.nan], [drop]) == [1150.0]
     # within this step: met now
     assert _caps([2000.0], [10.0], [math.nan], [ScheduledLimit(NOW_S + 29.0, 0, 500.0)]) == [500.0]
     # without a rate a scheduled drop waits for its time
     assert _caps([2000.0], [math.inf], [math.nan], [drop]) == [2000.0]
     # a domain's own drop caps that domain only
     rack = ScheduledLimit(NOW_S + 35.0, 1, 100.0)
-    assert _caps([2000.0, 400.0], [10.0, 1.0], [math.nan] * 2, [rack]) == [2000.0, 130.0]
+    assert _caps([2000.0, 400.0], [10.0, 1.0], [math.nan] * 2, [rack]) == [2000.0, 105.0]
 
 
-def test_the_steps_of_a_scheduled_drop_each_fall_by_one_interval_of_rate() -> None:
-    """Stepped forward with each plan drawing its cap, the power falls r Δt per step and is at
-    the new limit in the step that contains its time."""
+@pytest.mark.parametrize("jitter_s", [0.0, 4.0])
+def test_the_steps_of_a_scheduled_drop_each_fall_by_no_more_than_the_rate(jitter_s: float) -> None:
+    """Stepped forward with each plan drawing its cap, the power falls at most r times the time
+    between steps, however they are spaced, and is at the new limit in the step that contains
+    its time."""
     at_s = NOW_S + 200.0
     drawn, t = 2000.0, NOW_S
     seen = []
+    rng = np.random.default_rng(0)
     while t < at_s + INTERVAL_S:
         ramp = Ramp(np.array([5.0]), np.array([drawn]), (ScheduledLimit(at_s, 0, 1000.0),))
         limit = 2000.0 if t < at_s else 1000.0
         cap = float(ramp.caps_w(np.array([limit]), t, INTERVAL_S)[0])
-        assert cap >= drawn - 5.0 * INTERVAL_S - 1e-9  # never faster than the rate
         seen.append((t, cap))
-        drawn, t = cap, t + INTERVAL_S
+        step_s = INTERVAL_S + jitter_s * rng.uniform(-1.0, 1.0)
+        if seen[:-1]:
+            elapsed_s = t - seen[-2][0]
+            assert cap >= drawn - 5.0 * elapsed_s - 1e-9  # never faster than the rate
+        drawn, t = cap, t + step_s
     running_then = [cap for start, cap in seen if start <= at_s < start + INTERVAL_S]
     assert running_then == [1000.0]
 

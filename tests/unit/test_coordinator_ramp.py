@@ -109,7 +109,7 @@ def test_a_limit_broken_between_plans_is_cut_in_the_same_round(
     for node in ("n1", "n2"):
         for index in (0, 1):
             cluster.gpu(node, index).attach("bert")
-    budget_w = 1400.0
+    budget_w = 1350.0
     cluster.store.set_budget(budget_w, "root")
     cluster.tick()
     register_job(cluster, "1", "n1", 0, 1)  # a deadline in an hour
