@@ -21,6 +21,7 @@ from slurm_cdgpc.control.discrete import ClockGrid
 from slurm_cdgpc.control.domains import DomainLimits
 from slurm_cdgpc.control.empc import EconomicMPC, JobState, Measurements, QueueState
 from slurm_cdgpc.control.guard_rail import power_limits_w
+from slurm_cdgpc.control.ramp import Ramp
 from slurm_cdgpc.control.tuning import Tuning, paper, shipped
 from slurm_cdgpc.errors import InputError
 from slurm_cdgpc.gpu.catalog import GpuSpec
@@ -278,6 +279,19 @@ class Cdgpc(Policy):
         uncontrolled = {names[i]: w for i, w in enumerate(idle_w.tolist()) if w > 0}
         return self.topology.limits(job_gpus, uncontrolled)
 
+    def ramp(self, with_domains: bool) -> Ramp | None:
+        """The ramp rule's input, as the head builds it (`Coordinator._ramp`): the cluster's
+        rate and each domain's. The controller ramps from the plan it put in force; its first
+        plan is free here (the head's starts from the nodes' readings), and a replay schedules
+        no budget ahead. None when no rate is set."""
+        rates = [self.controller.settings.ramp_w_per_s]
+        if with_domains and self.topology is not None:
+            rates.extend(self.topology.ramps_w_per_s.tolist())
+        rate = np.array(rates)
+        if not np.isfinite(rate).any():
+            return None
+        return Ramp(rate, np.full(rate.size, np.nan))
+
     def decide(self, view: ClusterView) -> Setpoints:
         ended = ~view.kept
         if ended.any():  # as the head does when Slurm ends a job
@@ -308,6 +322,7 @@ class Cdgpc(Policy):
         queue = QueueState.from_matrix(
             view.queued_jobs > 0, view.job_nodes, view.node_gpus - view.job_nodes.sum(axis=0)
         )
+        domains = self.domains(view)
         d = self.controller.step(
             self.estimator,
             jobs,
@@ -316,7 +331,8 @@ class Cdgpc(Policy):
             view.idle_power_w,
             measured,
             queue,
-            domains=self.domains(view),
+            domains=domains,
+            ramp=self.ramp(domains is not None),
         )
         self.planned_w = d.planned_power_w
         limits = power_limits_w(
