@@ -13,6 +13,7 @@ import time
 import numpy as np
 
 from slurm_cdgpc.coordinator.daemon import _wait
+from slurm_cdgpc.topology import parse_topology
 from tests.unit.test_coordinator_daemon import (
     A100,
     INTERVAL_S,
@@ -156,3 +157,29 @@ def test_a_budget_lowered_now_wakes_the_loop_at_once(make_cluster: MakeCluster) 
     # woken at once, although the earliest out-of-cycle plan is a minute away
     assert _wait(stop, head._replan, began + 60.0, began + 60.0, head._urgent)
     assert time.monotonic() - began < 1.0
+
+
+def test_a_rack_over_its_limit_cuts_only_jobs_under_it(make_cluster: MakeCluster) -> None:
+    """The budget does not bind, rack1 (n1, n2; 800 W) does; a process outside any job starts
+    on n2's idle GPU: job 2 (no deadline, in the rack) is cut, not job 3 (no deadline, outside
+    it)."""
+    topology = parse_topology('[[domain]]\nname = "rack1"\nlimit = "800W"\nnodes = "n[1-2]"\n')
+    cluster = make_cluster(("n1", "n2", "n3"), topology=topology)
+    for node in ("n1", "n2", "n3"):
+        cluster.gpu(node, 0).attach("bert")
+    cluster.store.set_budget(5000.0, "root")
+    cluster.tick()
+    register_job(cluster, "1", "n1", 0)  # a deadline in an hour
+    cluster.head.register_job("2", "bob", "n2", [0])
+    cluster.head.register_job("3", "bob", "n3", [0])
+    for _ in range(8):
+        cluster.tick()
+    cluster.head.last_cut = None  # (the jobs' first interval, unplanned, was cut)
+
+    cluster.gpu("n2", 1).attach("bert")
+    cluster.tick()
+    cut = cluster.head.last_cut
+    # job 2 first; job 1 too where job 2's lowest clocks do not shed enough; never job 3
+    assert cut is not None and cut.over == ("rack1",) and "2" in cut.jobs and "3" not in cut.jobs
+    rack_w = sum(cluster.gpu(n, i).true_power_w for n in ("n1", "n2") for i in range(2))
+    assert rack_w <= 800.0 * 1.01
