@@ -221,8 +221,6 @@ def simulate(
             raise InputError("give --racks or --topology, not both")
         if racks is not None:
             parse_racks(racks)
-        if engine == "head" and (racks is not None or topology_path is not None):
-            raise InputError("the head engine does not replay power domains yet")
         if sweep_dir is not None:
             if engine != "fast":
                 raise InputError("--engine head replays one trace: not with --sweep")

@@ -29,6 +29,7 @@ from slurm_cdgpc.gpu.device import ThrottleReason
 from slurm_cdgpc.gpu.simulated import ManualClock
 from slurm_cdgpc.sim.cluster import ClusterView, Policy, Setpoints
 from slurm_cdgpc.sim.fleet import FleetSpec
+from slurm_cdgpc.sim.fleet import node_name as fleet_node_name
 from slurm_cdgpc.store import Store, make_engine, upgrade
 from slurm_cdgpc.transport.http import NodeFailure, NodeTarget
 from slurm_cdgpc.wire.protocol import (
@@ -50,8 +51,9 @@ RETENTION_INTERVALS: Final = 200
 
 
 def node_name(node: int) -> str:
-    """The head's name for the simulator's node ``node``."""
-    return f"n{node}"
+    """The head's name for the simulator's node ``node``: the fleet's (`fleet.node_name`), the
+    names a topology file for the simulator refers to."""
+    return fleet_node_name(node)
 
 
 def job_name(row: int) -> str:
@@ -230,7 +232,11 @@ class HeadTwin(Policy):
             estimator=tuning.estimator,
         )
         self.coordinator = Coordinator(
-            Store(engine, clock=self.clock), self.transport, settings, clock=self.clock
+            Store(engine, clock=self.clock),
+            self.transport,
+            settings,
+            clock=self.clock,
+            topology=fleet.topology,
         )
         self.coordinator.start()
         for n, kind in enumerate(fleet.node_type):

@@ -91,22 +91,23 @@ def test_rack_limits_are_the_fraction_of_each_racks_maximum_power() -> None:
     assert rack_topology(fleet, 7, 1.0).limits_w[0] == pytest.approx(fleet.max_power_w)
 
 
-def test_racks_and_a_topology_together_or_with_the_head_engine_are_refused(
-    tmp_path: Path,
-) -> None:
+def test_racks_and_a_topology_together_are_refused(tmp_path: Path) -> None:
     path = tmp_path / "topology.toml"
     path.write_text('[[domain]]\nname = "rack1"\nlimit = "3kW"\nnodes = "node0001"\n')
     _one_line_error(
         _run("--trace", str(TINY), "--racks", "1:0.5", "--topology", str(path)), "not both"
     )
-    _one_line_error(
-        _run("--trace", str(TINY), "--engine", "head", "--racks", "1:0.5"),
-        "the head engine does not replay power domains yet",
-    )
-    _one_line_error(
-        _run("--trace", str(TINY), "--engine", "head", "--topology", str(path)),
-        "the head engine does not replay power domains yet",
-    )
+
+
+def test_the_head_engine_replays_a_topology(tmp_path: Path) -> None:
+    path = tmp_path / "topology.toml"
+    path.write_text('[[domain]]\nname = "rack1"\nlimit = "3kW"\nnodes = "node0001"\n')
+    args = ("--trace", str(TINY), "--fleet", "2x8:A100-SXM4-80GB", "--json")
+    result = _run(*args, "--engine", "head", "--topology", str(path))
+    assert result.exit_code == 0, result.output
+    metrics = json.loads(result.stdout)
+    assert (metrics["engine"], metrics["domains"]) == ("head", 1)
+    assert metrics["domain_max_overshoot_pct"] <= 1.0, metrics
 
 
 def test_a_topology_file_names_the_simulators_nodes(tmp_path: Path) -> None:
