@@ -344,30 +344,47 @@ def parse_since_s(text: str, now_s: float | None = None) -> float:
     "out_dir",
     type=click.Path(file_okay=False, path_type=Path),
     required=True,
-    help="directory for power.png and jobs.png",
+    help="directory for power.png, jobs.png and, with power domains, domains.png",
 )
 @click.option("--store", "store_url", default=None, help="database URL (default: store.url)")
+@click.option(
+    "--topology",
+    "topology_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="power-domain topology file (default: head.topology)",
+)
 @_config_option
 @_json_option
 def report(
     since: str | None,
     out_dir: Path,
     store_url: str | None,
+    topology_path: Path | None,
     config_path: Path | None,
     as_json: bool,
 ) -> None:
     """Plot power against the budget and each job's finish against its deadline (PNG).
 
     Read from the head's store (the decisions audit trail, the measurements, the jobs), so run
-    it where the database is reachable. Prints the run's figures too.
+    it where the database is reachable. Prints the run's figures too. With a topology
+    (--topology or head.topology), also each power domain's: its limit in force per interval
+    (an admin's change, else the file's), its planned power (the setpoints' share under it,
+    without the power outside the plan) and its measured power, in domains.png and one line
+    per domain.
     """
     from slurm_cdgpc.demo.report import RunData, summarize, write_plots  # noqa: PLC0415
     from slurm_cdgpc.store import Store, make_engine  # noqa: PLC0415
+    from slurm_cdgpc.topology import load_topology  # noqa: PLC0415
 
     since_s = None if since is None else parse_since_s(since)
-    engine = make_engine(store_url or _config(config_path).store.url)
+    config = None if store_url and topology_path else _config(config_path)
+    url = store_url or (config.store.url if config else "")
+    topology_path = topology_path or (config.head.topology if config else None)
+    topology = None if topology_path is None else load_topology(topology_path)
+    engine = make_engine(url)
     try:
-        data = RunData.load(Store(engine), since_s)
+        data = RunData.load(Store(engine), since_s, topology)
     finally:
         engine.dispose()
     plots = write_plots(data, out_dir)
@@ -376,9 +393,22 @@ def report(
         echo_json(summary)
         return
     for key, value in summary.items():
-        if key != "plots":
+        if key not in ("plots", "domains"):
             click.echo(f"{key.replace('_', ' ')}: {value}")
+    for d in summary.get("domains", []):
+        click.echo(_domain_report_line(d))
     click.echo(f"wrote {', '.join(summary['plots'])}")
+
+
+def _domain_report_line(domain: dict[str, Any]) -> str:
+    """One power domain's figures over the report's period (`summarize_domains`)."""
+    return (
+        f"domain {domain['name']}: limit {_power(domain['limit_w'])}, "
+        f"{domain['intervals_over_limit']} of {domain['intervals_measured']} interval(s) "
+        f"measured more than 1 % over, worst {domain['max_power_over_limit_pct']:+.2f} %, "
+        f"mean planned {_power(domain['planned_mean_w'])}, "
+        f"measured {_power(domain['measured_mean_w'])}"
+    )
 
 
 #: what ``cdgpc-admin`` registers from this module
