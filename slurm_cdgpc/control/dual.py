@@ -119,7 +119,10 @@ class DualProblem:
         """Each job's power at its best response and its derivative in the job's own price,
         g P(x*(λ)) and d(g P)/dλ ≤ 0, shape (H, N); ``price`` as `best_response` takes it."""
         x, x_m = self.best_response(price)
-        power = self.power_w(x, x_m)
+        return self.power_w(x, x_m), self.slope(price, x, x_m)
+
+    def slope(self, price: FloatArray, x: FloatArray, x_m: FloatArray) -> FloatArray:
+        """d(g P)/dλ ≤ 0 at ``x``, ``x_m``, the best response to ``price`` (`power_slope`)."""
         lam = price[:, None] if price.ndim == 1 else price
         g, a = self.gpus, self.core_theta
         interior = (x > self.x_lo) & (x < self.x_hi)
@@ -135,7 +138,7 @@ class DualProblem:
             interior_m = (x_m > self.xm_lo) & (x_m < self.xm_hi)
             dp_m = g * self.power_theta[:, -2] * np.where(interior_m, -x_m / (2.0 * lam), 0.0)
         slope: FloatArray = np.nan_to_num(dp) + np.nan_to_num(dp_m)
-        return power, slope
+        return slope
 
     def lipschitz(self) -> FloatArray:
         """L_h = Σ g² (m(x_hi)² / μ_c + a_m² / μ_m), μ = 2 w b / x_hi³ (paper §6.4)."""
@@ -410,12 +413,85 @@ class DomainResult:
     evaluations: int
     sweeps: int
     mode: str
-    #: each domain's root in total price (`_bottom_up`), the next step's warm start; empty in
-    #: the gradient mode
+    #: each domain's root in total price (`_bottom_up`), or its total price where Newton
+    #: settled (`_coupled_newton`): the next step's warm start; empty in the gradient mode
     roots: FloatArray = field(default_factory=lambda: np.zeros(0))
 
     def job_price(self, domains: DomainSet) -> FloatArray:
         return domains.job_price(self.price)
+
+
+@dataclass(frozen=True)
+class _Groups:
+    """The jobs grouped by the price they pay: a job wholly under one domain of every level it
+    has GPUs at pays μ = Σ of the prices on its deepest domain's path, as every other job
+    there does; a job split between two domains of a level is a group of its own. With v_g
+    the shares of group g (v_gd = s_dn for any job n of it), μ_n = v_g · λ and the domains'
+    sums are Σ_n s_dn y_n = Σ_g v_gd Y_g, Y_g = Σ_{n ∈ g} y_n: one pass over the jobs per
+    quantity, then a few entries per group (`_coupled_newton`)."""
+
+    group: NDArray[np.int64]  # (N,) each job's group
+    #: v in coordinates, one entry per (group, domain) with a share
+    row: NDArray[np.int64]
+    col: NDArray[np.int64]
+    val: FloatArray
+    count: int  # groups
+    size: int  # domains
+    #: (D, depth + 1) each domain's ancestor at every depth, −1 below its own
+    ancestor: NDArray[np.int64]
+
+    @classmethod
+    def of(cls, domains: DomainSet) -> _Groups:
+        """Group ``domains``' jobs: the first D groups are the domains' paths (a whole job's
+        group is its deepest domain), then one group per other job."""
+        size, jobs = domains.size, domains.jobs
+        depth, parent = domains.depth, domains.parent
+        # ancestor[d, k]: d's ancestor at depth k (−1 below d's own depth)
+        depth_max = int(depth.max())
+        ancestor = np.full((size, depth_max + 1), -1, dtype=np.int64)
+        ancestor[np.arange(size), depth] = np.arange(size)
+        for k in range(depth_max, 0, -1):  # each level fills in its parents' column
+            at = np.flatnonzero(ancestor[:, k] >= 0)
+            ancestor[at, k - 1] = parent[ancestor[at, k]]
+        # a job is whole when it has share 1 in every domain on its deepest domain's path and
+        # in no other; parents come before their children, so the deepest is the largest index
+        by_job = np.argsort(domains.job_row, kind="stable")
+        entries = np.bincount(domains.job_row, minlength=jobs)
+        first = np.minimum(np.cumsum(entries) - entries, max(by_job.size - 1, 0))
+        deepest = np.maximum.reduceat(domains.domain[by_job], first) if by_job.size else entries
+        level = depth[domains.domain]
+        on_path = (ancestor[deepest[domains.job_row], level] == domains.domain) & (
+            domains.share == 1.0
+        )
+        whole = (np.bincount(domains.job_row, weights=on_path, minlength=jobs) == entries) & (
+            entries == depth[deepest] + 1
+        )
+        split = np.flatnonzero(~whole)
+        group = deepest.copy()
+        group[split] = size + np.arange(split.size)
+        # v: the paths' entries (every domain and its ancestors), then the split jobs' triples
+        path_row, path_col = np.nonzero(ancestor >= 0)
+        path_col = ancestor[path_row, path_col]
+        mine = ~whole[domains.job_row]
+        row = np.concatenate([path_row, group[domains.job_row[mine]]])
+        col = np.concatenate([path_col, domains.domain[mine]])
+        val = np.concatenate([np.ones(path_row.size), domains.share[mine]])
+        return cls(group, row, col, val, size + split.size, size, ancestor)
+
+    def sums(self, job_values: FloatArray) -> FloatArray:
+        """Y_g = Σ_{n ∈ g} y_n, (groups,)."""
+        sums = np.bincount(self.group, weights=job_values, minlength=self.count)
+        return np.asarray(sums, dtype=np.float64)
+
+    def totals(self, group_sums: FloatArray) -> FloatArray:
+        """(D,) Σ_g v_gd Y_g = Σ_n s_dn y_n."""
+        w = self.val * group_sums[self.row]
+        return np.bincount(self.col, weights=w, minlength=self.size).astype(np.float64)
+
+    def group_price(self, price: FloatArray) -> FloatArray:
+        """μ_g = v_g · λ for every group (finite prices): its jobs' μ_n = Σ_d s_dn λ_d."""
+        per_group = np.bincount(self.row, weights=self.val * price[self.col], minlength=self.count)
+        return np.asarray(per_group, dtype=np.float64)
 
 
 class _OneEach:
@@ -693,6 +769,8 @@ def _level_roots(
 MAX_SWEEPS = 50
 #: bottom-up passes before the sweeps take over (a split job couples its domains' roots)
 BOTTOM_UP_PASSES = 2
+#: evaluations of the coupled Newton method before the bottom-up way takes over
+NEWTON_STEPS = 8
 
 
 def solve_domain_prices(
@@ -709,11 +787,16 @@ def solve_domain_prices(
     feasible side: G_d ≤ 0 everywhere, and −tol·B_d ≤ G_d wherever λ_d > 0 (the KKT
     conditions of the step, each domain's constraint tight only where it has a price).
 
-    - ``newton`` and ``bisection``: block coordinate ascent on the dual, deepest domains first
-      and the cluster last, each level's prices found together by the one-price solver in that
-      mode, the others held; sweeps until no price moves out of its window. The dual is smooth
-      and concave and each block's maximiser unique, so the sweeps converge; nested limits
-      couple only along a node's path, so a few do.
+    - ``newton``: every price at once by an active-set Newton method (`_coupled_newton`), from
+      the warm prices when there are any (a control step's usual case: two or three
+      evaluations of the jobs), else from a bottom-up pass's; where that does not settle, or
+      a domain does not fit even at the lowest clocks, the ``bisection`` way with Newton's
+      one-price solver.
+    - ``bisection``: bottom-up passes in total prices (`_bottom_up`), each level's roots found
+      together by the one-price solver, then block coordinate ascent on the dual, deepest
+      domains first and the cluster last, the others held; sweeps until no price moves out of
+      its window. The dual is smooth and concave and each block's maximiser unique, so the
+      sweeps converge; nested limits couple only along a node's path, so a few do.
     - ``gradient``: the paper's projected ascent λ ← [λ + D (G − target)]₊ on the vector, with
       each domain's step 1 / (depth_max + 1) L_d (L_d its jobs' Lipschitz terms: the Hessian
       of the dual is bounded by Σ_d L_d along a path, so the step is safe), accelerated with
@@ -723,7 +806,8 @@ def solve_domain_prices(
     split between two domains of one level couples their prices, which the sweeps resolve to
     ``tol`` only slowly, while a rack a few watts under its limit changes no decision.
 
-    A price only ever rises in a final pass (`_raise_to_feasible`), which lowers every other
+    Newton's answer is returned only once every domain is in its window. After the sweeps a
+    price only ever rises in a final pass (`_raise_to_feasible`), which lowers every other
     domain's power too: whatever the sweeps left, the answer is within every budget.
     """
     if mode not in MODES:
@@ -737,18 +821,32 @@ def solve_domain_prices(
     if warm_price is not None and warm_price.shape == (size,):
         price = np.where(np.isfinite(warm_price) & (warm_price > 0), warm_price, 0.0)
     roots = np.zeros(0)
+    groups = _Groups.of(domains) if mode == "newton" else None
     # G_d with every job under d at its lowest clocks: where it is > 0 nothing fits (+inf)
-    lowest = domains.totals(problem.power_w(problem.x_lo, problem.xm_lo)) - domains.budget_w
+    lowest_w = problem.power_w(problem.x_lo, problem.xm_lo)
+    sums = domains.totals(lowest_w) if groups is None else groups.totals(groups.sums(lowest_w))
+    lowest = sums - domains.budget_w
     if mode == "gradient":
         price, evaluations, sweeps = _domain_gradient(
             problem, domains, price, tols, max_evaluations
         )
     else:
-        # bottom-up passes, each holding a split job's other domains at the last pass's roots,
-        # until every domain is in its window; the sweeps only if that does not settle
+        # Newton: every price at once from the last step's (`_coupled_newton`), unless a
+        # domain is beyond reach (its price is +inf, which the bottom-up way handles)
         evaluations, sweeps = 0, 0
-        held = warm_roots
-        for _ in range(BOTTOM_UP_PASSES):
+        if np.any(lowest > 0.0):
+            groups = None
+        settled: FloatArray | None = None
+        if groups is not None and np.any(price > 0):
+            settled, evaluations = _coupled_newton(problem, domains, groups, price, tols)
+        # else bottom-up passes, each holding a split job's other domains at the last pass's
+        # roots, until every domain is in its window, Newton finishing from each pass's
+        # prices; the sweeps only if that does not settle
+        held, passes = warm_roots, 0
+        if settled is not None:
+            roots = _total_price(settled, domains.parent)
+        while settled is None and passes < BOTTOM_UP_PASSES:
+            passes += 1
             price, roots, n = _bottom_up(
                 problem, domains, price, held, lowest, mode, tols, max_evaluations
             )
@@ -756,8 +854,13 @@ def solve_domain_prices(
             G = domains.gradients(problem, price)
             evaluations += n + 1
             if np.all(_kkt(G, price, domains.budget_w, tols)):
-                break
-        else:
+                settled = price
+            elif groups is not None:
+                settled, n = _coupled_newton(problem, domains, groups, price, tols)
+                evaluations += n
+                if settled is not None:
+                    roots = _total_price(settled, domains.parent)
+        if settled is None:
             price, more, sweeps = _domain_sweeps(
                 problem, domains, price, lowest, mode, tols, max_evaluations
             )
@@ -767,6 +870,8 @@ def solve_domain_prices(
                 problem, domains, price, lowest, tols, max_evaluations
             )
             evaluations += more + extra
+        else:
+            price = settled
     status = tuple(
         StepStatus.INFEASIBLE
         if not np.isfinite(lam)
@@ -776,6 +881,147 @@ def solve_domain_prices(
         for lam in price
     )
     return DomainResult(price, status, evaluations, sweeps, mode, roots)
+
+
+def _total_price(price: FloatArray, parent: NDArray[np.int64]) -> FloatArray:
+    """π_d = λ_d + π_parent: the price a job wholly under domain d pays."""
+    total = price.copy()
+    for d in range(1, total.size):  # parents come first
+        total[d] = total[d] + total[parent[d]]
+    return total
+
+
+def _coupled_newton(
+    problem: DualProblem,
+    domains: DomainSet,
+    groups: _Groups,
+    price: FloatArray,
+    tols: FloatArray,
+) -> tuple[FloatArray | None, int]:
+    """Every domain's price at once from a start near the answer (the last step's prices, or
+    a bottom-up pass's): a primal-dual active-set Newton method on the dual (Hintermüller, Ito
+    and Kunisch, SIAM J. Optim. 2002). Each iteration evaluates the jobs once, at
+    μ = Σ_d s_dn λ_d, for G_d and C_g = Σ_{n ∈ g} d(g P_n)/dμ ≤ 0 per group (`_Groups`). The
+    domains priced next are those with λ_d + G_d / |H_dd| > 0 (the complementarity
+    λ = [λ + c G]₊ with each domain's own scale, H_dd = Σ_g C_g v_gd²); their prices solve
+    the linearised G_A(λ) = target_A (mid-window) with every other price at 0
+    (`_newton_prices`). A split job is one more term of the system, so the coupling the
+    bottom-up pass leaves is solved exactly.
+
+    Returns the prices once every domain is in its window (−tol·B ≤ G ≤ 0 where priced,
+    G ≤ 0 elsewhere), or None where this does not get there in `NEWTON_STEPS` evaluations or
+    where a domain over its budget has no job that answers its price: the caller then takes
+    the bottom-up way."""
+    target = -0.5 * tols * domains.budget_w
+    lam = price.copy()
+    for n in range(1, NEWTON_STEPS + 1):
+        mu = groups.group_price(lam)
+        job_price = mu[groups.group][None, :]
+        x, x_m = problem.best_response(job_price)
+        G = groups.totals(groups.sums(problem.power_w(x, x_m)[0])) - domains.budget_w
+        if np.all(_kkt(G, lam, domains.budget_w, tols)):
+            return lam, n
+        C = groups.sums(problem.slope(job_price, x, x_m)[0])
+        curvature = -np.bincount(
+            groups.col, weights=C[groups.row] * groups.val**2, minlength=domains.size
+        )
+        if np.any((curvature <= 0) & (G > 0)) or n == NEWTON_STEPS:
+            return None, n
+        with np.errstate(divide="ignore", invalid="ignore"):
+            active = (curvature > 0) & (lam + G / curvature > 0)
+        new = _newton_prices(groups, domains, active, C, mu, target - G)
+        if new is None:
+            return None, n
+        lam = new
+    return None, NEWTON_STEPS
+
+
+#: conjugate-gradient iterations of one Newton system (whole jobs alone need one)
+CG_STEPS = 100
+
+
+def _newton_prices(
+    groups: _Groups,
+    domains: DomainSet,
+    active: BoolArray,
+    C: FloatArray,
+    mu: FloatArray,
+    residual: FloatArray,
+) -> FloatArray | None:
+    """The Newton step of `_coupled_newton` for the priced domains ``active``, solved in
+    total prices: with π_d = Σ of the active prices on d's path, a group pays μ_g = w_g · π,
+    w_gd = v_gd − Σ_{c: up(c) = d} v_gc (up: the nearest active ancestor), so a whole job's
+    w is one 1 (at the deepest active domain over it) and M = Σ_g C_g w_g w_gᵀ is diagonal
+    but for the split jobs. The linearised G_A = target_A,
+    Tᵀ M π = r_A + Tᵀ Wᵀ (C ∘ μ) with λ = T⁻¹ π, becomes M π = T⁻ᵀ r_A + Wᵀ (C ∘ μ),
+    T⁻ᵀ r_d = r_d − Σ_{c: up(c) = d} r_c, solved by conjugate gradients with M's diagonal
+    as the preconditioner. A priced domain whose jobs all sit under priced children has no
+    price of its own (its M_dd = 0): it leaves the active set. None where the system has no
+    solution."""
+    size, depth = domains.size, domains.depth
+    depth_max = int(depth.max())
+    for _ in range(depth_max + 2):
+        # up(d): d's nearest active proper ancestor, −1 where none
+        up = np.full(size, -1, dtype=np.int64)
+        for k in range(depth_max):  # shallow to deep: the deepest active one stays
+            above = groups.ancestor[:, k]
+            up = np.where((k < depth) & active[np.maximum(above, 0)], above, up)
+        # w's entries: +v at each active domain, −v at its nearest active ancestor, summed
+        mine = active[groups.col]
+        row, col, val = groups.row[mine], groups.col[mine], groups.val[mine]
+        lifted = up[col] >= 0
+        keys = np.concatenate([row * size + col, row[lifted] * size + up[col[lifted]]])
+        key, where = np.unique(keys, return_inverse=True)
+        summed = np.bincount(where, weights=np.concatenate([val, -val[lifted]]))
+        nonzero = summed != 0.0
+        w_row, w_col, w_val = key[nonzero] // size, key[nonzero] % size, summed[nonzero]
+        diag = np.asarray(
+            np.bincount(w_col, weights=C[w_row] * w_val**2, minlength=size), dtype=np.float64
+        )
+        empty = active & (diag >= 0.0)  # M_dd = 0: no job answers π_d alone
+        if not empty.any():
+            break
+        active = active & ~empty
+    else:
+        return None
+
+    def matvec(z: FloatArray) -> FloatArray:
+        u = np.bincount(w_row, weights=w_val * z[w_col], minlength=groups.count)
+        out = np.bincount(w_col, weights=w_val * C[w_row] * u[w_row], minlength=size)
+        return np.asarray(out, dtype=np.float64)
+
+    # b = T⁻ᵀ r_A + Wᵀ (C ∘ μ) on the active domains
+    r_active = np.where(active, residual, 0.0)
+    child = active & (up >= 0)
+    to_parent = np.bincount(up[child], weights=r_active[child], minlength=size)
+    held = np.bincount(w_col, weights=w_val * (C * mu)[w_row], minlength=size)
+    b: FloatArray = np.where(active, r_active - to_parent + held, 0.0)
+    inverse = np.where(active, 1.0 / np.where(active, diag, 1.0), 0.0)
+    # conjugate gradients on M π = b (M ≤ 0, as its diagonal: the products below are > 0)
+    pi = np.zeros(size)
+    r = b.copy()
+    z = inverse * r
+    p = z.copy()
+    rz = float(np.sum(r * z))
+    scale = float(np.sqrt(np.sum(b * b)))
+    for _ in range(CG_STEPS):
+        Mp = matvec(p)
+        curv = float(np.sum(p * Mp))
+        if curv == 0.0:
+            break
+        alpha = rz / curv
+        pi += alpha * p
+        r -= alpha * Mp
+        if float(np.sqrt(np.sum(r * r))) <= 1e-13 * scale:
+            break
+        z = inverse * r
+        rz, rz_last = float(np.sum(r * z)), rz
+        p = z + (rz / rz_last) * p
+    if not np.all(np.isfinite(pi)):
+        return None
+    # λ = T⁻¹ π: each active domain's total less its nearest active ancestor's
+    lam = np.where(active, pi - np.where(up >= 0, pi[np.maximum(up, 0)], 0.0), 0.0)
+    return np.maximum(lam, 0.0)
 
 
 def _kkt(G: FloatArray, price: FloatArray, budget_w: FloatArray, tol: FloatArray) -> BoolArray:

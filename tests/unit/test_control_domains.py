@@ -141,6 +141,51 @@ def test_newton_takes_few_evaluations_and_a_warm_start_fewer() -> None:
     assert warm.evaluations < cold.evaluations
 
 
+@pytest.mark.parametrize("change", [1.0, 0.97, 1.03])
+def test_a_warm_newton_solve_prices_every_domain_at_once(change: float) -> None:
+    """The next step's solve (warm, budgets moved by ``change``) settles in a few evaluations
+    with no sweep, split jobs included, at the prices the sweeps reach from cold."""
+    p = build_problem(n=400, budget_fraction=0.6, seed=5)
+    d = _racks(p, rows=2, racks_per_row=4, limit=0.6, span=40)
+    # the cluster, one row and three racks (two with split jobs) bind
+    budget = d.budget_w.copy()
+    budget[[3, 4, 8]] *= [0.8, 0.85, 0.8]
+    budget[2] *= 0.95
+    budget[0] = 0.98 * (budget[1] + budget[2])
+    d, p = replace(d, budget_w=budget), replace(p, budget_w=budget[:1])
+    last = solve_domain_prices(p, d, "newton", TOL)
+    moved = replace(d, budget_w=d.budget_w * change)
+    moved_p = replace(p, budget_w=p.budget_w * change)
+    warm = solve_domain_prices(moved_p, moved, "newton", 1e-9, warm_price=last.price)
+    swept = solve_domain_prices(moved_p, moved, "bisection", 1e-9)
+    assert warm.sweeps == 0
+    assert warm.evaluations <= 6
+    G = moved.gradients(moved_p, warm.price)
+    assert np.all(G <= 0)
+    binding = warm.price > 0
+    assert binding[0] and binding.sum() >= 4
+    assert np.all(G[binding] >= -1e-9 * moved.budget_w[binding])
+    assert np.array_equal(binding, swept.price > 0)
+    assert np.allclose(warm.price, swept.price, rtol=1e-5, atol=1e-9 * warm.price.max())
+
+
+def test_newton_agrees_with_the_sweeps_on_jobs_off_the_usual_paths() -> None:
+    """Jobs with GPUs under a row but in none of its racks, and a job under a rack whose row
+    lists it with a smaller share: every membership counts as it is given."""
+    p = build_problem(n=200, budget_fraction=0.6, seed=8)
+    d = _racks(p, rows=2, racks_per_row=2, limit=0.6, span=20)
+    rack = d.depth[d.domain] == 2
+    drop = rack & (d.job_row >= 180)  # the last 20 jobs: under their row alone
+    share = np.where(~rack & (d.job_row == 100), 0.5, d.share)  # job 100: half under its row
+    odd = replace(d, domain=d.domain[~drop], job_row=d.job_row[~drop], share=share[~drop])
+    last = solve_domain_prices(p, odd, "newton", 1e-9)
+    warm = solve_domain_prices(p, odd, "newton", 1e-9, warm_price=last.price * 1.02)
+    swept = solve_domain_prices(p, odd, "bisection", 1e-9)
+    assert warm.sweeps == 0
+    assert np.allclose(warm.price, swept.price, rtol=1e-5, atol=1e-9 * warm.price.max())
+    assert np.all(odd.gradients(p, warm.price) <= 0)
+
+
 @pytest.mark.parametrize("family", ["bent", "linear"])
 def test_matches_the_cvxpy_reference_with_domains(family: str) -> None:
     p = build_problem(n=60, family=family, budget_fraction=0.6, seed=7)
