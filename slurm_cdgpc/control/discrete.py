@@ -238,15 +238,16 @@ def _fits_domains(
     asked = np.bincount(dom, weights=cost, minlength=domains.size)
     tight = (asked > room_w)[dom]
     dom, row, cost = dom[tight], row[tight], cost[tight]
-    by = np.lexsort((rank[row], dom))  # per domain, in rank order
+    # per domain, in rank order: one sort of a key unique per (domain, job)
+    by = np.argsort(dom * order.size + rank[row])
     dom, row, cost = dom[by], row[by], cost[by]
     cum = np.cumsum(cost)
     starts = np.searchsorted(dom, dom, side="left")
     before = np.where(starts > 0, cum[starts - 1], 0.0)
     within = (cum - before) <= room_w[dom]
-    ok = np.ones(domains.jobs, dtype=bool)
-    np.logical_and.at(ok, row, within)
-    return ok[order]
+    # a job fits where it fits in every domain above it
+    short = np.bincount(row, weights=~within, minlength=domains.jobs)
+    return short[order] == 0
 
 
 #: candidates ranked in full only when the best ones ranked first do not use up the leftover
