@@ -247,7 +247,8 @@ def _fits_domains(
     within = (cum - before) <= room_w[dom]
     # a job fits where it fits in every domain above it
     short = np.bincount(row, weights=~within, minlength=domains.jobs)
-    return short[order] == 0
+    fits: NDArray[np.bool_] = short[order] == 0
+    return fits
 
 
 #: candidates ranked in full only when the best ones ranked first do not use up the leftover

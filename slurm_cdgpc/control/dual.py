@@ -990,33 +990,39 @@ def _newton_prices(
         out = np.bincount(w_col, weights=w_val * C[w_row] * u[w_row], minlength=size)
         return np.asarray(out, dtype=np.float64)
 
-    # b = T⁻ᵀ r_A + Wᵀ (C ∘ μ) on the active domains
-    r_active = np.where(active, residual, 0.0)
-    child = active & (up >= 0)
-    to_parent = np.bincount(up[child], weights=r_active[child], minlength=size)
-    held = np.bincount(w_col, weights=w_val * (C * mu)[w_row], minlength=size)
-    b: FloatArray = np.where(active, r_active - to_parent + held, 0.0)
-    inverse = np.where(active, 1.0 / np.where(active, diag, 1.0), 0.0)
-    # conjugate gradients on M π = b (M ≤ 0, as its diagonal: the products below are > 0)
-    pi = np.zeros(size)
-    r = b.copy()
-    z = inverse * r
-    p = z.copy()
-    rz = float(np.sum(r * z))
-    scale = float(np.sqrt(np.sum(b * b)))
-    for _ in range(CG_STEPS):
-        Mp = matvec(p)
-        curv = float(np.sum(p * Mp))
-        if curv == 0.0:
-            break
-        alpha = rz / curv
-        pi += alpha * p
-        r -= alpha * Mp
-        if float(np.sqrt(np.sum(r * r))) <= 1e-13 * scale:
-            break
+    # a group priced near 0 answers with a slope without bound (x* ∝ μ^(-1/2)): the system
+    # then overflows, π is not finite, and the caller takes the bottom-up way
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+        # b = T⁻ᵀ r_A + Wᵀ (C ∘ μ) on the active domains
+        r_active = np.where(active, residual, 0.0)
+        child = active & (up >= 0)
+        to_parent = np.bincount(up[child], weights=r_active[child], minlength=size)
+        held = np.bincount(w_col, weights=w_val * (C * mu)[w_row], minlength=size)
+        b: FloatArray = np.where(active, r_active - to_parent + held, 0.0)
+        inverse = np.where(active, 1.0 / np.where(active, diag, 1.0), 0.0)
+        # conjugate gradients on M π = b (M ≤ 0, as its diagonal: the products below are > 0)
+        pi = np.zeros(size)
+        r = b.copy()
         z = inverse * r
-        rz, rz_last = float(np.sum(r * z)), rz
-        p = z + (rz / rz_last) * p
+        p = z.copy()
+        rz = float(np.sum(r * z))
+        scale = float(np.sqrt(np.sum(b * b)))
+        for _ in range(CG_STEPS):
+            Mp = matvec(p)
+            curv = float(np.sum(p * Mp))
+            if not np.isfinite(curv):
+                pi[:] = np.nan  # overflowed: no answer (below)
+                break
+            if curv == 0.0:
+                break
+            alpha = rz / curv
+            pi += alpha * p
+            r -= alpha * Mp
+            if float(np.sqrt(np.sum(r * r))) <= 1e-13 * scale:
+                break
+            z = inverse * r
+            rz, rz_last = float(np.sum(r * z)), rz
+            p = z + (rz / rz_last) * p
     if not np.all(np.isfinite(pi)):
         return None
     # λ = T⁻¹ π: each active domain's total less its nearest active ancestor's
