@@ -306,6 +306,31 @@ class LocalCluster:
 
     # -- configuration -------------------------------------------------------------------------
 
+    @classmethod
+    def with_hmac(
+        cls,
+        run_dir: Path,
+        *,
+        interval_s: float,
+        lease_s: float,
+        unavailable: Callable[[str], NoReturn] | None = None,
+        start_timeout_s: float = 20.0,
+    ) -> LocalCluster:
+        """A site whose daemons and admin share a fresh HMAC key in ``run_dir`` (``unavailable``
+        as `write_hmac_key` takes it), agents' safe cap at 0.6 of the top clock, daemons run
+        from this source tree: what the live tests of a head and its agents start from."""
+        key_file = run_dir / "hmac.key"
+        write_hmac_key(key_file, unavailable)
+        return cls(
+            run_dir,
+            hmac_auth(key_file, admin=True),
+            interval_s=interval_s,
+            lease_s=lease_s,
+            safe_cap=0.6,
+            env=daemon_env(source_first=True),
+            start_timeout_s=start_timeout_s,
+        )
+
     def _common(self) -> Sections:
         control = {"interval": None if self.interval_s is None else f"{self.interval_s:g}s"}
         lease = {

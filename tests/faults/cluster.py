@@ -42,9 +42,6 @@ from slurm_cdgpc.localcluster import (
     LocalCluster,
     Node,
     NotReadyError,
-    daemon_env,
-    hmac_auth,
-    write_hmac_key,
 )
 from slurm_cdgpc.localcluster import wait_for as _wait
 from slurm_cdgpc.slurm.spool import Spool
@@ -497,15 +494,11 @@ class Registrar:
 
 def make_cluster(tmp_path: Path, db_url: str, *, netns: bool = False) -> Iterator[Cluster]:
     """The head's config and two agents (started, busy GPUs); the head is not started yet."""
-    key_file = tmp_path / "hmac.key"
-    write_hmac_key(key_file, unavailable)
-    local = LocalCluster(
+    local = LocalCluster.with_hmac(
         tmp_path,
-        hmac_auth(key_file, admin=True),
         interval_s=INTERVAL_S,
         lease_s=LEASE_S,
-        safe_cap=0.6,
-        env=daemon_env(source_first=True),
+        unavailable=unavailable,
         start_timeout_s=30,
     )
     local.add_head(store_url=db_url)

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from slurm_cdgpc.localcluster import LocalCluster, daemon_env, hmac_auth, write_hmac_key
+from slurm_cdgpc.localcluster import LocalCluster
 from slurm_cdgpc.localcluster import wait_for as _wait
 from slurm_cdgpc.wire.board import BoardDescription
 
@@ -39,16 +39,8 @@ def make_site(
 ) -> Iterator[LocalCluster]:
     """Two agents running (not yet announced to any head), the head's config written; ``gpu_type``
     and ``gpus``: the agents' simulated GPUs (their ``[node]`` keys; None: unset)."""
-    key_file = tmp_path / "hmac.key"
-    write_hmac_key(key_file, pytest.skip)
-    site = LocalCluster(
-        tmp_path,
-        hmac_auth(key_file, admin=True),
-        interval_s=INTERVAL_S,
-        lease_s=LEASE_S,
-        safe_cap=0.6,
-        env=daemon_env(source_first=True),
-        start_timeout_s=20,
+    site = LocalCluster.with_hmac(
+        tmp_path, interval_s=INTERVAL_S, lease_s=LEASE_S, unavailable=pytest.skip
     )
     site.add_head(store_url=db_url)
     try:

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from slurm_cdgpc.gpu.workloads import JOBS_DIR_ENV, LAUNCH_SUFFIX, Launch, write_atomically
-from slurm_cdgpc.localcluster import LocalCluster, daemon_env, hmac_auth, write_hmac_key
+from slurm_cdgpc.localcluster import LocalCluster
 from slurm_cdgpc.localcluster import wait_for as _wait
 from slurm_cdgpc.transport.http import HeadClient
 
@@ -32,16 +32,8 @@ ADMIN = (sys.executable, "-c", "from slurm_cdgpc.cli.main import main; main()")
 
 
 def _site(tmp_path: Path, control: dict[str, object]) -> LocalCluster:
-    key_file = tmp_path / "hmac.key"
-    write_hmac_key(key_file, pytest.skip)
-    site = LocalCluster(
-        tmp_path,
-        hmac_auth(key_file, admin=True),
-        interval_s=INTERVAL_S,
-        lease_s=LEASE_S,
-        safe_cap=0.6,
-        env=daemon_env(source_first=True),
-        start_timeout_s=20,
+    site = LocalCluster.with_hmac(
+        tmp_path, interval_s=INTERVAL_S, lease_s=LEASE_S, unavailable=pytest.skip
     )
     # the jobs are not this machine's Slurm's: no reconcile with squeue
     site.add_head(extra={"head": {"reconcile": False}, "control": control})
