@@ -217,6 +217,12 @@ def status(config_path: Path | None, as_json: bool) -> None:
         )
     for line in last.get("limited", []):
         click.echo(f"held by another limiter: {line}")
+    cut = data.get("last_emergency_cut")
+    if cut:
+        click.echo(
+            f"last emergency cut: {', '.join(cut['over'])} over its limit at "
+            f"{_when(cut['time_s'])}, {len(cut['jobs'])} job(s) to their lowest clocks"
+        )
 
 
 @click.command()

@@ -316,12 +316,14 @@ def job_dict(job: Job, views: Mapping[str, JobView]) -> dict[str, object]:
 def status_dict(coordinator: Coordinator) -> dict[str, object]:
     budget = coordinator.store.current_budget()
     report = coordinator.last_report
+    cut = coordinator.last_cut
     return {
         "budget_w": budget.budget_w if budget else coordinator.settings.initial_budget_w,
         "budget": None if budget is None else budget_dict(budget),
         "shadow": coordinator.settings.shadow,
         "interval_s": coordinator.settings.interval_s,
         "last_interval": None if report is None else report.to_dict(),
+        "last_emergency_cut": None if cut is None else cut.to_dict(),
     }
 
 
@@ -384,7 +386,7 @@ class _Handler(JsonHandler):
         GET    /v1/budget      read   the budget in force, scheduled changes, recent history,
                                       the power domains' limits in force, where each comes
                                       from, and their scheduled changes
-        GET    /v1/status      read   the last interval
+        GET    /v1/status      read   the last interval, and the last emergency cut
         GET    /v1/jobs        read   active jobs: clocks, power, progress, predicted finish
         GET    /v1/nodes       read   nodes, reachability, worst-case power, each GPU's board
                                       and whether it is controlled (why not)

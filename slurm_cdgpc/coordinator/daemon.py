@@ -215,6 +215,14 @@ class EmergencyCut:
     jobs: tuple[str, ...]
     exchange_s: float
 
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "time_s": self.at_s,
+            "over": list(self.over),
+            "jobs": list(self.jobs),
+            "exchange_s": self.exchange_s,
+        }
+
 
 @dataclass(frozen=True)
 class _Exchanged:

@@ -12,6 +12,7 @@ import time
 
 import numpy as np
 
+from slurm_cdgpc.coordinator.api import status_dict
 from slurm_cdgpc.coordinator.daemon import _wait
 from slurm_cdgpc.topology import parse_topology
 from tests.unit.test_coordinator_daemon import (
@@ -137,6 +138,14 @@ def test_a_limit_broken_between_plans_is_cut_in_the_same_round(
     assert cluster.cap("n1", 0) != lowest_mhz  # the job with a deadline keeps its clock
     cuts = registry.get_sample_value("cdgpc_emergency_cuts_total", {"domain": "cluster"})
     assert cuts == (cuts_before or 0.0) + 1
+    # GET /v1/status and cdgpc-admin status say so
+    shown = status_dict(cluster.head)["last_emergency_cut"]
+    assert shown == {
+        "time_s": cut.at_s,
+        "over": ["cluster"],
+        "jobs": ["2"],
+        "exchange_s": cut.exchange_s,
+    }
     assert _true_w(cluster) <= budget_w  # back under at once, before the next plan
     # the next plan takes job 2 back, with the new load counted outside it
     report = cluster.tick()
