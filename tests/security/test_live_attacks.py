@@ -89,6 +89,7 @@ ENDPOINTS = (
     Endpoint("head", "POST", "/v1/budget", "admin"),
     Endpoint("head", "GET", "/v1/status", "read"),
     Endpoint("head", "GET", "/v1/decisions", "read"),
+    Endpoint("head", "POST", "/v1/admission", "node"),
     Endpoint("agent", "GET", "/v1/health", "none"),
     Endpoint("agent", "GET", "/metrics", "none"),
     Endpoint("agent", "POST", "/v1/exchange", "node"),
@@ -207,6 +208,8 @@ def attack_body(endpoint: Endpoint) -> bytes:
         "/v1/jobs": {"job_id": "666", "user": "root", "node": "ghost", "gpus": [1]},
         "/v1/nodes": {"node": "evil", "url": "http://127.0.0.1:9"},
         "/v1/budget": {"budget_w": 1.0, "reason": "attack"},
+        # records nothing when accepted: a refusal must still change nothing and log nothing
+        "/v1/admission": {"job_id": "666", "user": "root", "gpus": 1, "nodes": ["ghost"]},
     }
     return json.dumps(bodies[endpoint.path]).encode() if endpoint.has_body else b""
 
@@ -469,6 +472,10 @@ def test_replayed(cluster: Cluster, endpoint: Endpoint) -> None:
         cred, body = _signed(d, "POST", path, {"budget_w": 7000.0, "reason": "first"})
         _accept(d, "POST", path, cred, body)
         head.ok("POST", path, {"budget_w": 9000.0, "reason": "second"})
+    elif endpoint.name == "head POST /v1/admission":
+        ask = {"job_id": "204", "user": "root", "gpus": 1, "nodes": ["ghost"]}
+        cred, body = _signed(d, "POST", path, ask)
+        _accept(d, "POST", path, cred, body)
     elif endpoint.name == "agent POST /v1/exchange":
         cred = d.signer.sign("POST", path, body := exchange_body([(1, "101", MHZ_C)], []))
         _accept(d, "POST", path, cred, body)
@@ -531,11 +538,19 @@ REQUIRED: dict[str, tuple[str, ...]] = {
     "/v1/jobs": ("job_id", "user", "node", "gpus"),
     "/v1/nodes": ("node", "url"),
     "/v1/budget": ("budget_w",),
+    "/v1/admission": ("job_id", "user", "gpus", "nodes"),
     "/v1/exchange": ("version", "node", "interval", "lease_expires_s", "setpoints", "release"),
     "/v1/release": ("job_id",),
     "/v1/hold": ("job_id", "gpus"),
 }
 SPECIFIC: dict[str, list[dict[str, object]]] = {
+    "/v1/admission": [
+        {"gpus": 0},
+        {"gpus": -2},
+        {"nodes": []},
+        {"nodes": ["../etc"]},
+        {"deadline_s": "tomorrow"},
+    ],
     "/v1/jobs": [{"gpus": []}, {"gpus": [0, 0]}, {"gpus": [-1]}, {"gpus": [5000]}, {"job_id": 7}],
     "/v1/nodes": [{"url": "ftp://x"}, {"url": ""}, {"node": ""}],
     "/v1/budget": [
