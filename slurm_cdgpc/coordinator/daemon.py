@@ -192,6 +192,13 @@ def _check_nesting(
             )
 
 
+def _ramped_w(budget_w: float | None, decision: Decision | None) -> float | None:
+    """The limit ``decision`` was planned under where a ramp held it below ``budget_w``."""
+    if decision is None or decision.budget_w >= (UNCAPPED_W if budget_w is None else budget_w):
+        return None
+    return decision.budget_w
+
+
 @dataclass(frozen=True)
 class _Plan:
     """Step 3's output: the budget, the power outside the plan, the power domains' limits (None:
@@ -525,8 +532,10 @@ class Coordinator:
         GPU of theirs refuses its setpoint."""
         active = self.store.jobs(ACTIVE_STATES)
         self.nodes.load(self.store.nodes())
-        for job in self.roster.refresh(active):  # finished: release its GPUs on every node
-            self.locks.release(job.gpus)
+        named = {(g.node, g.gpu_index) for job in active for g in job.gpus}
+        for job in self.roster.refresh(active):  # finished: release its GPUs on every node,
+            # but for a GPU another job still runs on (shared: it keeps its clock)
+            self.locks.release(g for g in job.gpus if (g.node, g.gpu_index) not in named)
             self.progress.ended(job.job_id)
         known = self.roster.known
         self.progress.keep(known)
@@ -903,6 +912,7 @@ class Coordinator:
             time_s=now_s,
             budget_w=plan.budget_w,
             effective_budget_w=None if decision is None else decision.effective_budget_w,
+            ramp_budget_w=_ramped_w(plan.budget_w, decision),
             uncontrolled_w=plan.uncontrolled_w,
             predicted_power_w=None if decision is None else decision.predicted_power_w,
             measured_power_w=float(sum(power_by_gpu.values())),

@@ -93,6 +93,9 @@ class IntervalReport:
     limited: tuple[str, ...] = ()
     #: the power domains below the budget, in the topology's order (none without a topology)
     domains: tuple[DomainView, ...] = ()
+    #: the cluster's limit the plan was made under where a ramp held it below the budget
+    #: (`control.ramp`); None where it was the budget
+    ramp_budget_w: float | None = None
 
     def to_dict(self) -> dict[str, object]:
         return {
@@ -100,6 +103,7 @@ class IntervalReport:
             "time_s": self.time_s,
             "budget_w": self.budget_w,
             "effective_budget_w": self.effective_budget_w,
+            "ramp_budget_w": self.ramp_budget_w,
             "uncontrolled_w": self.uncontrolled_w,
             "predicted_power_w": self.predicted_power_w,
             "measured_power_w": self.measured_power_w,

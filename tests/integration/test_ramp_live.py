@@ -133,10 +133,20 @@ def test_a_scheduled_budget_drop_is_approached_at_the_ramp_and_held(make_site: A
     assert done.returncode == 0, done.stderr
     intervals = _intervals(client, at_s + 5 * INTERVAL_S)
     drawn = [(i["time_s"], i["measured_power_w"]) for i in intervals]
+    # the limit each plan was made under falls at the rate (over the time between the plans),
+    # to the budget itself from the drop on
+    caps = [
+        (i["time_s"], i["budget_w"] if i["ramp_budget_w"] is None else i["ramp_budget_w"])
+        for i in intervals
+    ]
+    ramped = [c for c in caps if c[1] < start_w]
+    assert len(ramped) >= 4, caps  # approached over several intervals, not in one step
+    for (t0, c0), (t1, c1) in itertools.pairwise(caps):
+        assert c1 >= c0 - RAMP_W_PER_S * (t1 - t0) - 1.0, caps
+    # the drawn power follows, but for the jobs' own swing (±25 W at top clocks) and the
+    # models' error (a few percent of a 300 W GPU)
     steps = [b - a for (_, a), (_, b) in itertools.pairwise(drawn)]
-    # the planned power falls one interval at the rate per interval; the drawn power too, but
-    # for the models' error (a few percent of a 300 W GPU) and an interval that ran long
-    assert min(steps) >= -1.5 * RAMP_W_PER_S * INTERVAL_S, drawn
+    assert min(steps) >= -2.5 * RAMP_W_PER_S * INTERVAL_S, drawn
     before = [w for t, w in drawn if t <= at_s - 2 * INTERVAL_S]
     assert before[-1] < start_w - 2 * RAMP_W_PER_S * INTERVAL_S, drawn  # it fell ahead of time
     after = [w for t, w in drawn if t >= at_s + INTERVAL_S]  # intervals wholly after the drop
