@@ -150,6 +150,9 @@ class NodeAgent:
         self._monotonic = monotonic or (time.monotonic if clock is time.time else clock)
         self._lock = threading.RLock()
         self._jobs: dict[int, str] = {}  # GPU index -> the job the head assigned it
+        #: GPU index -> the other jobs on it (shards, MPS, MIG slices of one GPU): their Epilog
+        #: releases their share; the GPU returns to defaults only when its last job leaves
+        self._cotenants: dict[int, set[str]] = {}
         self._lapse_capped: set[int] = set()  # GPUs the lapse moved to the safe cap
         #: (job, reporting uid) -> its latest report; the head keeps only the owner's and root's
         self._progress: dict[tuple[str, int], ProgressReport] = {}
@@ -312,7 +315,9 @@ class NodeAgent:
                 if sp.gpu not in wanted:
                     continue
                 if self._apply(devices[sp.gpu], sp.graphics_mhz, sp.memory_mhz, refused):
+                    tenants = self._tenants(sp.gpu)  # a job sharing it keeps its share
                     self._jobs[sp.gpu] = sp.job_id
+                    self._share(sp.gpu, tenants)
                     self._lapse_capped.discard(sp.gpu)
                     self._apply_limit(devices[sp.gpu], sp.power_limit_w)
             self._renew(request, now_s, arrived_s)
@@ -449,10 +454,12 @@ class NodeAgent:
             self._yielded.discard(gpu)
             self._overridden.discard(gpu)
             job = self._jobs.pop(gpu, None)
+            self._cotenants.pop(gpu, None)
             logger.info("GPU %d: released (job %s ended); its clocks left as they are", gpu, job)
             return
         if self._reset(device):
             job = self._jobs.pop(gpu, None)
+            self._cotenants.pop(gpu, None)
             self._lapse_capped.discard(gpu)
             if job is not None and job not in self._jobs.values():
                 for key in [k for k in self._progress if k[0] == job]:
@@ -715,9 +722,10 @@ class NodeAgent:
         clocks would draw its full power against a budget that did not count it, for up to an
         interval. The safe cap is where a lapsed lease puts a GPU anyway, so a job whose head
         is away runs as every other job does then. A GPU already at or below the safe cap keeps
-        its clock (never raised); one the head gave another job is refused and left alone; one
-        already the job's keeps its clock too: the head's setpoint may come before the hold (the
-        Prolog holds after it registers), and an older hold has capped it already."""
+        its clock (never raised); one the head gave another job is shared: the job becomes one
+        of its tenants and the GPU keeps its clock (one clock per GPU); one already the job's
+        keeps its clock too: the head's setpoint may come before the hold (the Prolog holds
+        after it registers), and an older hold has capped it already."""
         with self._lock:
             held: list[int] = []
             refused: list[Refusal] = []
@@ -732,8 +740,10 @@ class NodeAgent:
                 if owner == job_id:
                     held.append(gpu)
                     continue
-                if owner is not None:
-                    refused.append(Refusal(gpu, f"the head gave it to job {owner}"))
+                if owner is not None:  # another job's: shared, at the clock it has
+                    self._cotenants.setdefault(gpu, set()).add(job_id)
+                    logger.info("GPU %d: job %s shares it with job %s", gpu, job_id, owner)
+                    held.append(gpu)
                     continue
                 try:
                     lock = self._safe_cap_lock(device)
@@ -760,15 +770,47 @@ class NodeAgent:
 
     def release_job(self, job_id: str) -> tuple[list[int], list[Refusal]]:
         """The job ended (its Epilog says so): reset the GPUs the head gave it, now, without
-        waiting for the head. Only GPUs this agent knows to be the job's are touched."""
+        waiting for the head. Only GPUs this agent knows to be the job's are touched, and a GPU
+        another job still shares keeps its clock: the job's share is released, the GPU passes
+        to a remaining tenant, and it returns to defaults when its last job leaves."""
         with self._lock:
-            gpus = sorted(g for g, job in self._jobs.items() if job == job_id)
+            gpus = sorted(
+                g
+                for g in self._jobs.keys() | self._cotenants.keys()
+                if self._jobs.get(g) == job_id or job_id in self._cotenants.get(g, ())
+            )
             refused: list[Refusal] = []
             for gpu in gpus:
+                others = self._tenants(gpu) - {job_id}
+                if others:
+                    owner = self._jobs.get(gpu)
+                    self._jobs[gpu] = owner if owner in others else min(others)
+                    self._share(gpu, others)
+                    logger.info(
+                        "GPU %d: job %s ended; job %s still runs on it: its clock stays",
+                        gpu,
+                        job_id,
+                        self._jobs[gpu],
+                    )
+                    continue
+                self._cotenants.pop(gpu, None)
                 self._release(gpu, refused)
             self._sync_state()
             failed = {r.gpu for r in refused}
             return [g for g in gpus if g not in failed], refused
+
+    def _tenants(self, gpu: int) -> set[str]:
+        """Every job on ``gpu``: the one the head assigned it, and those sharing it."""
+        owner = self._jobs.get(gpu)
+        return self._cotenants.get(gpu, set()) | ({owner} if owner is not None else set())
+
+    def _share(self, gpu: int, tenants: set[str]) -> None:
+        """``gpu``'s jobs other than its owner (`_jobs`) are ``tenants`` less the owner."""
+        others = tenants - {self._jobs.get(gpu)}
+        if others:
+            self._cotenants[gpu] = others
+        else:
+            self._cotenants.pop(gpu, None)
 
     def restore_defaults(self) -> list[tuple[int, CdgpcError]]:
         """Reset every GPU (trying all even if some fail); remove the state file if all worked."""
@@ -783,6 +825,7 @@ class NodeAgent:
             for dev, error in failed:
                 logger.error("GPU %d: restoring default clocks failed: %s", dev.index, error)
             self._jobs.clear()
+            self._cotenants.clear()
             self._lapse_capped.clear()
             self._sync_state()
             if not failed:

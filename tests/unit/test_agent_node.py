@@ -712,19 +712,40 @@ def test_a_prolog_hold_caps_the_jobs_gpus_until_the_heads_setpoint(
     assert caps(gpus) == {0: None, 1: None, 2: None, 3: None}
 
 
-def test_a_hold_never_raises_a_clock_nor_takes_another_jobs_gpu(
+def test_a_hold_never_raises_a_clock_and_shares_another_jobs_gpu(
     agent: NodeAgent, gpus: GpuSet, clock: ManualClock
 ) -> None:
     agent.exchange(request(clock, Setpoint(0, "5", 600), Setpoint(3, "6", 1200)))
     agent.release_job("6")  # GPU 3 is free again
     gpus[3].set_locked_clocks(405)  # below the safe cap, left there (say, by a lapse)
     held, refused = agent.hold_job("77", [0, 3, 9])
-    assert held == [3] and caps(gpus)[3] == 405  # kept, not raised to the safe cap
-    assert {r.gpu: r.reason for r in refused} == {
-        0: "the head gave it to job 5",
-        9: "no GPU with index 9 on this node",
-    }
-    assert caps(gpus)[0] == 600
+    assert held == [0, 3] and caps(gpus)[3] == 405  # kept, not raised to the safe cap
+    assert {r.gpu: r.reason for r in refused} == {9: "no GPU with index 9 on this node"}
+    assert caps(gpus)[0] == 600  # job 5's GPU, shared at the clock the head gave it
+
+
+def test_a_shared_gpu_returns_to_defaults_only_when_its_last_job_leaves(
+    agent: NodeAgent, gpus: GpuSet, clock: ManualClock
+) -> None:
+    """Two jobs on GPU 0 (shards, MPS, MIG slices: one physical GPU): the first job's Epilog
+    releases its share and leaves the GPU at its clock for the second; the second's resets it.
+    """
+    agent.exchange(request(clock, Setpoint(0, "5", 600)))
+    assert agent.hold_job("6", [0]) == ([0], [])
+    released, refused = agent.release_job("5")
+    assert (released, refused) == ([0], [])
+    assert caps(gpus)[0] == 600  # job 6 still runs on it
+    assert agent.exchange(request(clock)).gpus[0].job_id == "6"  # now the GPU's job
+    assert agent.release_job("6") == ([0], [])
+    assert caps(gpus)[0] is None  # the last job left: default clocks
+    # the head's setpoint for the second job keeps the first one's share
+    agent.exchange(request(clock, Setpoint(1, "7", 600)))
+    agent.hold_job("8", [1])
+    agent.exchange(request(clock, Setpoint(1, "8", 900)))
+    assert agent.release_job("8") == ([1], [])
+    assert caps(gpus)[1] == 900  # job 7 still runs on it
+    assert agent.release_job("7") == ([1], [])
+    assert caps(gpus)[1] is None
 
 
 def test_a_hold_after_the_heads_setpoint_keeps_the_setpoint(
