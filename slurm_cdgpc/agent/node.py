@@ -315,9 +315,10 @@ class NodeAgent:
                 if sp.gpu not in wanted:
                     continue
                 if self._apply(devices[sp.gpu], sp.graphics_mhz, sp.memory_mhz, refused):
-                    tenants = self._tenants(sp.gpu)  # a job sharing it keeps its share
+                    # the head's job for it now; the jobs sharing it (their Prologs' holds)
+                    # keep their shares, a job it assigned the GPU to before does not
                     self._jobs[sp.gpu] = sp.job_id
-                    self._share(sp.gpu, tenants)
+                    self._share(sp.gpu, self._cotenants.get(sp.gpu, set()))
                     self._lapse_capped.discard(sp.gpu)
                     self._apply_limit(devices[sp.gpu], sp.power_limit_w)
             self._renew(request, now_s, arrived_s)

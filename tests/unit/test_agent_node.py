@@ -738,13 +738,16 @@ def test_a_shared_gpu_returns_to_defaults_only_when_its_last_job_leaves(
     assert agent.exchange(request(clock)).gpus[0].job_id == "6"  # now the GPU's job
     assert agent.release_job("6") == ([0], [])
     assert caps(gpus)[0] is None  # the last job left: default clocks
-    # the head's setpoint for the second job keeps the first one's share
+    # the head's setpoint passes the GPU to a job sharing it (the first one's Epilog has not
+    # come yet): a third job's share stays, the first job's assignment does not
     agent.exchange(request(clock, Setpoint(1, "7", 600)))
     agent.hold_job("8", [1])
+    agent.hold_job("9", [1])
     agent.exchange(request(clock, Setpoint(1, "8", 900)))
     assert agent.release_job("8") == ([1], [])
-    assert caps(gpus)[1] == 900  # job 7 still runs on it
-    assert agent.release_job("7") == ([1], [])
+    assert caps(gpus)[1] == 900  # job 9 still runs on it
+    assert agent.release_job("7") == ([], [])  # no longer the GPU's: nothing of it to release
+    assert agent.release_job("9") == ([1], [])
     assert caps(gpus)[1] is None
 
 
