@@ -589,17 +589,20 @@ def _true_w(cluster: Cluster) -> float:
     return sum(cluster.gpu(n, i).true_power_w for n in cluster.agents for i in range(2))
 
 
-def _two_busy_jobs(make_cluster: MakeCluster) -> Cluster:
-    """Jobs 1 (n1) and 2 (n2) training on both GPUs of their node, settled under 1500 W."""
-    cluster = make_cluster()
+def _two_busy_jobs(
+    make_cluster: MakeCluster, budget_w: float = 1500.0, settle: int = 6, **kwargs: object
+) -> Cluster:
+    """Jobs 1 (n1) and 2 (n2) training on both GPUs of their node, settled under ``budget_w``
+    for ``settle`` intervals (``kwargs``: the cluster's, to `make_cluster`)."""
+    cluster = make_cluster(**kwargs)
     for node in ("n1", "n2"):
         for index in (0, 1):
             cluster.gpu(node, index).attach("bert")
-    cluster.store.set_budget(1500.0, "root")
+    cluster.store.set_budget(budget_w, "root")
     cluster.tick()
     register_job(cluster, "1", "n1", 0, 1)
     register_job(cluster, "2", "n2", 0, 1)
-    for _ in range(6):
+    for _ in range(settle):
         cluster.tick()
     return cluster
 

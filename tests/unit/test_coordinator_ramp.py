@@ -21,6 +21,7 @@ from tests.unit.test_coordinator_daemon import (
     T0_S,
     Cluster,
     MakeCluster,
+    _two_busy_jobs,
     make_cluster,
     register_job,
 )
@@ -36,17 +37,7 @@ def _true_w(cluster: Cluster) -> float:
 
 def _busy(make_cluster: MakeCluster, budget_w: float, **kwargs: object) -> Cluster:
     """Jobs 1 (n1) and 2 (n2) training on both GPUs of their node, settled under ``budget_w``."""
-    cluster = make_cluster(**kwargs)
-    for node in ("n1", "n2"):
-        for index in (0, 1):
-            cluster.gpu(node, index).attach("bert")
-    cluster.store.set_budget(budget_w, "root")
-    cluster.tick()
-    register_job(cluster, "1", "n1", 0, 1)
-    register_job(cluster, "2", "n2", 0, 1)
-    for _ in range(8):
-        cluster.tick()
-    return cluster
+    return _two_busy_jobs(make_cluster, budget_w, settle=8, **kwargs)
 
 
 def test_a_raised_budget_reaches_the_gpus_no_faster_than_the_ramp(
