@@ -541,6 +541,16 @@ class LocalCluster:
                 payload["gpu_type"] = node.gpu_type
             client.post("/v1/nodes", payload)
 
+    def wait_reachable(self, head: str | None = None, *, timeout_s: float = 10.0) -> None:
+        """Until head ``head`` (the first by default) has had an answer from every node it knows
+        (`NotReadyError` after ``timeout_s``)."""
+        client = self.client(head)
+        self.wait(
+            "every node answers the head",
+            lambda: all(n["reachable"] for n in client.get("/v1/nodes")["nodes"]),
+            timeout_s,
+        )
+
     def job(self, job_id: str, *, head: str | None = None) -> dict[str, Any] | None:
         """The head's view of job ``job_id`` (None: it has none)."""
         for job in self.client(head).get("/v1/jobs")["jobs"]:

@@ -94,12 +94,7 @@ def test_a_rack_holds_its_limit_under_a_budget_that_does_not_bind(site: LocalClu
     client = site.client()
     site.announce()
     client.post("/v1/budget", {"budget_w": BUDGET_W, "reason": "live domains"})
-    _wait(
-        "both nodes report",
-        lambda: all(n["reachable"] for n in client.get("/v1/nodes")["nodes"]),
-        10,
-        site.logs,
-    )
+    site.wait_reachable()
 
     def rack_over() -> dict[str, Any] | None:
         """A status whose rack measured its jobs at top clocks, far above the limit."""
@@ -160,12 +155,7 @@ def test_an_admin_lowers_the_racks_limit_and_its_power_follows(site: LocalCluste
     client = site.client()
     site.announce()
     client.post("/v1/budget", {"budget_w": BUDGET_W, "reason": "live domains"})
-    _wait(
-        "both nodes report",
-        lambda: all(n["reachable"] for n in client.get("/v1/nodes")["nodes"]),
-        10,
-        site.logs,
-    )
+    site.wait_reachable()
     for job_id, node in (("1", "node1"), ("2", "node2")):
         client.post("/v1/jobs", {"job_id": job_id, "user": "root", "node": node, "gpus": [0, 1]})
     _wait("the rack within its file's limit", partial(_rack_held, client, RACK_W), 20, site.logs)

@@ -20,7 +20,6 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from slurm_cdgpc.localcluster import LocalCluster
-from slurm_cdgpc.localcluster import wait_for as _wait
 from tests.integration.test_head_live import make_site
 
 pytestmark = pytest.mark.live
@@ -96,12 +95,7 @@ def test_promtool_accepts_the_metrics_of_a_live_head_and_agent(
         assert refused.getresponse().status == 401
     finally:
         refused.close()
-    _wait(
-        "both nodes answered an exchange",
-        lambda: all(n["reachable"] for n in client.get("/v1/nodes")["nodes"]),
-        10,
-        site.logs,
-    )
+    site.wait_reachable()
 
     head = _scrape(site.head.port)
     assert _check(promtool, head) == ""

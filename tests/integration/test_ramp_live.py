@@ -76,12 +76,7 @@ def _running(site: LocalCluster, budget_w: float) -> HeadClient:
     client = site.client()
     site.announce()
     client.post("/v1/budget", {"budget_w": budget_w, "reason": "live ramp"})
-    _wait(
-        "both nodes report",
-        lambda: all(n["reachable"] for n in client.get("/v1/nodes")["nodes"]),
-        10,
-        site.logs,
-    )
+    site.wait_reachable()
     deadline_s = time.time() + 3600
     client.post(
         "/v1/jobs",
