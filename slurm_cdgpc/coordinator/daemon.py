@@ -34,7 +34,7 @@ from slurm_cdgpc.control.ramp import Ramp, ScheduledLimit, emergency_cut
 from slurm_cdgpc.control.tuning import Tuning, shipped
 from slurm_cdgpc.coordinator.accounting import PowerLedger
 from slurm_cdgpc.coordinator.jobs import GpuRef, GpuSample, JobInfo, RunningJobs
-from slurm_cdgpc.coordinator.locks import GpuLocks
+from slurm_cdgpc.coordinator.locks import GpuLocks, lowest_setpoints
 from slurm_cdgpc.coordinator.metrics import HeadMetrics
 from slurm_cdgpc.coordinator.nodes import NodeBook
 from slurm_cdgpc.coordinator.progress import ProgressGate
@@ -521,7 +521,7 @@ class Coordinator:
         exchanged = self._exchange(k, now_s, plan.setpoints)
         report = self._persist(k, now_s, plan, exchanged)
         if exchanged.responses:
-            self._cut_if_over(k)
+            self._cut_if_over(k, plan.domains)
         self.last_report = report
         self.interval = k + 1
         self.metrics.interval_seconds.observe(time.perf_counter() - began_s)
@@ -657,7 +657,7 @@ class Coordinator:
             )
         return Ramp(rate, last_w, tuple(ahead))
 
-    def _cut_if_over(self, k: int) -> EmergencyCut | None:
+    def _cut_if_over(self, k: int, domains: DomainLimits | None) -> EmergencyCut | None:
         """The emergency path: where the answers just in show the interval they measure over a
         limit it was planned under (the budget, or a power domain's) by more than its margin
         (`ControllerSettings.emergency_margin`, or its guard band if more), the lowest-pressure
@@ -666,7 +666,7 @@ class Coordinator:
         before the controller re-plans. Cut jobs are planned again at the next interval; their
         planned power does not teach the offset meanwhile. A limit lowered now needs no cut: it
         wakes the loop at once (`set_budget`) and the plan meets it. DESIGN.md, "Ramp limits and
-        the emergency cut"."""
+        the emergency cut". ``domains``: this interval's plan's (the running jobs' shares)."""
         limits_w = self._plan_limits[1]
         settings = self.settings.controller
         if not settings.emergency or self.settings.shadow or not len(self.running):
@@ -680,7 +680,6 @@ class Coordinator:
         now_s = self._clock()
         measured_w = self._measured_w(power_by_gpu)
         jobs = self.running.jobs
-        domains = self._domain_limits(now_s, {})
         counts = [len(jobs)] + ([] if domains is None else domains.jobs().tolist())
         if len(counts) != limits_w.size:
             return None  # the topology's domains were not planned for then
@@ -743,13 +742,10 @@ class Coordinator:
         renewed first); the answers update the nodes and the locks as any exchange's do."""
         setpoints: dict[str, list[AgentSetpoint]] = {}
         for job in cut_jobs:
-            for ref in job.gpus:
-                t = self.nodes.gpu_type(ref)
-                if t is None or t not in self.specs:
-                    continue
-                g_lo, m_lo = self.grid.bottom_mhz(np.array([self.grid.type_index(t)]))
-                memory = int(m_lo[0]) if self.specs[t].memory_lockable else None
-                point = AgentSetpoint(ref.index, job.job_id, int(g_lo[0]), memory)
+            lowest = lowest_setpoints(
+                job.job_id, job.gpus, self.nodes.gpu_type, self.grid, self.specs
+            )
+            for ref, point in lowest.items():
                 setpoints.setdefault(ref.node, []).append(point)
         if self.leader is not None:
             self.leader.confirm()

@@ -108,15 +108,8 @@ class GpuLocks:
                     "setpoint: its GPUs go to their lowest clock",
                     job_id,
                 )
-            for g in job.gpus:
-                t = gpu_type(GpuRef(g.node, g.gpu_index))
-                if t is None or t not in specs:
-                    continue  # unknown type: never controlled, never held out
-                g_lo, m_lo = grid.bottom_mhz(np.array([grid.type_index(t)]))
-                memory = specs[t].memory_lockable
-                out[GpuRef(g.node, g.gpu_index)] = AgentSetpoint(
-                    g.gpu_index, job_id, int(g_lo[0]), int(m_lo[0]) if memory else None
-                )
+            refs = [GpuRef(g.node, g.gpu_index) for g in job.gpus]
+            out.update(lowest_setpoints(job_id, refs, gpu_type, grid, specs))
         return out
 
     def setpoints(
@@ -243,3 +236,23 @@ class GpuLocks:
                     point.gpu,
                     "refuses only a higher clock" if point.gpu in refused else "accepts setpoints",
                 )
+
+
+def lowest_setpoints(
+    job_id: str,
+    refs: Iterable[GpuRef],
+    gpu_type: Callable[[GpuRef], str | None],
+    grid: ClockGrid,
+    specs: Mapping[str, GpuSpec],
+) -> dict[GpuRef, AgentSetpoint]:
+    """Setpoints at the controller's lowest clocks for ``job_id`` on ``refs``; a GPU of a type
+    not known (never controlled) gets none."""
+    out: dict[GpuRef, AgentSetpoint] = {}
+    for ref in refs:
+        t = gpu_type(ref)
+        if t is None or t not in specs:
+            continue
+        g_lo, m_lo = grid.bottom_mhz(np.array([grid.type_index(t)]))
+        memory = int(m_lo[0]) if specs[t].memory_lockable else None
+        out[ref] = AgentSetpoint(ref.index, job_id, int(g_lo[0]), memory)
+    return out
