@@ -384,10 +384,7 @@ class EconomicMPC:
     ) -> IntArray:
         """The jobs by deadline pressure at top clocks (after the rules: `weights`), lowest
         first: the order in which the emergency cut takes them (`emergency_cut`)."""
-        one = np.ones(len(estimator))
-        t_top = estimator.predict_iteration_s(one, one)
-        t_top = np.where(np.isfinite(t_top) & (t_top > 0), t_top, 1.0)
-        pressure = self.weights(estimator, jobs, now_s, queue)[0] * t_top
+        pressure = self.weights(estimator, jobs, now_s, queue)[0] * _top_iteration_s(estimator)
         return np.argsort(pressure, kind="stable").astype(np.int64)
 
     def lowest_power_w(self, estimator: JobEstimator, jobs: JobState) -> FloatArray:
@@ -626,9 +623,7 @@ class EconomicMPC:
         """w (1, N): deadline pressure per second of iteration time, after the rules."""
         s = self.settings
         n = len(estimator)
-        one = np.ones(n)
-        t_top = estimator.predict_iteration_s(one, one)  # seconds per iteration at top clocks
-        t_top = np.where(np.isfinite(t_top) & (t_top > 0), t_top, 1.0)
+        t_top = _top_iteration_s(estimator)
         slack = jobs.deadline_s - now_s
         has_deadline = np.isfinite(jobs.deadline_s)
         # unknown remaining work: assume the job needs its whole slack at top clocks (pressure
@@ -717,3 +712,11 @@ class EconomicMPC:
             solve_s=time.perf_counter() - t0,
             learn=learn,
         )
+
+
+def _top_iteration_s(estimator: JobEstimator) -> FloatArray:
+    """(N,) each job's seconds per iteration at its top clocks, its model's (1 where the model
+    gives no positive finite time)."""
+    one = np.ones(len(estimator))
+    t_top = estimator.predict_iteration_s(one, one)
+    return np.where(np.isfinite(t_top) & (t_top > 0), t_top, 1.0)

@@ -33,7 +33,7 @@ from slurm_cdgpc.control.empc import (
 from slurm_cdgpc.control.ramp import Ramp, ScheduledLimit, emergency_cut
 from slurm_cdgpc.control.tuning import Tuning, shipped
 from slurm_cdgpc.coordinator.accounting import PowerLedger
-from slurm_cdgpc.coordinator.jobs import GpuRef, GpuSample, JobInfo, RunningJobs
+from slurm_cdgpc.coordinator.jobs import GpuRef, GpuSample, JobInfo, RunningJobs, node_power_w
 from slurm_cdgpc.coordinator.locks import GpuLocks, lowest_setpoints
 from slurm_cdgpc.coordinator.metrics import HeadMetrics
 from slurm_cdgpc.coordinator.nodes import NodeBook
@@ -621,9 +621,7 @@ class Coordinator:
 
     def _measured_w(self, power_by_gpu: Mapping[GpuRef, float]) -> FloatArray:
         """(1+D,) what the cluster and each power domain drew in the nodes' last answers."""
-        node_w: dict[str, float] = {}
-        for ref, power_w in power_by_gpu.items():
-            node_w[ref.node] = node_w.get(ref.node, 0.0) + power_w
+        node_w = node_power_w(power_by_gpu)
         total = float(sum(node_w.values()))
         if not self.topology.names:
             return np.array([total])

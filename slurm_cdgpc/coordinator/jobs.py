@@ -39,6 +39,14 @@ class GpuRef:
     index: int
 
 
+def node_power_w(power_by_gpu: Mapping[GpuRef, float]) -> dict[str, float]:
+    """Each node's power: ``power_by_gpu`` summed over its GPUs."""
+    node_w: dict[str, float] = {}
+    for ref, power_w in power_by_gpu.items():
+        node_w[ref.node] = node_w.get(ref.node, 0.0) + power_w
+    return node_w
+
+
 @dataclass(frozen=True)
 class JobInfo:
     """A running job as registered: where it runs and what it must achieve."""

@@ -15,7 +15,7 @@ import numpy as np
 
 from slurm_cdgpc.control.domains import DomainLimits
 from slurm_cdgpc.control.empc import Decision
-from slurm_cdgpc.coordinator.jobs import GpuRef, RunningJobs
+from slurm_cdgpc.coordinator.jobs import GpuRef, RunningJobs, node_power_w
 from slurm_cdgpc.store import Job
 from slurm_cdgpc.topology import Topology
 
@@ -129,10 +129,7 @@ def domain_views(
     """Each domain of ``limits``: its limit, its planned power (the decision's share of the
     controlled jobs' power under it, `Decision.domain_planned_w`, plus its power outside the
     plan) and its measured power (``power_by_gpu`` summed per node, then per domain)."""
-    node_w: dict[str, float] = {}
-    for ref, power_w in power_by_gpu.items():
-        node_w[ref.node] = node_w.get(ref.node, 0.0) + power_w
-    measured_w = topology.node_power_w(node_w)
+    measured_w = topology.node_power_w(node_power_w(power_by_gpu))
     planned_w = limits.uncontrolled_w + (0.0 if decision is None else decision.domain_planned_w)
     prices = np.zeros(len(limits.names))
     if decision is not None and decision.domain_price.shape == prices.shape:
