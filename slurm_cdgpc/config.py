@@ -81,9 +81,8 @@ def _power(value: object) -> float:
 
 
 def _ramp(value: object) -> float:
-    """A ramp rate in W/s: a positive number, text like ``5kW/s``, or ``off`` (inf)."""
-    if isinstance(value, str) and value.strip().lower() == "off":
-        return math.inf
+    """A ramp rate in W/s: a positive number, text like ``5kW/s``, or ``off`` (inf:
+    `parse_ramp_w_per_s`)."""
     return _quantity(value, "must be a power per second like 5kW/s, or off", parse_ramp_w_per_s)
 
 
