@@ -18,6 +18,7 @@ from typing import Any, TypeVar, cast
 
 import numpy as np
 from sqlalchemy import (
+    ColumnElement,
     Connection,
     CursorResult,
     Engine,
@@ -232,15 +233,7 @@ class Store:
     def budget_history(self, since_s: float | None = None) -> list[BudgetChange]:
         """Every change of the cluster's budget in effective order (scheduled ones included),
         optionally from a time."""
-        query = (
-            select(BudgetChangeRow)
-            .where(BudgetChangeRow.domain.is_(None))
-            .order_by(BudgetChangeRow.effective_at_s, BudgetChangeRow.id)
-        )
-        if since_s is not None:
-            query = query.where(BudgetChangeRow.effective_at_s >= since_s)
-        with self._begin(write=False) as session:
-            return [_budget(row) for row in session.scalars(query)]
+        return self._changes(BudgetChangeRow.domain.is_(None), since_s)
 
     def domain_limits(self, at_s: float | None = None) -> dict[str, BudgetChange]:
         """Each power domain's limit in force at ``at_s`` (default now), by domain: its latest
@@ -259,9 +252,13 @@ class Store:
     def domain_limit_history(self, since_s: float | None = None) -> list[BudgetChange]:
         """Every change of a power domain's limit in effective order (scheduled ones included),
         optionally from a time."""
+        return self._changes(BudgetChangeRow.domain.is_not(None), since_s)
+
+    def _changes(self, which: ColumnElement[bool], since_s: float | None) -> list[BudgetChange]:
+        """The budget changes ``which`` selects, in effective order, optionally from a time."""
         query = (
             select(BudgetChangeRow)
-            .where(BudgetChangeRow.domain.is_not(None))
+            .where(which)
             .order_by(BudgetChangeRow.effective_at_s, BudgetChangeRow.id)
         )
         if since_s is not None:
