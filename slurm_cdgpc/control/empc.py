@@ -30,6 +30,7 @@ from slurm_cdgpc.control.dual import (
 )
 from slurm_cdgpc.control.limits import LimitShare
 from slurm_cdgpc.control.ramp import Ramp
+from slurm_cdgpc.control.tenancy import Tenancy
 from slurm_cdgpc.errors import InputError
 from slurm_cdgpc.model.estimator import JobEstimator
 from slurm_cdgpc.model.families import FloatArray
@@ -153,6 +154,8 @@ class JobState:
     #: Slurm's time limit L_n and the job's start (same clock as ``now_s``); NaN when unknown
     time_limit_s: FloatArray | None = None
     start_s: FloatArray | None = None
+    #: jobs that share GPUs, one clock per group (`Tenancy`); None: no GPU is shared
+    tenancy: Tenancy | None = None
 
     def remaining_top_s(
         self, work_top_s: FloatArray, now_s: float, share: float = 1.0
@@ -278,6 +281,8 @@ class EconomicMPC:
             x_a, xm_a = estimator.normalise(measured.graphics_mhz, measured.memory_mhz)
             if measured.planned_power_w is not None:
                 drawn = estimator.statics.gpus * measured.power_w
+                if jobs.tenancy is not None:  # a shared GPU's readings, once
+                    drawn = drawn * jobs.tenancy.attribution(estimator.statics.gpus)
                 both = np.isfinite(drawn) & np.isfinite(measured.planned_power_w)
                 if measured.power_capped is not None:
                     # a job held down by the firmware drew less than planned for a reason that
@@ -305,11 +310,13 @@ class EconomicMPC:
         problem, grid, nested = self._problem(
             estimator, jobs, now_s, budget_w, uncontrolled_w, queue, domains
         )
+        tenancy = jobs.tenancy
         result = self._solve(problem, nested)
         x, x_m = self._respond(problem, nested, result)
         binding = result.status[0] is StepStatus.BINDING
         if s.exploration_sigmas > 0 and x_a is not None and xm_a is not None and binding:
-            margin_w = self.exploration_margin_w(estimator, x[0], x_m[0], x_a, xm_a)
+            job_x, job_xm = (x[0], x_m[0]) if tenancy is None else _per_job(tenancy, x, x_m)
+            margin_w = self.exploration_margin_w(estimator, job_x, job_xm, x_a, xm_a, tenancy)
             if margin_w > 0:
                 # never more than the room above every job's lowest clock: a margin must not
                 # turn a binding step into an infeasible one (held back from the cluster's
@@ -330,17 +337,27 @@ class EconomicMPC:
         if result.status[0] is StepStatus.INFEASIBLE:
             # nothing fits: unknown jobs too go to their lowest clock (still counted at the limit)
             x, x_m = problem.x_lo[None, :], problem.xm_lo[None, :]
-        plan = discretise(problem, grid, jobs.gpu_type, x[0], x_m[0], s.greedy_rounds, nested)
+        types = jobs.gpu_type if tenancy is None else jobs.gpu_type[tenancy.first()]
+        plan = discretise(problem, grid, types, x[0], x_m[0], s.greedy_rounds, nested)
+        domain_planned_w = None if nested is None else nested.totals(plan.job_power_w)[1:]
+        if tenancy is not None:  # every tenant at its GPUs' clocks, charged its share
+            g = tenancy.group
+            plan = replace(
+                plan,
+                graphics_mhz=plan.graphics_mhz[g],
+                memory_mhz=plan.memory_mhz[g],
+                x=plan.x[g],
+                x_m=plan.x_m[g],
+                job_power_w=tenancy.job_power_w(plan.job_power_w),
+            )
         # the offset learns only from settled models: a young job's error is RLS's to fix, and
         # counting it twice (model and offset) overshoots once the model has caught up
         settled = estimator.power.count >= s.settle_intervals
         planned = np.where(settled, plan.job_power_w, np.nan)
         decision = self._decide(planned, problem, result, plan, learn, t0, budget_w)
-        if nested is not None:
+        if domain_planned_w is not None:
             decision = replace(
-                decision,
-                domain_price=result.price[1:],
-                domain_planned_w=nested.totals(plan.job_power_w)[1:],
+                decision, domain_price=result.price[1:], domain_planned_w=domain_planned_w
             )
         if ramp is not None:
             self._ramp_from = self._in_force_w(decision, uncontrolled_w, domains)
@@ -457,13 +474,15 @@ class EconomicMPC:
         x_m: FloatArray,
         x_prev: FloatArray,
         xm_prev: FloatArray,
+        tenancy: Tenancy | None = None,
     ) -> float:
         """Budget held back when the plan moves jobs to clocks their models know less well.
 
         RLS gives each prediction a standard error σ̂_n √(φᵀPφ). Moving a job from the clocks it
         ran at to new ones grows that error by Δ_n = σ̂_n (√(φ_newᵀPφ_new) − √(φ_oldᵀPφ_old))₊;
         after a budget drop every job moves the same way and their errors add up, so the margin
-        is κ Σ_n g_n Δ_n. It is zero in steady state (the plan stays where the data are).
+        is κ Σ_n g_n Δ_n. It is zero in steady state (the plan stays where the data are). The
+        tenants of a shared GPU count their shares of it (`Tenancy.attribution`).
         """
         known = estimator.power.count > 0
         if not known.any():
@@ -478,7 +497,10 @@ class EconomicMPC:
 
         sigma = np.sqrt(estimator.power.err_var)
         grow = np.maximum(spread(x, x_m) - spread(x_prev, xm_prev), 0.0)
-        extra = np.where(known & np.isfinite(x_prev), estimator.statics.gpus * sigma * grow, 0.0)
+        gpus = estimator.statics.gpus.astype(np.float64)
+        if tenancy is not None:
+            gpus = gpus * tenancy.attribution(gpus)
+        extra = np.where(known & np.isfinite(x_prev), gpus * sigma * grow, 0.0)
         return self.settings.exploration_sigmas * float(np.sum(extra))
 
     def problem(
@@ -526,7 +548,11 @@ class EconomicMPC:
         s = self.settings
         if not np.isfinite(budget_w) or budget_w <= 0:
             raise InputError("the power budget must be a positive number of watts")
+        if jobs.tenancy is not None and jobs.tenancy.group.shape != (len(estimator),):
+            raise InputError("the GPU groups do not match the controller's jobs")
         weight = self.weights(estimator, jobs, now_s, queue)
+        if jobs.tenancy is not None and domains is not None:
+            domains = jobs.tenancy.domains(domains)
         problem = self._bounded(self.floor_grid, estimator, jobs, weight, budget_w, uncontrolled_w)
         nested = self._nested(problem, domains)
         if s.floor_fallback and self.floor_grid is not self.grid and len(estimator):
@@ -598,7 +624,7 @@ class EconomicMPC:
             power_theta, st.power_limit_w, xm_hi, st.mem_mask, estimator.knee_x, x_lo, x_hi
         )
         x_hi = np.clip(np.minimum(x_hi, estimator.limit_x), x_lo, None)
-        return DualProblem(
+        problem = DualProblem(
             family=estimator.family,
             gpus=st.gpus.astype(np.float64),
             power_theta=power_theta,
@@ -612,6 +638,9 @@ class EconomicMPC:
             xm_hi=xm_hi,
             budget_w=np.array([max(effective, 0.0)]),
         )
+        if jobs.tenancy is None:
+            return problem
+        return jobs.tenancy.collapse(problem, estimator.power.count.astype(np.float64))
 
     def weights(
         self,
@@ -712,6 +741,11 @@ class EconomicMPC:
             solve_s=time.perf_counter() - t0,
             learn=learn,
         )
+
+
+def _per_job(tenancy: Tenancy, x: FloatArray, x_m: FloatArray) -> tuple[FloatArray, FloatArray]:
+    """Step-0 clocks per group as clocks per job."""
+    return x[0][tenancy.group], x_m[0][tenancy.group]
 
 
 def _top_iteration_s(estimator: JobEstimator) -> FloatArray:

@@ -1,0 +1,159 @@
+"""Jobs that share GPUs (`Tenancy`): one clock per physical GPU, weighed on all its tenants.
+
+Jobs whose GPU sets overlap (Slurm shards, MPS, MIG instances of one GPU, two jobs naming one
+index) are the tenants of one group, transitively. A GPU takes one clock, and a job runs at the
+pace of its slowest GPU, so a group gets one clock, chosen against the sum of its tenants'
+deadline pressures. Both models are linear in their parameters, so the group is one row of the
+same dual problem:
+
+- time: Σ_k w_k T_k(x) = W · (Σ_k w_k b_k / W) · φ_T(x) with W = Σ_k w_k;
+- power: every tenant sees its GPUs' whole readings, so every tenant's model learns the GPUs'
+  power; the group's is their mean weighted by what each has seen (a tenant not yet measured
+  makes the group unmeasured: counted at its power limit, as a new job is), times the group's
+  physical GPUs.
+
+Each tenant is charged an equal share of its group's power (`job_power_w`, `attribution`), so
+sums over jobs count every GPU once. The controller's math: never reaches `store/`,
+`transport/`, `agent/`, `coordinator/` or `cli/` (`tests/unit/test_import_graph.py`). Design:
+DESIGN.md, "Shared GPUs"; tests: `tests/unit/test_control_tenancy.py`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import numpy as np
+from numpy.typing import NDArray
+
+from slurm_cdgpc.control.domains import DomainLimits
+from slurm_cdgpc.control.dual import DualProblem
+from slurm_cdgpc.errors import InputError
+from slurm_cdgpc.model.families import FloatArray
+
+IntArray = NDArray[np.int64]
+
+
+@dataclass(frozen=True)
+class Tenancy:
+    """Which jobs share GPUs: ``group[n]`` is job n's group (0 … U−1, each used), ``gpus[u]``
+    the physical GPUs group u spans."""
+
+    group: IntArray
+    gpus: FloatArray
+
+    def __post_init__(self) -> None:
+        u = self.gpus.shape[0]
+        if self.group.ndim != 1 or (self.group.size and self.group.min() < 0):
+            raise InputError("a job's GPU group must be a non-negative index")
+        counts = np.bincount(self.group, minlength=u)
+        if counts.shape[0] != u or np.any(counts == 0) or not np.all(self.gpus >= 1):
+            raise InputError("GPU groups must be numbered 0 … U−1, each with a job and a GPU")
+
+    @classmethod
+    def of_gpus(cls, gpus: list[list[object]]) -> Tenancy | None:
+        """From each job's GPUs (any hashable names): None when no two jobs share one."""
+        parent = list(range(len(gpus)))
+
+        def root(i: int) -> int:
+            while parent[i] != i:
+                parent[i] = parent[parent[i]]
+                i = parent[i]
+            return i
+
+        holder: dict[object, int] = {}
+        for n, refs in enumerate(gpus):
+            for ref in refs:
+                if ref in holder:
+                    parent[root(n)] = root(holder[ref])
+                else:
+                    holder[ref] = n
+        roots = [root(n) for n in range(len(gpus))]
+        if len(set(roots)) == len(gpus):
+            return None
+        index: dict[int, int] = {}
+        group = np.array([index.setdefault(r, len(index)) for r in roots], dtype=np.int64)
+        spans = np.bincount(group[[holder[ref] for ref in holder]], minlength=len(index))
+        return cls(group, spans.astype(np.float64))
+
+    @property
+    def size(self) -> int:
+        return int(self.gpus.shape[0])
+
+    def tenants(self) -> IntArray:
+        """(U,) jobs per group."""
+        return np.bincount(self.group, minlength=self.size).astype(np.int64)
+
+    def first(self) -> IntArray:
+        """(U,) each group's first job (its row order)."""
+        return np.unique(self.group, return_index=True)[1].astype(np.int64)
+
+    def attribution(self, job_gpus: NDArray[np.integer] | FloatArray) -> FloatArray:
+        """(N,) the part of g_n × (its GPUs' mean power) that is job n's own: its group's
+        power split equally between its tenants, gpus_u / (tenants_u g_n); 1 for a job alone."""
+        u = self.group
+        share: FloatArray = self.gpus[u] / (self.tenants()[u] * job_gpus)
+        return share
+
+    def job_power_w(self, group_power_w: FloatArray) -> FloatArray:
+        """(N,) each job's equal share of its group's power."""
+        return group_power_w[self.group] / self.tenants()[self.group]
+
+    def collapse(self, problem: DualProblem, seen: FloatArray) -> DualProblem:
+        """The per-job problem as one row per group; ``seen``: (N,) the readings each job's
+        power model has learnt from (0: unmeasured, its row already flat at its limit)."""
+        u, size = self.group, self.size
+        weight = np.stack([np.bincount(u, w, size) for w in problem.weight]).astype(np.float64)
+        w0 = problem.weight[0]
+        total = np.bincount(u, w0, size)
+        # pressure-weighted time: a group with no pressure at all takes its tenants' mean
+        pull = np.where(total[u] > 0, w0 / np.where(total[u] > 0, total[u], 1.0), 0.0)
+        pull = np.where(total[u] > 0, pull, 1.0 / self.tenants()[u])
+        time_theta = _sum_rows(u, pull[:, None] * problem.time_theta, size)
+        # power: the measured tenants' models by what they saw, or a new tenant's flat limit
+        new = seen <= 0
+        has_new = np.bincount(u, new.astype(np.float64), size) > 0
+        trust = np.where(has_new[u], new.astype(np.float64), seen)
+        trust = trust / np.bincount(u, trust, size)[u]
+        power_theta = _sum_rows(u, trust[:, None] * problem.power_theta, size)
+        first = self.first()
+        x_lo = _max_at(u, problem.x_lo, size)
+        xm_lo = _max_at(u, problem.xm_lo, size)
+        return replace(
+            problem,
+            gpus=self.gpus.copy(),
+            power_theta=power_theta,
+            time_theta=time_theta,
+            weight=weight,
+            knee_x=problem.knee_x[first],
+            mem_mask=problem.mem_mask[first],
+            x_lo=x_lo,
+            x_hi=np.maximum(-_max_at(u, -problem.x_hi, size), x_lo),
+            xm_lo=xm_lo,
+            xm_hi=np.maximum(-_max_at(u, -problem.xm_hi, size), xm_lo),
+        )
+
+    def domains(self, domains: DomainLimits) -> DomainLimits:
+        """The domains' memberships by group: a group's share of a domain is the largest of
+        its tenants' (all of them where the tenants span the same GPUs)."""
+        key = domains.domain * self.size + self.group[domains.job_row]
+        keys, where = np.unique(key, return_inverse=True)
+        share = np.zeros(keys.shape[0])
+        np.maximum.at(share, where, domains.share)
+        return replace(
+            domains,
+            domain=(keys // self.size).astype(np.int64),
+            job_row=(keys % self.size).astype(np.int64),
+            share=share,
+        )
+
+
+def _sum_rows(group: IntArray, rows: FloatArray, size: int) -> FloatArray:
+    out = np.zeros((size, rows.shape[1]))
+    np.add.at(out, group, rows)
+    return out
+
+
+def _max_at(group: IntArray, values: FloatArray, size: int) -> FloatArray:
+    out = np.full(size, -np.inf)
+    np.maximum.at(out, group, values)
+    return out

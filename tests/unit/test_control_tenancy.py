@@ -1,0 +1,176 @@
+"""Jobs that share GPUs: one clock per group, weighed on the sum of its tenants' pressures."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from slurm_cdgpc.control.discrete import ClockGrid
+from slurm_cdgpc.control.domains import DomainLimits
+from slurm_cdgpc.control.empc import EconomicMPC, JobState, Measurements
+from slurm_cdgpc.control.tenancy import Tenancy
+from slurm_cdgpc.errors import InputError
+from slurm_cdgpc.model.estimator import JobEstimator, JobStatics
+from slurm_cdgpc.wire.board import ClockTable
+
+A100 = ClockTable(memory_mhz=(1593,), graphics_mhz={1593: tuple(range(1410, 209, -15))})
+
+
+def _estimator(gpus: list[int], power_w: list[float], iteration_s: list[float]) -> JobEstimator:
+    n = len(gpus)
+    est = JobEstimator()
+    est.add_jobs(
+        JobStatics(
+            gpus=np.array(gpus, dtype=np.int64),
+            graphics_max_mhz=np.full(n, 1410.0),
+            memory_max_mhz=np.full(n, 1593.0),
+            knee_mhz=np.full(n, 1085.0),
+            mem_mask=np.zeros(n),
+            idle_power_w=np.full(n, 60.0),
+            power_limit_w=np.full(n, 400.0),
+        ),
+        iteration_s=np.array(iteration_s),
+    )
+    for x in (1.0, 0.8, 0.6):  # three intervals on a simple power curve: the models are known
+        one = np.full(n, x)
+        est.observe(
+            one, np.ones(n), np.array(power_w) * (0.4 + 0.6 * x**3), np.array(iteration_s) / x
+        )
+    return est
+
+
+def _jobs(n: int, deadline_s: list[float], tenancy: Tenancy | None) -> JobState:
+    return JobState(
+        gpu_type=np.zeros(n, dtype=np.int64),
+        remaining_iterations=np.full(n, 1000.0),
+        deadline_s=np.array(deadline_s),
+        tenancy=tenancy,
+    )
+
+
+def _mpc() -> EconomicMPC:
+    return EconomicMPC(ClockGrid.from_tables([("A100", A100)], min_fraction=0.5))
+
+
+def test_groups_are_the_jobs_whose_gpus_overlap_transitively() -> None:
+    assert Tenancy.of_gpus([["a0"], ["a1"], ["b0"]]) is None  # nothing shared
+    t = Tenancy.of_gpus([["a0", "a1"], ["b0"], ["a1", "a2"], ["a2"], ["b1"]])
+    assert t is not None
+    assert t.group.tolist() == [0, 1, 0, 0, 2]
+    assert t.gpus.tolist() == [3.0, 1.0, 1.0]  # a0, a1, a2 under one clock
+    assert t.tenants().tolist() == [3, 1, 1]
+    # a job's own part of what its GPUs draw: its group's power split between its tenants
+    np.testing.assert_allclose(t.attribution(np.array([2.0, 1, 2, 1, 1])), [0.5, 1, 0.5, 1, 1])
+    with pytest.raises(InputError, match="numbered"):
+        Tenancy(np.array([0, 2]), np.ones(3))
+
+
+def test_a_group_is_one_row_whose_objective_and_power_are_its_tenants() -> None:
+    """Σ_k w_k T_k(x) and the GPU's power once, at any clock: the group's row is exact."""
+    est = _estimator([1, 1, 2], [300.0, 300.0, 250.0], [0.5, 0.2, 0.3])
+    tenancy = Tenancy(np.array([0, 0, 1]), np.array([1.0, 2.0]))
+    jobs = _jobs(3, [3600.0, 900.0, 7200.0], None)
+    mpc = _mpc()
+    alone = mpc.problem(est, jobs, 0.0, 1e4)
+    shared = mpc.problem(est, replace(jobs, tenancy=tenancy), 0.0, 1e4)
+    x = np.array([0.55, 0.8, 1.0])
+    for xi in x:
+        jx, gx = np.full(3, xi), np.full(2, xi)
+        one_j, one_g = np.ones(3), np.ones(2)
+        each = alone.weight[0] * alone.time_s(jx, one_j)
+        np.testing.assert_allclose(
+            shared.weight[0] * shared.time_s(gx, one_g), [each[0] + each[1], each[2]]
+        )
+        # both tenants learnt the one GPU's whole power: the group counts it once
+        per_job = alone.power_w(jx, one_j)
+        np.testing.assert_allclose(
+            shared.power_w(gx, one_g), [(per_job[0] + per_job[1]) / 2, per_job[2]]
+        )
+
+
+def test_tenants_share_one_clock_set_by_their_summed_pressure() -> None:
+    """Two jobs on GPU a0, one on a1, each GPU alike: the shared GPU carries two deadlines, so
+    it gets the higher clock; the plan counts the shared GPU's power once."""
+    est = _estimator([1, 1, 1], [300.0] * 3, [0.5] * 3)
+    tenancy = Tenancy.of_gpus([["a0"], ["a0"], ["a1"]])
+    assert tenancy is not None
+    jobs = _jobs(3, [3600.0, 3600.0, 3600.0], tenancy)
+    mpc = _mpc()
+    budget_w = 420.0  # well below two GPUs at their top clocks
+    d = mpc.step(est, jobs, 0.0, budget_w)
+    assert d.graphics_mhz[0] == d.graphics_mhz[1] > d.graphics_mhz[2]
+    np.testing.assert_allclose(d.job_power_w[0], d.job_power_w[1])
+    gpu_w = est.predict_power_w(d.graphics_mhz / 1410.0, np.ones(3))
+    assert d.predicted_power_w == pytest.approx(gpu_w[0] + gpu_w[2], rel=1e-9)
+    assert d.predicted_power_w <= budget_w
+    # the same jobs as if unshared would each have got the third job's clock
+    alone = _mpc().step(est, replace(jobs, tenancy=None), 0.0, budget_w)
+    assert alone.graphics_mhz[0] == alone.graphics_mhz[2]
+
+
+def test_the_offset_counts_a_shared_gpu_once() -> None:
+    """Readings that match the plan teach no offset, though both tenants report the GPU."""
+    est = _estimator([1, 1], [300.0] * 2, [0.5] * 2)
+    tenancy = Tenancy.of_gpus([["a0"], ["a0"]])
+    jobs = _jobs(2, [3600.0, 3600.0], tenancy)
+    mpc = _mpc()
+    d = mpc.step(est, jobs, 0.0, 250.0)
+    x = d.graphics_mhz / 1410.0
+    gpu_w = est.predict_power_w(x, np.ones(2))
+    measured = Measurements(
+        graphics_mhz=d.graphics_mhz.astype(np.float64),
+        memory_mhz=np.full(2, 1593.0),
+        power_w=gpu_w,  # each tenant sees the GPU's whole power
+        iteration_s=np.full(2, 0.5) / x,
+        planned_power_w=d.job_power_w,
+    )
+    mpc.step(est, jobs, 10.0, 250.0, measured=measured)
+    assert abs(mpc.offset) < 1e-3
+
+
+def test_a_new_tenant_makes_its_gpu_count_at_its_limit() -> None:
+    est = _estimator([1], [300.0], [0.5])
+    est.add_jobs(
+        JobStatics(
+            gpus=np.ones(1, dtype=np.int64),
+            graphics_max_mhz=np.full(1, 1410.0),
+            memory_max_mhz=np.full(1, 1593.0),
+            knee_mhz=np.full(1, 1085.0),
+            mem_mask=np.zeros(1),
+            idle_power_w=np.full(1, 60.0),
+            power_limit_w=np.full(1, 400.0),
+        ),
+        iteration_s=np.full(1, 0.5),
+    )
+    tenancy = Tenancy.of_gpus([["a0"], ["a0"]])
+    problem = _mpc().problem(est, _jobs(2, [3600.0, 3600.0], tenancy), 0.0, 1e4)
+    # not measured with its new tenant yet: the GPU at its limit, whatever the clock
+    assert problem.power_w(np.array([0.6]), np.ones(1)) == pytest.approx([400.0])
+
+
+def test_a_domain_sees_a_shared_gpu_once() -> None:
+    est = _estimator([1, 1, 1], [300.0] * 3, [0.5] * 3)
+    tenancy = Tenancy.of_gpus([["a0"], ["a0"], ["b0"]])
+    assert tenancy is not None
+    rack = DomainLimits(
+        names=("rack-a",),
+        limit_w=np.array([200.0]),
+        uncontrolled_w=np.zeros(1),
+        domain=np.zeros(2, dtype=np.int64),
+        job_row=np.array([0, 1]),
+        share=np.ones(2),
+    )
+    mpc = _mpc()
+    d = mpc.step(est, _jobs(3, [3600.0] * 3, tenancy), 0.0, 1e4, domains=rack)
+    assert d.domain_planned_w[0] == pytest.approx(d.job_power_w[0] + d.job_power_w[1])
+    assert d.domain_planned_w[0] <= 200.0
+    assert d.graphics_mhz[0] == d.graphics_mhz[1] < d.graphics_mhz[2]
+
+
+def test_groups_that_do_not_match_the_jobs_are_refused() -> None:
+    est = _estimator([1, 1], [300.0] * 2, [0.5] * 2)
+    bad = Tenancy(np.array([0, 0, 0]), np.ones(1))
+    with pytest.raises(InputError, match="GPU groups do not match"):
+        _mpc().step(est, _jobs(2, [3600.0, 3600.0], bad), 0.0, 1e4)
