@@ -315,10 +315,11 @@ class NodeAgent:
                 if sp.gpu not in wanted:
                     continue
                 if self._apply(devices[sp.gpu], sp.graphics_mhz, sp.memory_mhz, refused):
-                    # the head's job for it now; the jobs sharing it (their Prologs' holds)
-                    # keep their shares, a job it assigned the GPU to before does not
+                    # the head's job for it now; the jobs sharing it (the head's tenants,
+                    # their Prologs' holds) keep their shares, a job it assigned the GPU to
+                    # before does not
                     self._jobs[sp.gpu] = sp.job_id
-                    self._share(sp.gpu, self._cotenants.get(sp.gpu, set()))
+                    self._share(sp.gpu, self._cotenants.get(sp.gpu, set()) | set(sp.tenants))
                     self._lapse_capped.discard(sp.gpu)
                     self._apply_limit(devices[sp.gpu], sp.power_limit_w)
             self._renew(request, now_s, arrived_s)

@@ -236,6 +236,8 @@ def jobs(config_path: Path | None, as_json: bool) -> None:
     work:     where its total comes from: comment (iters=), framework (a callback's total),
               time-limit (an upper bound from its Slurm time limit: an estimate) or none
     finish:   when it ends at the clocks just decided (~: from the time-limit estimate)
+    shares:   the jobs on the same GPUs (shards, MPS, MIG): one clock for all of them, and
+              measured power splits a shared GPU equally
     """
     data = _client(_config(config_path)).get("/v1/jobs")
     if as_json:
@@ -254,6 +256,7 @@ def jobs(config_path: Path | None, as_json: bool) -> None:
             f"{j['iterations_done']}/{j['iterations_total'] or '?'} {j.get('work', '-')}",
             ("~" if j.get("work") == "time-limit" else "") + _when(j.get("finish_s")),
             _when(j["deadline_s"]),
+            ",".join(j.get("shares_with") or ()) or "-",
         ]
         for j in data["jobs"]
     ]
@@ -269,6 +272,7 @@ def jobs(config_path: Path | None, as_json: bool) -> None:
         "work",
         "finish",
         "deadline",
+        "shares",
     ]
     click.echo(format_table(headers, rows) if rows else "no active jobs")
 
@@ -277,8 +281,8 @@ def jobs(config_path: Path | None, as_json: bool) -> None:
 @_config_option
 @_json_option
 def nodes(config_path: Path | None, as_json: bool) -> None:
-    """Known nodes, their agents and whether the head reaches them; each GPU's board, and
-    whether it is controlled (if not, why)."""
+    """Known nodes, their agents and whether the head reaches them; each GPU's board, whether
+    it is controlled (if not, why) and its jobs (more than one: its tenants, at one clock)."""
     data = _client(_config(config_path)).get("/v1/nodes")
     if as_json:
         echo_json(data)
@@ -304,13 +308,14 @@ def nodes(config_path: Path | None, as_json: bool) -> None:
             g["board"],
             (g["type"] or "-") + (" (estimated prior)" if g["estimated"] else ""),
             "yes" if g["controlled"] else f"no: {g['why']}",
+            ",".join(g.get("jobs") or ()) or "-",
         ]
         for n in data["nodes"]
         for g in n.get("gpus", [])
     ]
     if gpus:
         click.echo()
-        click.echo(format_table(["node", "GPU", "board", "type", "controlled"], gpus))
+        click.echo(format_table(["node", "GPU", "board", "type", "controlled", "jobs"], gpus))
 
 
 @click.group()

@@ -135,7 +135,8 @@ class PowerLedger:
             shadow=self._shadow,
             time_s=now_s,
         )
-        self._last_decision = (record.id, tuple(g for j in jobs for g in j.gpus))
+        # a GPU its tenants share is drawn from once
+        self._last_decision = (record.id, tuple(dict.fromkeys(g for j in jobs for g in j.gpus)))
 
 
 def _gpus_named(known: Mapping[str, Job]) -> dict[str, int]:

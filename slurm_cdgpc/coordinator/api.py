@@ -310,6 +310,7 @@ def job_dict(job: Job, views: Mapping[str, JobView]) -> dict[str, object]:
         "work": job.work_source,
         "left_top_s": None if view is None else view.left_top_s,
         "finish_s": None if view is None else view.finish_s,
+        "shares_with": [] if view is None else list(view.shares_with),
     }
 
 
@@ -509,7 +510,16 @@ class _Handler(JsonHandler):
             views = self.server.job_views()
             return {"jobs": [job_dict(j, views) for j in c.store.jobs(ACTIVE_STATES)]}
         if path == "/v1/nodes":
-            gpus = c.nodes.gpu_views
+            # each GPU's active jobs: more than one are its tenants (shards, MPS, MIG)
+            on: dict[tuple[str, int], list[str]] = {}
+            for job in c.store.jobs(ACTIVE_STATES):
+                for g in job.gpus:
+                    on.setdefault((g.node, g.gpu_index), []).append(job.job_id)
+
+            def gpus(node: str) -> list[dict[str, object]]:
+                views = c.nodes.gpu_views(node)
+                return [{**v, "jobs": on.get((node, int(str(v["index"]))), [])} for v in views]
+
             return {"nodes": [{**node_dict(n), "gpus": gpus(n.name)} for n in c.store.nodes()]}
         if path == "/v1/budget":
             return budget_view(c)

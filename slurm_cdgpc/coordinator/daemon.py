@@ -693,6 +693,8 @@ class Coordinator:
         estimator, state = self.running.estimator, self.running.job_state()
         drawn_w = np.array([sum(now_w.get(g, 0.0) for g in job.gpus) for job in jobs])
         saving_w = np.maximum(drawn_w - self.controller.lowest_power_w(estimator, state), 0.0)
+        if state.tenancy is not None:  # a shared GPU's saving, once
+            saving_w = saving_w * state.tenancy.attribution(estimator.statics.gpus)
         empty = np.zeros(0, dtype=np.int64)
         cut = emergency_cut(
             excess_w,

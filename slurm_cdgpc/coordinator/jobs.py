@@ -1,7 +1,8 @@
 """The head's table of running jobs (`RunningJobs`), row-aligned with the controller's arrays: it
 turns per-GPU readings into per-job measurements and a decision back into per-node setpoints. A
 job gets one clock for all its GPUs on every node it spans, since it runs at its slowest GPU's
-pace. No store and no sockets here. Test: `tests/unit/test_coordinator_jobs.py`.
+pace; jobs that share a GPU (shards, MPS, MIG instances) are its tenants and share its clock
+(`Tenancy`). No store and no sockets here. Test: `tests/unit/test_coordinator_jobs.py`.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import numpy as np
 from slurm_cdgpc.control.discrete import ClockGrid
 from slurm_cdgpc.control.empc import Decision, JobState, Measurements
 from slurm_cdgpc.control.guard_rail import power_limits_w
+from slurm_cdgpc.control.tenancy import Tenancy
 from slurm_cdgpc.errors import InputError
 from slurm_cdgpc.gpu.catalog import GpuSpec
 from slurm_cdgpc.gpu.device import ThrottleReason
@@ -105,6 +107,8 @@ class NodeSetpoint:
     memory_mhz: int | None
     #: the guard rail under the clocks (`slurm_cdgpc.control.guard_rail`; None: off)
     power_limit_w: float | None = None
+    #: the other jobs sharing the GPU (they keep it at these clocks when ``job_id`` ends)
+    tenants: tuple[str, ...] = ()
 
 
 @dataclass
@@ -129,20 +133,25 @@ class RunningJobs:
         return tuple(self._jobs)
 
     def add(self, jobs: Iterable[JobInfo]) -> None:
-        """Start tracking jobs (new estimator rows, priors from their GPU type)."""
+        """Start tracking jobs (new estimator rows, priors from their GPU type). A job may
+        name a GPU another job runs on: they become its tenants (`tenancy`), but only if
+        they agree on its type."""
         new = [j for j in jobs if j.job_id not in self._row]
         if not new:
             return
-        taken = {g for j in self._jobs for g in j.gpus}
+        typed = {g: j.gpu_type for j in self._jobs for g in j.gpus}
         for job in new:
             if job.gpu_type not in self.specs:
                 raise InputError(f"job {job.job_id}: unknown GPU type {job.gpu_type!r}")
             self.grid.type_index(job.gpu_type)
-            clash = taken.intersection(job.gpus)
+            clash = sorted(g for g in job.gpus if typed.get(g, job.gpu_type) != job.gpu_type)
             if clash:
-                where = ", ".join(f"{g.node}:{g.index}" for g in sorted(clash))
-                raise InputError(f"job {job.job_id}: GPU {where} already belongs to a running job")
-            taken.update(job.gpus)
+                where = f"{clash[0].node}:{clash[0].index}"
+                raise InputError(
+                    f"job {job.job_id}: GPU {where} runs a job that says it is a "
+                    f"{typed[clash[0]]}, not a {job.gpu_type}"
+                )
+            typed.update(dict.fromkeys(job.gpus, job.gpu_type))
         self.estimator.add_jobs(
             JobStatics.of(
                 [self.specs[j.gpu_type] for j in new],
@@ -213,7 +222,20 @@ class RunningJobs:
             column(j.deadline_s for j in self._jobs),
             time_limit_s=column(j.time_limit_s for j in self._jobs),
             start_s=column(j.start_s for j in self._jobs),
+            tenancy=self.tenancy(),
         )
+
+    def tenancy(self) -> Tenancy | None:
+        """The jobs that share GPUs, in row order (None: no GPU is shared)."""
+        return Tenancy.of_gpus([list(j.gpus) for j in self._jobs])
+
+    def tenants(self) -> dict[GpuRef, tuple[str, ...]]:
+        """Every GPU that more than one job runs on, and its jobs in row order."""
+        on: dict[GpuRef, list[str]] = {}
+        for job in self._jobs:
+            for ref in job.gpus:
+                on.setdefault(ref, []).append(job.job_id)
+        return {ref: tuple(ids) for ref, ids in on.items() if len(ids) > 1}
 
     def outlook(self, decision: Decision, now_s: float, bounded: bool) -> Outlook:
         """Per job: the work left in seconds at top clocks and the predicted finish at the
@@ -281,25 +303,43 @@ class RunningJobs:
     ) -> dict[str, list[NodeSetpoint]]:
         """The decision as per-node setpoints: every GPU of a job gets the job's clocks and,
         with a margin above 0, the guard rail: its planned power per GPU times (1 + margin)
-        (`slurm_cdgpc.control.guard_rail`), to the milliwatt NVML takes."""
+        (`slurm_cdgpc.control.guard_rail`), to the milliwatt NVML takes. A shared GPU gets one
+        setpoint, its first tenant's (they all have its clocks), naming the others; each GPU
+        of a group of tenants is planned at the group's power over its GPUs."""
         if decision.graphics_mhz.shape[0] != len(self):
             raise InputError("the decision does not match the running jobs")
-        specs = [self.specs[job.gpu_type] for job in self._jobs]
+        gpus = np.array([len(job.gpus) for job in self._jobs], dtype=np.float64)
+        gpu_w = decision.job_power_w / gpus
+        tenancy = self.tenancy()
+        if tenancy is not None:
+            group = tenancy.group
+            gpu_w = (np.bincount(group, decision.job_power_w) / tenancy.gpus)[group]
+        first: dict[GpuRef, int] = {}
+        for i, job in enumerate(self._jobs):
+            for ref in job.gpus:
+                first.setdefault(ref, i)
+        refs = list(first)
+        specs = [self.specs[self._jobs[first[ref]].gpu_type] for ref in refs]
         limits = power_limits_w(
-            decision.job_power_w,
-            [len(job.gpus) for job in self._jobs],
+            [gpu_w[first[ref]] for ref in refs],
+            np.ones(len(refs)),
             power_limit_margin,
             [s.power_limit.min_w for s in specs],
             [s.power_limit.default_w for s in specs],
         )
+        tenants = self.tenants()
         out: dict[str, list[NodeSetpoint]] = {}
-        for i, job in enumerate(self._jobs):
-            memory = int(decision.memory_mhz[i]) if specs[i].memory_lockable else None
-            limit_w = None if limits is None else round(float(limits[i]), 3)
-            for ref in job.gpus:
-                out.setdefault(ref.node, []).append(
-                    NodeSetpoint(
-                        ref.index, job.job_id, int(decision.graphics_mhz[i]), memory, limit_w
-                    )
+        for r, ref in enumerate(refs):
+            i = first[ref]
+            memory = int(decision.memory_mhz[i]) if specs[r].memory_lockable else None
+            out.setdefault(ref.node, []).append(
+                NodeSetpoint(
+                    ref.index,
+                    self._jobs[i].job_id,
+                    int(decision.graphics_mhz[i]),
+                    memory,
+                    None if limits is None else round(float(limits[r]), 3),
+                    tenants.get(ref, (self._jobs[i].job_id,))[1:],
                 )
+            )
         return out

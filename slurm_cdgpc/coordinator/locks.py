@@ -120,20 +120,22 @@ class GpuLocks:
     ) -> dict[str, list[AgentSetpoint]]:
         """Per node, the plan's setpoints, then the refused setpoints of ``held_out`` jobs again
         (the only way to learn that a GPU accepts them) but where ``lowest`` replaces them,
-        then ``lowest``."""
-        out = {
-            node: [
-                AgentSetpoint(p.gpu, p.job_id, p.graphics_mhz, p.memory_mhz, p.power_limit_w)
+        then ``lowest``; a GPU shared by a planned and a held-out job keeps the last of them."""
+        by_gpu: dict[str, dict[int, AgentSetpoint]] = {
+            node: {
+                p.gpu: AgentSetpoint(
+                    p.gpu, p.job_id, p.graphics_mhz, p.memory_mhz, p.power_limit_w, p.tenants
+                )
                 for p in points
-            ]
+            }
             for node, points in planned.items()
         }
         for ref, point in sorted(self._refusing.items()):
             if point.job_id in held_out and ref not in lowest:
-                out.setdefault(ref.node, []).append(point)
+                by_gpu.setdefault(ref.node, {})[ref.index] = point
         for ref, point in sorted(lowest.items()):
-            out.setdefault(ref.node, []).append(point)
-        return out
+            by_gpu.setdefault(ref.node, {})[ref.index] = point
+        return {node: list(points.values()) for node, points in by_gpu.items()}
 
     # -- 4. exchange -----------------------------------------------------------------------------
 

@@ -33,7 +33,8 @@ class JobView:
     graphics_mhz: int | None = None
     memory_mhz: int | None = None
     predicted_power_w: float | None = None
-    measured_power_w: float | None = None  # all its GPUs, last exchange
+    #: all its GPUs, last exchange; a GPU it shares split equally between its jobs
+    measured_power_w: float | None = None
     #: ``reported`` (steps arrived since it joined) or ``none``
     progress: str = "none"
     #: work left in seconds at top clocks (an upper bound when `Job.work_source` is
@@ -41,6 +42,8 @@ class JobView:
     #: when it would end at the decided clocks; None: not known
     left_top_s: float | None = None
     finish_s: float | None = None
+    #: the other active jobs on its GPUs (shards, MPS, MIG instances): one clock for all
+    shares_with: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -160,16 +163,20 @@ def job_views(
     infos = running.jobs
     row = {j.job_id: i for i, j in enumerate(infos)}
     outlook = None if decision is None or not infos else running.outlook(decision, now_s, bounded)
+    on: dict[GpuRef, list[str]] = {}
     for job_id, job in known.items():
-        drawn = [
-            power_by_gpu[GpuRef(g.node, g.gpu_index)]
-            for g in job.gpus
-            if GpuRef(g.node, g.gpu_index) in power_by_gpu
-        ]
+        for g in job.gpus:
+            on.setdefault(GpuRef(g.node, g.gpu_index), []).append(job_id)
+    for job_id, job in known.items():
+        refs = [GpuRef(g.node, g.gpu_index) for g in job.gpus]
+        drawn = [power_by_gpu[r] / len(on[r]) for r in refs if r in power_by_gpu]
         measured = float(sum(drawn)) if drawn else None
+        shares = tuple(sorted({j for r in refs for j in on[r]} - {job_id}))
         i = row.get(job_id)
         if decision is None or outlook is None or i is None:
-            views.append(JobView(job_id, i is not None, measured_power_w=measured))
+            views.append(
+                JobView(job_id, i is not None, measured_power_w=measured, shares_with=shares)
+            )
             continue
         views.append(
             JobView(
@@ -182,6 +189,7 @@ def job_views(
                 progress="reported" if running.reported(job_id) else "none",
                 left_top_s=finite_or_none(float(outlook.left_top_s[i])),
                 finish_s=finite_or_none(float(outlook.finish_s[i])),
+                shares_with=shares,
             )
         )
     return tuple(views)

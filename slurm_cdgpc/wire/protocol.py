@@ -36,6 +36,8 @@ MAX_COUNT: Final = 2**53  # steps, intervals: exact in a JSON double
 MAX_TEXT_CHARS: Final = 512
 MAX_UID: Final = 0xFFFFFFFE
 MAX_THROTTLE: Final = 2**64 - 1
+#: jobs sharing one GPU (shards, MPS clients, MIG instances) named in one setpoint
+MAX_TENANTS: Final = 64
 
 
 class ProtocolError(InputError):
@@ -231,13 +233,16 @@ def _power_limit(value: object, where: str) -> float | None:
 @dataclass(frozen=True)
 class Setpoint:
     """Cap GPU ``gpu`` (this node's index) at ``graphics_mhz`` for job ``job_id``; with
-    ``power_limit_w``, hold its power limit there too (the guard rail; None: default limit)."""
+    ``power_limit_w``, hold its power limit there too (the guard rail; None: default limit).
+    ``tenants``: the other jobs that share the GPU, at the same clocks (written only when
+    there are any: an unshared setpoint is what an older agent parses)."""
 
     gpu: int
     job_id: str
     graphics_mhz: int
     memory_mhz: int | None = None
     power_limit_w: float | None = None
+    tenants: tuple[str, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         data: dict[str, Any] = {
@@ -248,6 +253,8 @@ class Setpoint:
         }
         if self.power_limit_w is not None:
             data["power_limit_w"] = self.power_limit_w
+        if self.tenants:
+            data["tenants"] = list(self.tenants)
         return data
 
     @classmethod
@@ -274,14 +281,25 @@ class Setpoint:
     @classmethod
     def _checked(cls, value: object, where: str) -> Setpoint:
         d = _fields(
-            value, where, ("gpu", "job_id", "graphics_mhz"), ("memory_mhz", "power_limit_w")
+            value,
+            where,
+            ("gpu", "job_id", "graphics_mhz"),
+            ("memory_mhz", "power_limit_w", "tenants"),
         )
+        owner = job_id(d["job_id"], f"{where}.job_id")
+        tenants = tuple(
+            job_id(t, f"{where}.tenants[{i}]")
+            for i, t in enumerate(_list(d.get("tenants", []), f"{where}.tenants", MAX_TENANTS))
+        )
+        if len(set(tenants) | {owner}) != len(tenants) + 1:
+            raise ProtocolError(f"{where}.tenants: a job is named twice")
         return cls(
             gpu=_int(d["gpu"], f"{where}.gpu", 0, MAX_GPU_INDEX),
-            job_id=job_id(d["job_id"], f"{where}.job_id"),
+            job_id=owner,
             graphics_mhz=_int(d["graphics_mhz"], f"{where}.graphics_mhz", 1, MAX_CLOCK_MHZ),
             memory_mhz=_opt_int(d.get("memory_mhz"), f"{where}.memory_mhz", 1, MAX_CLOCK_MHZ),
             power_limit_w=_power_limit(d.get("power_limit_w"), f"{where}.power_limit_w"),
+            tenants=tenants,
         )
 
 

@@ -751,6 +751,22 @@ def test_a_shared_gpu_returns_to_defaults_only_when_its_last_job_leaves(
     assert caps(gpus)[1] is None
 
 
+def test_the_heads_tenants_keep_a_shared_gpu_at_its_clock_until_the_last_leaves(
+    agent: NodeAgent, gpus: GpuSet, clock: ManualClock
+) -> None:
+    """The head names a shared GPU's other jobs in its setpoint (its Prologs' holds may have
+    come before the head named the GPU's first job): whichever tenant ends first, the GPU
+    keeps its clock for the others, and returns to defaults with the last."""
+    agent.exchange(request(clock, Setpoint(2, "8", 900, tenants=("7",))))
+    agent.exchange(request(clock, Setpoint(2, "8", 825, tenants=("7", "9"))))
+    assert agent.release_job("8") == ([2], [])
+    assert caps(gpus)[2] == 825  # jobs 7 and 9 still run on it
+    assert agent.release_job("7") == ([2], [])
+    assert caps(gpus)[2] == 825
+    assert agent.release_job("9") == ([2], [])
+    assert caps(gpus)[2] is None
+
+
 def test_a_hold_after_the_heads_setpoint_keeps_the_setpoint(
     agent: NodeAgent, gpus: GpuSet, clock: ManualClock
 ) -> None:

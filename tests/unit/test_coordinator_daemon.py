@@ -1015,9 +1015,9 @@ def test_a_gpu_held_for_a_job_that_ended_while_the_head_was_away_is_released(
 def test_a_gpu_two_jobs_share_is_released_only_when_the_last_one_ends(
     make_cluster: MakeCluster,
 ) -> None:
-    """Jobs 1 and 2 on n1's GPU 0 (shards: one physical GPU). When job 1 ends, the head sends
-    no release for the GPU, and job 2, controlled from then on, gets its clock; when job 2
-    ends, the GPU is released."""
+    """Jobs 1 and 2 on n1's GPU 0 (shards: one physical GPU): both are controlled, as its
+    tenants, with one setpoint for the GPU naming the other. When job 1 ends, the head sends
+    no release for the GPU and job 2 keeps it; when job 2 ends, the GPU is released."""
     cluster = make_cluster()
     cluster.gpu("n1", 0).attach("bert")
     cluster.store.set_budget(1500.0, "root")
@@ -1027,7 +1027,12 @@ def test_a_gpu_two_jobs_share_is_released_only_when_the_last_one_ends(
     cluster.agents["n1"].hold_job("2", [0])  # job 2's Prolog
     for _ in range(3):
         report = cluster.tick()
-    assert [j.job_id for j in report.jobs if j.controlled] == ["1"]
+    assert [j.job_id for j in report.jobs if j.controlled] == ["1", "2"]
+    [point] = cluster.last_requests()["n1"].setpoints
+    assert (point.gpu, point.job_id, point.tenants) == (0, "1", ("2",))
+    views = {v.job_id: v for v in report.jobs}
+    assert views["1"].graphics_mhz == views["2"].graphics_mhz
+    assert views["1"].shares_with == ("2",) and views["2"].shares_with == ("1",)
     cluster.head.deregister_job("1")
     cluster.agents["n1"].release_job("1")  # job 1's Epilog
     report = cluster.tick()
@@ -1036,7 +1041,7 @@ def test_a_gpu_two_jobs_share_is_released_only_when_the_last_one_ends(
     report = cluster.tick()
     assert [j.job_id for j in report.jobs if j.controlled] == ["2"]
     [point] = cluster.last_requests()["n1"].setpoints
-    assert (point.gpu, point.job_id) == (0, "2")
+    assert (point.gpu, point.job_id, point.tenants) == (0, "2", ())
     cluster.head.deregister_job("2")
     cluster.tick()
     assert cluster.last_requests()["n1"].release == (0,)

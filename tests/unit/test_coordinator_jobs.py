@@ -42,16 +42,47 @@ def test_rows_follow_jobs_in_and_out() -> None:
     np.testing.assert_array_equal(table.estimator.statics.gpus, [1, 1])
 
 
-def test_registering_twice_changes_nothing_and_a_gpu_cannot_be_shared() -> None:
+def test_registering_twice_changes_nothing_and_a_gpu_has_one_type() -> None:
     table = _table()
     table.add([_job("1", ("n1", 0), ("n1", 1))])
     table.add([_job("1", ("n1", 0), ("n1", 1))])
     assert len(table) == 1
-    with pytest.raises(InputError, match=r"GPU n1:1 already belongs to a running job"):
-        table.add([_job("2", ("n1", 1))])
+    with pytest.raises(InputError, match=r"GPU n1:1 runs a job that says it is a A100"):
+        table.add([_job("2", ("n1", 1), gpu_type="A40")])
     with pytest.raises(InputError, match="unknown GPU type"):
         table.add([_job("3", ("n3", 0), gpu_type="B300")])
     assert len(table) == 1 and len(table.estimator) == 1
+
+
+def test_jobs_on_one_gpu_are_its_tenants_with_one_setpoint_per_gpu() -> None:
+    """Shards of GPU n1:1: jobs 1 and 2 are its tenants (and job 1's n1:0 joins the group);
+    each GPU gets one setpoint at the group's clock, naming the other tenants, and the guard
+    rail sums the tenants' shares of the GPU."""
+    table = _table()
+    table.add(
+        [
+            _job("1", ("n1", 0), ("n1", 1), deadline_s=3600.0, iterations_total=10**6),
+            _job("2", ("n1", 1)),
+            _job("3", ("n2", 0)),
+        ]
+    )
+    assert table.tenants() == {GpuRef("n1", 1): ("1", "2")}
+    tenancy = table.job_state().tenancy
+    assert tenancy is not None
+    assert tenancy.group.tolist() == [0, 0, 1] and tenancy.gpus.tolist() == [2.0, 1.0]
+    one = np.ones(3)
+    table.estimator.observe(one, one, np.full(3, 300.0), np.full(3, 0.5))  # models known
+    mpc = EconomicMPC(table.grid)
+    decision = mpc.step(table.estimator, table.job_state(), now_s=0.0, budget_w=500.0)
+    assert decision.graphics_mhz[0] == decision.graphics_mhz[1] < 1410  # the budget binds
+    per_node = table.setpoints(decision, power_limit_margin=0.1)
+    n1 = per_node["n1"]
+    assert [(s.gpu, s.job_id, s.tenants) for s in n1] == [(0, "1", ()), (1, "1", ("2",))]
+    assert {s.graphics_mhz for s in n1} == {int(decision.graphics_mhz[0])}
+    # every GPU of the group at one clock: each planned at the group's power over its GPUs
+    gpu_w = (decision.job_power_w[0] + decision.job_power_w[1]) / 2
+    assert n1[0].power_limit_w == n1[1].power_limit_w == pytest.approx(gpu_w * 1.1, abs=1e-3)
+    assert decision.predicted_power_w == pytest.approx(decision.job_power_w.sum())
 
 
 def test_measurements_average_power_and_take_the_slowest_clock() -> None:

@@ -281,6 +281,9 @@ def test_fuzzed_requests_raise_only_input_errors(data: bytes) -> None:
             graphics_mhz=st.integers(1, 100_000),
             memory_mhz=st.none() | st.integers(1, 100_000),
             power_limit_w=st.none() | st.floats(1e-3, 1e5, allow_nan=False),
+            tenants=st.lists(st.sampled_from(["900001", "900002_3", "900004+1"]), unique=True).map(
+                tuple
+            ),
         ),
         max_size=8,
         unique_by=lambda s: s.gpu,
@@ -398,3 +401,22 @@ def test_a_setpoints_power_limit_is_optional_and_checked() -> None:
         message = str(caught.value)
         assert "\n" not in message
         assert message.startswith("setpoints[0].power_limit_w") or "not valid JSON" in message
+
+
+def test_a_setpoint_names_the_jobs_sharing_its_gpu_only_when_there_are_any() -> None:
+    plain = ExchangeRequest(3, 1e9, (Setpoint(0, "7", 1200),), node="gpu01")
+    assert b"tenants" not in plain.to_json()  # what an older agent parses
+    shared = ExchangeRequest(3, 1e9, (Setpoint(0, "7", 1200, tenants=("8", "9_1")),), node="g1")
+    assert ExchangeRequest.from_json(shared.to_json()) == shared
+    for bad, field in (
+        ('["8", "8"]', "setpoints[0].tenants: a job is named twice"),
+        ('["7"]', "setpoints[0].tenants: a job is named twice"),
+        ('["x y"]', "setpoints[0].tenants[0]"),
+        ('"8"', "setpoints[0].tenants: must be a JSON array"),
+        (json.dumps([str(i) for i in range(1, 66)]), "setpoints[0].tenants"),
+    ):
+        text = shared.to_json().decode().replace('["8","9_1"]', bad)
+        assert bad in text
+        with pytest.raises(ProtocolError) as caught:
+            ExchangeRequest.from_json(text)
+        assert str(caught.value).startswith(field) and "\n" not in str(caught.value)
