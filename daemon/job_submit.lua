@@ -7,8 +7,9 @@
 --   tokens separated by commas or ASCII whitespace; `deadline=` ISO 8601
 --   YYYY-MM-DD[THH:MM[:SS[.ffffff]]][Z|+HH|+HHMM|+HH:MM] (no zone: local time), `+` a span
 --   (from submit; the span of slurm_cdgpc/units.py: one or more N[.F]{ms,s,m,min,h,d}, any case,
---   e.g. +6h, +90m, +1h30m), or epoch seconds; `iters=N`; keys case-insensitive; anything else
---   left alone.
+--   e.g. +6h, +90m, +1h30m), or epoch seconds; `iters=N`; `slo=p<percentile>:<latency>` (a
+--   serving job's latency objective: percentile 50..99.99, latency N[.F]{us,ms,s} 1ms..600s,
+--   e.g. slo=p99:250ms); keys, units and the p case-insensitive; anything else left alone.
 -- A malformed value refuses the job with one line, e.g.
 --   cdgpc: cannot read deadline 'tomorow': use 2026-12-01T12:00 or +6h
 -- A deadline in the past or after the time limit is accepted with a warning.
@@ -18,6 +19,8 @@ local MAX_EPOCH = 253402300799
 local MAX_RELATIVE = 3650 * 86400
 local MAX_ITERS = 9007199254740992
 local UNIT = { ms = 0.001, s = 1, m = 60, min = 60, h = 3600, d = 86400 }
+-- a latency's unit: its count per second (divided, so that 1000us is 1ms exactly)
+local PER_SECOND = { us = 1e6, ms = 1e3, s = 1 }
 
 local function clip(value)
 	if #value > 43 then
@@ -141,7 +144,24 @@ local function parse_deadline(value)
 	return t
 end
 
--- returns request {deadline=, relative=, iters=} or nil, message
+-- returns {percentile=, latency=} (seconds) of an slo= value like p99:250ms, or nil, message
+local function parse_slo(value)
+	local pint, pfrac, nint, nfrac, unit = value:match("^[pP](%d+)(%.?%d*):(%d+)(%.?%d*)(%a+)$")
+	if not pint or pfrac == "." or nfrac == "." or not PER_SECOND[unit:lower()] then
+		return nil, "cannot read slo '" .. clip(value) .. "': use slo=p99:250ms"
+	end
+	local percentile = tonumber(pint .. pfrac)
+	if percentile < 50 or percentile > 99.99 then
+		return nil, "slo percentile must be between 50 and 99.99, got p" .. clip(pint .. pfrac)
+	end
+	local latency = tonumber(nint .. nfrac) / PER_SECOND[unit:lower()]
+	if latency < 0.001 or latency > 600 then
+		return nil, "slo latency must be between 1ms and 600s, got " .. clip(nint .. nfrac .. unit)
+	end
+	return { percentile = percentile, latency = latency }
+end
+
+-- returns request {deadline=, relative=, iters=, slo=} or nil, message
 local function parse_comment(text)
 	local request = {}
 	if text == nil then
@@ -173,6 +193,15 @@ local function parse_comment(text)
 					return nil, "iters must be between 1 and " .. string.format("%.0f", MAX_ITERS) .. ", got " .. value
 				end
 				request.iters = n
+			elseif key == "slo" then
+				if request.slo ~= nil then
+					return nil, "slo= is given twice in the comment"
+				end
+				local slo, err = parse_slo(value)
+				if slo == nil then
+					return nil, err
+				end
+				request.slo = slo
 			end
 		end
 	end

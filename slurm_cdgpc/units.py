@@ -16,8 +16,9 @@ from slurm_cdgpc.errors import InputError
 _POWER_UNITS = {"w": 1.0, "kw": 1e3, "mw": 1e6}
 _SPAN_UNITS: Final = {"ms": 1e-3, "s": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0, "d": 86400.0}
 _DECIMAL: Final = r"[0-9]+(?:\.[0-9]+)?"
-_SPAN_PART: Final = re.compile(rf"({_DECIMAL})[ \t]*(ms|min|[smhd])", re.IGNORECASE)
-SPAN: Final = re.compile(rf"(?:{_SPAN_PART.pattern})+", re.IGNORECASE)
+#: ASCII: else "ſ" (long s) matches "s" ignoring case, and is no unit of _SPAN_UNITS
+_SPAN_PART: Final = re.compile(rf"({_DECIMAL})[ \t]*(ms|min|[smhd])", re.IGNORECASE | re.ASCII)
+SPAN: Final = re.compile(rf"(?:{_SPAN_PART.pattern})+", re.IGNORECASE | re.ASCII)
 _SECONDS: Final = re.compile(_DECIMAL)
 _NUMBER = r"([0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?"
 _QUANTITY = re.compile(rf"^\s*(?P<num>{_NUMBER})\s*(?P<unit>[a-zA-Z]*)\s*$")

@@ -836,21 +836,33 @@ class NodeAgent:
 
     # -- progress -------------------------------------------------------------------------------
 
-    def record_progress(self, job_id: str, step: int, total: int | None, uid: int) -> None:
-        """Keep the latest progress ``uid`` reported for ``job_id`` (until its GPUs are released).
+    def record_progress(
+        self,
+        job_id: str,
+        step: int,
+        total: int | None,
+        uid: int,
+        *,
+        latency_s: float | None = None,
+        rate: float | None = None,
+    ) -> None:
+        """Keep the latest progress ``uid`` reported for ``job_id`` (until its GPUs are released),
+        a serving job's latency and request rate with its step.
 
         The socket is open to every local user and the agent cannot tell who owns a job, so
         reports are kept per reporting uid (the kernel's, never the sender's word): another user
         can neither overwrite the owner's report nor lock the owner out by reporting first. The
         head, which knows each job's user and nodes, keeps only reports from root or the job's
-        owner on a node where the job holds GPUs (`Coordinator`).
+        owner on a node where the job holds GPUs (`Coordinator`). The latest report replaces
+        the one before whatever its step, so a serving job's new latency at an unchanged count
+        is relayed; the head orders reports by step and time, across uids and nodes alike.
         """
-        line = ProgressLine(job_id, step, total)  # validates
+        line = ProgressLine(job_id, step, total, latency_s, rate)  # validates
         with self._lock:
             key = (line.job_id, uid)
             self._progress.pop(key, None)
             self._progress[key] = ProgressReport(
-                line.job_id, line.step, line.total, self._clock(), uid
+                line.job_id, line.step, line.total, self._clock(), uid, line.latency_s, line.rate
             )
             own = [k for k in self._progress if k[1] == uid]
             for old in own[: max(len(own) - MAX_PROGRESS_PER_UID, 0)]:

@@ -1,7 +1,8 @@
-"""Training progress over a local Unix socket: `ProgressServer` in the agent, and the
-``cdgpc-progress`` client with `report_progress`. The client reaches only the standard library
-and the ground floor (`slurm_cdgpc.errors`, `slurm_cdgpc.wire`), because it runs inside training
-jobs, and it never fails a job. Tests: `tests/unit/test_agent_progress.py`,
+"""Training and serving progress over a local Unix socket: `ProgressServer` in the agent, and
+the ``cdgpc-progress`` client with `report_progress` (a serving job's latency and request rate
+ride on the same line: `ProgressLine`). The client reaches only the standard library and the
+ground floor (`slurm_cdgpc.errors`, `slurm_cdgpc.wire`), because it runs inside jobs, and it
+never fails a job. Tests: `tests/unit/test_agent_progress.py`,
 `tests/security/test_progress_spoofing.py`; design: DESIGN.md, "Progress" and "Safety".
 """
 
@@ -11,15 +12,16 @@ import argparse
 import contextlib
 import logging
 import os
+import re
 import socket
 import stat
 import struct
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Final
+from typing import Final, Protocol
 
 from slurm_cdgpc.errors import CdgpcError, FatalError
 from slurm_cdgpc.wire.protocol import MAX_PROGRESS_LINE_BYTES, ProgressLine, ProtocolError
@@ -31,18 +33,36 @@ SOCKET_ENV: Final = "CDGPC_NODE_PROGRESS_SOCKET"
 JOB_ID_ENV: Final = "SLURM_JOB_ID"
 CLIENT_TIMEOUT_S: Final = 1.0
 _PEERCRED: Final = struct.Struct("3i")  # struct ucred: pid, uid, gid
+_LATENCY: Final = re.compile(r"([0-9]+(?:\.[0-9]*)?|\.[0-9]+)(us|ms|s)?")
+#: divided by, not multiplied: 800 / 1e6 is 0.0008, 800 * 1e-6 is not
+_PER_SECOND: Final = {"us": 1e6, "ms": 1e3, "s": 1.0, None: 1.0}
 
-#: record(job_id, step, total, uid); raises `CdgpcError` to refuse
-Recorder = Callable[[str, int, int | None, int], None]
+
+class Recorder(Protocol):
+    """``record(job_id, step, total, uid)``, and a serving job's ``latency_s`` and ``rate`` as
+    keywords only when its line has them, so a recorder of training progress takes the four;
+    raises `CdgpcError` to refuse."""
+
+    def __call__(
+        self,
+        job_id: str,
+        step: int,
+        total: int | None,
+        uid: int,
+        /,
+        *,
+        latency_s: float | None = None,
+        rate: float | None = None,
+    ) -> None: ...
 
 
 # -- client ------------------------------------------------------------------------------------
 
 
-def socket_path(env: dict[str, str] | None = None) -> Path:
+def socket_path(env: Mapping[str, str] | None = None) -> Path:
     """``$CDGPC_NODE_PROGRESS_SOCKET``, else `DEFAULT_SOCKET` (the ``node.progress_socket``
     default: the client does not read the config file)."""
-    env = dict(os.environ) if env is None else env
+    env = os.environ if env is None else env
     return Path(env.get(SOCKET_ENV) or DEFAULT_SOCKET)
 
 
@@ -53,10 +73,15 @@ def report_progress(
     job_id: str | None = None,
     path: str | os.PathLike[str] | None = None,
     timeout_s: float = CLIENT_TIMEOUT_S,
+    latency_s: float | None = None,
+    rate: float | None = None,
 ) -> bool:
     """Report ``step`` (of ``total``) for ``job_id`` (default ``$SLURM_JOB_ID``), as in
     ``report_progress(500, total=10_000)``. PyTorch jobs need not: the TaskProlog's hook
-    (`slurm_cdgpc/hook`) sends their optimizer steps.
+    (`slurm_cdgpc/hook`) sends their optimizer steps. A serving job reports the requests served
+    so far as ``step``, with ``latency_s`` (at its objective's percentile) and ``rate``
+    (requests per second) over the window since its last report; `LatencyReporter`
+    (`slurm_cdgpc.integrations.serving`) does it from the serving loop.
 
     Returns True when the agent recorded it; False, with a warning, when the socket is missing,
     the connection is refused or slow, or the agent refused the report. Raises `ProtocolError`
@@ -65,16 +90,10 @@ def report_progress(
     job = os.environ.get(JOB_ID_ENV) if job_id is None else job_id
     if not job:
         raise ProtocolError(f"{JOB_ID_ENV} is not set (run this inside a Slurm job)")
-    line = ProgressLine(job, step, total)  # validates: ProtocolError
+    line = ProgressLine(job, step, total, latency_s, rate)  # validates: ProtocolError
     where = Path(path) if path is not None else socket_path()
-    until_s = time.monotonic() + timeout_s
     try:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-            sock.settimeout(timeout_s)
-            sock.connect(os.fspath(where))
-            sock.sendall(line.to_json() + b"\n")
-            sock.shutdown(socket.SHUT_WR)
-            answer = _read_line(sock, 1024, until_s).decode("ascii", "replace").strip()
+        answer = send_line(line, where, timeout_s)
     except FileNotFoundError:
         logger.warning("cdgpc-progress: no node agent socket at %s; progress not reported", where)
         return False
@@ -87,36 +106,65 @@ def report_progress(
     return True
 
 
-def socket_reporter(path: Path) -> Callable[[str, int, int | None], bool]:
-    """``report(job_id, step, total)`` to the agent listening at ``path``: how the simulated
-    jobs of `slurm_cdgpc.gpu.workloads` report, as a training job would."""
+def send_line(line: ProgressLine, path: Path, timeout_s: float = CLIENT_TIMEOUT_S) -> str:
+    """Send ``line`` to the agent listening at ``path``; its one-line answer, ``ok`` or
+    ``error: <reason>``. Raises `OSError` when the agent cannot be reached within ``timeout_s``
+    in all (`FileNotFoundError`: no socket)."""
+    until_s = time.monotonic() + timeout_s
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(timeout_s)
+        sock.connect(os.fspath(path))
+        sock.sendall(line.to_json() + b"\n")
+        sock.shutdown(socket.SHUT_WR)
+        return _read_line(sock, 1024, until_s).decode("ascii", "replace").strip()
 
-    def report(job_id: str, step: int, total: int | None) -> bool:
+
+def socket_reporter(path: Path) -> Callable[..., bool]:
+    """``report(job_id, step, total[, latency_s=])`` to the agent listening at ``path``: how
+    the simulated jobs of `slurm_cdgpc.gpu.workloads` report, as a training or serving job
+    would."""
+
+    def report(
+        job_id: str, step: int, total: int | None, /, *, latency_s: float | None = None
+    ) -> bool:
         if not path.exists():
             return False  # the agent is starting or stopping: report at the next poll
-        return report_progress(step, total, job_id=job_id, path=path)
+        return report_progress(step, total, job_id=job_id, path=path, latency_s=latency_s)
 
     return report
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``cdgpc-progress STEP [TOTAL]``: report progress of ``$SLURM_JOB_ID`` to the node agent.
+    """``cdgpc-progress STEP [TOTAL] [--latency DURATION] [--rate FLOAT]``: report progress of
+    ``$SLURM_JOB_ID`` to the node agent (a serving job: requests served, latency and rate).
 
     Exit status 0 whatever the agent does (a warning on stderr when it is down or refuses); 2,
     with ``Error: <one line>``, only for a usage error (no or bad ``SLURM_JOB_ID``, bad numbers).
     """
     parser = argparse.ArgumentParser(
         prog="cdgpc-progress",
-        description="Report training progress of this Slurm job to the node agent. Never fails "
-        "the job: if the agent is down, warns and exits 0.",
+        description="Report training or serving progress of this Slurm job to the node agent. "
+        "Never fails the job: if the agent is down, warns and exits 0.",
     )
-    parser.add_argument("step", type=_count, help="steps (iterations) done so far, >= 0")
+    parser.add_argument(
+        "step", type=_count, help="steps (iterations) done so far, or requests served, >= 0"
+    )
     parser.add_argument("total", type=_count, nargs="?", help="total steps of the job, if known")
+    parser.add_argument(
+        "--latency",
+        type=_latency,
+        metavar="DURATION",
+        help="a serving job's latency at its objective's percentile since its last report: "
+        "250ms, 0.25s, 800us or seconds",
+    )
+    parser.add_argument(
+        "--rate", type=float, metavar="FLOAT", help="a serving job's requests per second since then"
+    )
     args = parser.parse_args(argv)
     if not logging.getLogger().handlers:
         logging.basicConfig(stream=sys.stderr, format="%(message)s", level=logging.WARNING)
     try:
-        report_progress(args.step, args.total)
+        report_progress(args.step, args.total, latency_s=args.latency, rate=args.rate)
     except ProtocolError as e:
         print(f"Error: {e}", file=sys.stderr)
         return 2
@@ -127,6 +175,16 @@ def _count(text: str) -> int:
     if not text.isdigit() or len(text) > 16:
         raise argparse.ArgumentTypeError(f"must be a non-negative integer, got {text!r}")
     return int(text)
+
+
+def _latency(text: str) -> float:
+    """``250ms``, ``0.25s``, ``800us`` or a bare number of seconds (the range: `ProgressLine`)."""
+    match = _LATENCY.fullmatch(text.strip())
+    if match is None:
+        raise argparse.ArgumentTypeError(
+            f"must be a duration like 250ms, 0.25s, 800us or 0.25, got {text!r}"
+        )
+    return float(match[1]) / _PER_SECOND[match[2]]
 
 
 def _read_line(sock: socket.socket, limit: int, until_s: float) -> bytes:
@@ -155,7 +213,8 @@ class ProgressServer:
     The socket is mode 0666, so that every job can write. Each connection carries one JSON line
     (`ProgressLine`, at most `MAX_PROGRESS_LINE_BYTES`) and is answered ``ok`` or ``error:
     <reason>``; the sender's uid comes from the kernel (``SO_PEERCRED``), so a sender cannot lie
-    about it, and goes to ``record`` (`NodeAgent.record_progress`) with the report. Connections
+    about it, and goes to ``record`` (`NodeAgent.record_progress`) with the report (a serving
+    job's latency and rate as keywords, `Recorder`). Connections
     are served on their own threads, at most ``max_connections`` at once and ``max_per_uid``
     from one uid (root included), each for at most ``timeout_s`` in all however slowly it
     writes; one over a bound is answered ``error: ...`` and closed at once.
@@ -294,7 +353,7 @@ class ProgressServer:
             return f"error: line longer than {MAX_PROGRESS_LINE_BYTES} bytes"
         try:
             line = ProgressLine.from_json(data.split(b"\n", 1)[0])
-            self._record(line.job_id, line.step, line.total, uid)
+            self._record(line.job_id, line.step, line.total, uid, **line.serving())
         except CdgpcError as e:
             logger.warning("progress from pid %d uid %d refused: %s", pid, uid, e)
             return f"error: {e}"

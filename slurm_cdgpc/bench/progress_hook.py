@@ -66,7 +66,9 @@ def bench_progress_hook(
         raise FatalError("bench progress-hook needs torch in this Python (pip install torch)")
     received: list[int] = []
     with tempfile.TemporaryDirectory(prefix="cdgpc-hook-bench-") as scratch:
-        server = ProgressServer(Path(scratch) / "progress.sock", lambda *r: received.append(1))
+        server = ProgressServer(
+            Path(scratch) / "progress.sock", lambda *_, **__: received.append(1)
+        )
         server.start()
         try:
             without, with_ = _environments(server.path, interval_s)

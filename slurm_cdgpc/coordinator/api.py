@@ -25,6 +25,12 @@ from slurm_cdgpc.coordinator.metrics import CONTENT_TYPE
 from slurm_cdgpc.coordinator.registrations import Registration
 from slurm_cdgpc.coordinator.report import IntervalReport, JobView
 from slurm_cdgpc.errors import CdgpcError, InputError, one_line
+from slurm_cdgpc.slurm.comment import (
+    MAX_SLO_LATENCY_S,
+    MAX_SLO_PERCENTILE,
+    MIN_SLO_PERCENTILE,
+    LatencyObjective,
+)
 from slurm_cdgpc.store import ACTIVE_STATES, BudgetChange, DecisionRecord, Job, Node, StoreError
 from slurm_cdgpc.transport.auth import (
     HEAD_RESPONDER,
@@ -228,6 +234,21 @@ def _gpu_list(value: object) -> list[int]:
     return sorted(out)
 
 
+def _slo(d: Mapping[str, object]) -> LatencyObjective | None:
+    """``slo_percentile`` and ``slo_latency_s``, both or neither: a serving job's objective."""
+    percentile = _optional_number(d.get("slo_percentile"), "slo_percentile")
+    latency_s = _optional_number(d.get("slo_latency_s"), "slo_latency_s")
+    if percentile is None and latency_s is None:
+        return None
+    if percentile is None or latency_s is None:
+        raise _bad("slo_percentile, slo_latency_s: give both or neither")
+    if not MIN_SLO_PERCENTILE <= percentile <= MAX_SLO_PERCENTILE:
+        raise _bad(f"slo_percentile: must be in [50, 99.99], got {percentile}")
+    if not 0 < latency_s <= MAX_SLO_LATENCY_S:
+        raise _bad(f"slo_latency_s: must be in (0, 600], got {latency_s}")
+    return LatencyObjective(percentile, latency_s)
+
+
 def _checked(check: Callable[[object, str], str], value: object, name: str) -> str:
     try:
         return check(value, name)
@@ -311,6 +332,9 @@ def job_dict(job: Job, views: Mapping[str, JobView]) -> dict[str, object]:
         "left_top_s": None if view is None else view.left_top_s,
         "finish_s": None if view is None else view.finish_s,
         "shares_with": [] if view is None else list(view.shares_with),
+        "slo": None
+        if job.slo_percentile is None
+        else {"percentile": job.slo_percentile, "latency_s": job.slo_latency_s},
     }
 
 
@@ -596,7 +620,10 @@ class _Handler(JsonHandler):
         d = _object(
             body,
             ("job_id", "user", "node", "gpus"),
-            ("gpu_type", "deadline_s", "iterations_total", "time_limit_s", "start_s"),
+            (
+                *("gpu_type", "deadline_s", "iterations_total", "time_limit_s", "start_s"),
+                *("slo_percentile", "slo_latency_s"),
+            ),
         )
         job = _checked(names.job_id, d["job_id"], "job_id")
         user = _checked(names.account, d["user"], "user")
@@ -609,6 +636,7 @@ class _Handler(JsonHandler):
         if time_limit_s is not None and time_limit_s <= 0:
             raise _bad(f"time_limit_s: must be > 0, got {time_limit_s:g}")
         start_s = _optional_number(d.get("start_s"), "start_s")
+        slo = _slo(d)
         deliver = self.defer()
 
         def answer(outcome: Callable[[], Job]) -> None:
@@ -638,6 +666,7 @@ class _Handler(JsonHandler):
                 time_limit_s=time_limit_s,
                 started_at_s=start_s,
                 sender=principal,
+                slo=slo,
             )
             self.server.coordinator.registrations.register_job_later(
                 committed,

@@ -45,6 +45,7 @@ from slurm_cdgpc.errors import CdgpcError, InputError
 from slurm_cdgpc.gpu.catalog import CATALOG, GpuSpec
 from slurm_cdgpc.model.estimator import EstimatorSettings, JobEstimator
 from slurm_cdgpc.model.families import FloatArray
+from slurm_cdgpc.slurm.comment import LatencyObjective
 from slurm_cdgpc.store import (
     ACTIVE_STATES,
     BudgetChange,
@@ -341,6 +342,7 @@ class Coordinator:
         adopted: bool = False,
         time_limit_s: float | None = None,
         started_at_s: float | None = None,
+        slo: LatencyObjective | None = None,
     ) -> Job:
         """Record a job's GPUs on one node (idempotent; a multi-node job calls once per node).
         ``adopted``: found running in Slurm without a registration (`reconcile`), not from a
@@ -357,6 +359,7 @@ class Coordinator:
             adopted=adopted,
             time_limit_s=time_limit_s,
             started_at_s=started_at_s,
+            slo=slo,
         )
         return self.registrations.register_job(registration)
 

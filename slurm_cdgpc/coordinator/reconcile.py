@@ -48,7 +48,8 @@ def adoptable(job: SlurmJob, *, now_s: float, grace_s: float) -> bool:
 def adopt(coordinator: Coordinator, job: SlurmJob, *, tz: tzinfo | None = None) -> list[str]:
     """Register ``job`` on every node and GPU Slurm placed it, as its Prolog would have, with
     the deadline its comment asks for (else ``--deadline``, else its time limit:
-    `effective_deadline`; none when the comment cannot be read); returns the nodes registered."""
+    `effective_deadline`; none when the comment cannot be read) and its latency objective;
+    returns the nodes registered."""
     request = _request(job, tz)
     submit_s = job.submit_s if job.submit_s is not None else job.start_s
     deadline = effective_deadline(
@@ -71,6 +72,7 @@ def adopt(coordinator: Coordinator, job: SlurmJob, *, tz: tzinfo | None = None) 
                 adopted=True,
                 time_limit_s=job.time_limit_s,
                 started_at_s=job.start_s,
+                slo=request.slo,
             )
         except CdgpcError as e:
             logger.warning("job %s: cannot adopt on %s: %s", job.job_id, node, e)

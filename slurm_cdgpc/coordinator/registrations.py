@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from slurm_cdgpc.coordinator.nodes import catalog_max_w
 from slurm_cdgpc.errors import InputError
 from slurm_cdgpc.gpu.catalog import GpuSpec, catalog_spec
+from slurm_cdgpc.slurm.comment import LatencyObjective
 from slurm_cdgpc.store import Job, Node, Store, StoreBusyError
 from slurm_cdgpc.store.group_commit import GroupCommit, WouldBlockError
 from slurm_cdgpc.store.repository import JobRegistration
@@ -39,6 +40,8 @@ class Registration:
     #: Slurm's time limit and start time, when the Prolog (or squeue) said
     time_limit_s: float | None = None
     started_at_s: float | None = None
+    #: a serving job's latency objective (the comment's ``slo=``)
+    slo: LatencyObjective | None = None
 
     @classmethod
     def checked(
@@ -55,6 +58,7 @@ class Registration:
         sender: object = None,
         time_limit_s: float | None = None,
         started_at_s: float | None = None,
+        slo: LatencyObjective | None = None,
     ) -> Registration:
         """The registration, or `InputError` (no GPUs, an unknown GPU type) before it queues."""
         if not gpus:
@@ -72,18 +76,38 @@ class Registration:
             sender,
             time_limit_s,
             started_at_s,
+            slo,
+        )
+
+    def for_store(self) -> JobRegistration:
+        """What the store keeps of it: this node's GPUs, the objective as its two numbers."""
+        slo = self.slo
+        return JobRegistration(
+            self.job_id,
+            self.user,
+            {self.node: self.gpus},
+            deadline_s=self.deadline_s,
+            iterations_total=self.iterations_total,
+            adopted=self.adopted,
+            time_limit_s=self.time_limit_s,
+            started_at_s=self.started_at_s,
+            slo_percentile=None if slo is None else slo.percentile,
+            slo_latency_s=None if slo is None else slo.latency_s,
         )
 
     def log(self) -> None:
         """One line per registration, with its sender when it came through the API."""
         logger.info(
-            "job %s: registered by %s on %s GPU(s) %s (deadline %s, %s iterations)%s%s",
+            "job %s: registered by %s on %s GPU(s) %s (deadline %s, %s iterations%s)%s%s",
             self.job_id,
             self.user,
             self.node,
             ",".join(map(str, self.gpus)),
             self.deadline_s,
             self.iterations_total,
+            ""
+            if self.slo is None
+            else f", p{self.slo.percentile:g} within {self.slo.latency_s:g} s",
             "" if self.sender is None else ", sent by ",
             "" if self.sender is None else self.sender,
         )
@@ -189,21 +213,7 @@ class Registrations:
                 for i, r in enumerate(batch):
                     if r.node in refused:
                         outcomes[i] = refused[r.node]
-                registered = self.store.register_jobs(
-                    [
-                        JobRegistration(
-                            batch[i].job_id,
-                            batch[i].user,
-                            {batch[i].node: batch[i].gpus},
-                            deadline_s=batch[i].deadline_s,
-                            iterations_total=batch[i].iterations_total,
-                            adopted=batch[i].adopted,
-                            time_limit_s=batch[i].time_limit_s,
-                            started_at_s=batch[i].started_at_s,
-                        )
-                        for i in accepted
-                    ]
-                )
+                registered = self.store.register_jobs([batch[i].for_store() for i in accepted])
                 for i, outcome in zip(accepted, registered, strict=True):
                     outcomes[i] = outcome
             if not self.store.in_transaction():  # committed: later batches may rely on it

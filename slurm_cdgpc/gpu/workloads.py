@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, Protocol
 
 from slurm_cdgpc.errors import CdgpcError, InputError
 from slurm_cdgpc.gpu.device import GpuReading, GpuSet
@@ -38,12 +38,19 @@ JOBS_DIR_ENV: Final = "CDGPC_SIMULATED_JOBS"
 SPEED_ENV: Final = "CDGPC_SIMULATED_SPEED"
 #: how often the runner looks for launched and removed jobs and reports progress (wall seconds)
 POLL_PERIOD_S: Final = 0.25
+#: a serving job's latency window (wall seconds)
+SERVING_WINDOW_S: Final = 1.0
 LAUNCH_SUFFIX: Final = ".json"
 EXIT_SUFFIX: Final = ".exit"
 
-#: report(job_id, step, total): True once the node agent recorded it (until then the runner
-#: reports again at its next poll)
-Reporter = Callable[[str, int, int], bool]
+
+class Reporter(Protocol):
+    """report(job_id, step, total[, latency_s=]): True once the node agent recorded it (until
+    then the runner reports again at its next poll); a serving job's with its latency."""
+
+    def __call__(
+        self, job_id: str, step: int, total: int | None, /, *, latency_s: float | None = None
+    ) -> bool: ...
 
 
 class AcceleratedClock:
@@ -117,6 +124,9 @@ class Launch:
     workload: str
     iterations: int
     iteration_time_s: float | None = None
+    #: a serving job: a request at its objective's percentile takes this many iterations (its
+    #: latency follows the workload's calibrated clock response); None: a training job
+    request_iterations: float | None = None
 
     @classmethod
     def from_dict(cls, data: object) -> Launch:
@@ -129,6 +139,8 @@ class Launch:
             iterations = int(data["iterations"])
             raw_time = data.get("iteration_time_s")
             iteration_time_s = None if raw_time is None else float(raw_time)
+            raw_request = data.get("request_iterations")
+            request = None if raw_request is None else float(raw_request)
         except (KeyError, TypeError, ValueError) as e:
             raise InputError(f"malformed launch file: {type(e).__name__}: {e}") from None
         if not gpus or iterations < 1:
@@ -137,7 +149,9 @@ class Launch:
             iteration_time_s > 0 and math.isfinite(iteration_time_s)
         ):
             raise InputError(f"job {job_id}: iteration time must be positive")
-        return cls(job_id, gpus, workload, iterations, iteration_time_s)
+        if request is not None and not (request > 0 and math.isfinite(request)):
+            raise InputError(f"job {job_id}: a request's iterations must be positive")
+        return cls(job_id, gpus, workload, iterations, iteration_time_s, request)
 
     def to_dict(self) -> dict[str, object]:
         return {
@@ -146,6 +160,7 @@ class Launch:
             "workload": self.workload,
             "iterations": self.iterations,
             "iteration_time_s": self.iteration_time_s,
+            "request_iterations": self.request_iterations,
         }
 
 
@@ -168,6 +183,8 @@ class _Running:
     gpus: tuple[SimulatedGpu, ...]
     reported: int = -1
     exited: bool = False
+    #: a serving job's last (time, iterations done), to time the iterations of a window
+    window: tuple[float, float] | None = None
 
 
 class JobRunner:
@@ -179,7 +196,9 @@ class JobRunner:
     listed GPU, with the iteration time at top clocks replaced by ``iteration_time_s`` when
     given (a trace knows duration / iterations), and reports the job's progress (the slowest
     GPU's whole iterations: a synchronous job runs at the pace of its slowest GPU) through
-    ``report``, as a training job does with ``cdgpc-progress``. When the job has done
+    ``report``, as a training job does with ``cdgpc-progress``. A serving job
+    (``request_iterations``) reports the requests it served and, every poll, its latency:
+    ``request_iterations`` × the seconds an iteration took over the poll. When the job has done
     ``iterations`` its GPUs idle and the runner writes ``<job_id>.exit``: the job's processes
     ended. Removing the launch file (the replayer's Epilog) forgets the job, idling its GPUs if
     it was still running (cancelled).
@@ -256,6 +275,24 @@ class JobRunner:
             launch.iterations,
         )
 
+    def _serve(self, running: _Running, done: float) -> None:
+        """Report a serving job's requests and its latency over the window since its last
+        report, once the window is `SERVING_WINDOW_S` long (as `LatencyReporter` sends)."""
+        request = running.launch.request_iterations
+        assert request is not None
+        now_s = self._clock()
+        if running.window is None:
+            running.window = (now_s, done)
+            return
+        start_s, start = running.window
+        if now_s - start_s < SERVING_WINDOW_S or done <= start:
+            return
+        latency_s = request * (now_s - start_s) / (done - start)
+        served = int(done / request)
+        if self._report(running.launch.job_id, served, None, latency_s=latency_s):
+            running.reported = served
+            running.window = (now_s, done)
+
     def _gpu(self, index: int) -> SimulatedGpu:
         try:
             return self.gpus[index]
@@ -264,8 +301,11 @@ class JobRunner:
 
     def _advance(self, running: _Running) -> None:
         launch = running.launch
-        done = min(int(min(g.iterations_done for g in running.gpus)), launch.iterations)
-        if done > running.reported and self._report(launch.job_id, done, launch.iterations):
+        exact = min(*(g.iterations_done for g in running.gpus), float(launch.iterations))
+        done = int(exact)
+        if launch.request_iterations is not None:
+            self._serve(running, exact)
+        elif done > running.reported and self._report(launch.job_id, done, launch.iterations):
             running.reported = done
         if done < launch.iterations:
             return

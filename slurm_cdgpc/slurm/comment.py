@@ -1,4 +1,5 @@
-"""The one parser of what a user asks in ``sbatch --comment``: a deadline and an iteration count.
+"""The one parser of what a user asks in ``sbatch --comment``: a deadline, an iteration count and
+a serving job's latency objective.
 
 `parse_deadline` is the one deadline grammar (the simulator's traces and ``cdgpc-admin`` read
 times with it too); ``daemon/job_submit.lua`` is its twin at submit time. Standard library and
@@ -21,11 +22,17 @@ logger = logging.getLogger(__name__)
 
 DEADLINE_KEY: Final = "deadline"
 ITERS_KEY: Final = "iters"
+SLO_KEY: Final = "slo"
 DEADLINE_HINT: Final = "use 2026-12-01T12:00 or +6h"
 MAX_ITERATIONS: Final = 2**53
 #: 9999-12-31T23:59:59Z: the last second ISO 8601 dates (and the head's store) can hold
 MAX_EPOCH_S: Final = 253_402_300_799
 MAX_RELATIVE_S: Final = 3650 * 86400.0
+#: the percentiles and latencies an ``slo=`` may ask, both ends included
+MIN_SLO_PERCENTILE: Final = 50.0
+MAX_SLO_PERCENTILE: Final = 99.99
+MIN_SLO_LATENCY_S: Final = 1e-3
+MAX_SLO_LATENCY_S: Final = 600.0
 
 _SEPARATORS: Final = re.compile(r"[,\t\n\v\f\r ]+")
 _EPOCH: Final = re.compile(r"[0-9]{1,12}")
@@ -35,6 +42,12 @@ _ISO: Final = re.compile(
     r"(?P<zone>Z|[+-][0-9]{2}(?::?[0-9]{2})?)?"
 )
 _COUNT: Final = re.compile(r"[0-9]{1,16}")
+_SLO: Final = re.compile(
+    r"p(?P<p>[0-9]+(?:\.[0-9]+)?):(?P<n>[0-9]+(?:\.[0-9]+)?)(?P<unit>us|ms|s)",
+    re.IGNORECASE | re.ASCII,
+)
+#: a latency's unit → its count per second (divided, so that 1000us is 1ms exactly)
+_PER_SECOND: Final = {"us": 1e6, "ms": 1e3, "s": 1.0}
 _CLIP_CHARS: Final = 43  # 40 and "...", as job_submit.lua shows them
 
 
@@ -58,11 +71,21 @@ class DeadlineSpec:
 
 
 @dataclass(frozen=True)
+class LatencyObjective:
+    """A serving job's objective: its ``percentile`` (99.0: p99) of request latencies stays
+    within ``latency_s``. The controller gives such a job the lowest clock that keeps it."""
+
+    percentile: float
+    latency_s: float
+
+
+@dataclass(frozen=True)
 class CommentRequest:
-    """What a job comment asks of cdgpc (both None: nothing; the rest of the text is ignored)."""
+    """What a job comment asks of cdgpc (all None: nothing; the rest of the text is ignored)."""
 
     deadline: DeadlineSpec | None = None
     iterations_total: int | None = None
+    slo: LatencyObjective | None = None
 
 
 @dataclass(frozen=True)
@@ -135,29 +158,51 @@ def parse_iterations(value: str) -> int:
     return count
 
 
-def parse_comment(text: str | None, *, tz: tzinfo | None = None) -> CommentRequest:
-    """The deadline and iteration count in a job comment (None or empty: nothing asked).
+def parse_slo(value: str) -> LatencyObjective:
+    """One ``slo=`` value, ``p99:250ms``: a percentile and a latency in us, ms or s."""
+    slo = _SLO.fullmatch(value)
+    if slo is None:
+        raise InputError(f"cannot read slo '{_clip(value)}': use slo=p99:250ms")
+    percentile = float(slo["p"])
+    if not MIN_SLO_PERCENTILE <= percentile <= MAX_SLO_PERCENTILE:
+        raise InputError(f"slo percentile must be between 50 and 99.99, got p{_clip(slo['p'])}")
+    latency_s = float(slo["n"]) / _PER_SECOND[slo["unit"].lower()]
+    if not MIN_SLO_LATENCY_S <= latency_s <= MAX_SLO_LATENCY_S:
+        latency = _clip(slo["n"] + slo["unit"])
+        raise InputError(f"slo latency must be between 1ms and 600s, got {latency}")
+    return LatencyObjective(percentile, latency_s)
 
-    The grammar, the same in ``job_submit.lua`` (which refuses a malformed deadline at submit
+
+def parse_comment(text: str | None, *, tz: tzinfo | None = None) -> CommentRequest:
+    """The deadline, iteration count and latency objective in a job comment (None or empty:
+    nothing asked).
+
+    The grammar, the same in ``job_submit.lua`` (which refuses a malformed value at submit
     time)::
 
         comment  := token ((',' | ASCII whitespace)+ token)*
-        token    := 'deadline=' deadline | 'iters=' count | anything else (left alone)
+        token    := 'deadline=' deadline | 'iters=' count | 'slo=' slo
+                  | anything else (left alone)
         deadline := ISO 8601   YYYY-MM-DD[THH:MM[:SS[.ffffff]]][Z | ±HH[[:]MM]]
                                (no zone: local time of the machine that parses, the head's zone)
                   | relative   '+' span (6h, 90m, 1h30m: `slurm_cdgpc.units`)  after submission
                   | epoch      digits                                 seconds since 1970 UTC
         count    := digits (1 .. 2**53)
+        slo      := 'p' percentile ':' latency          a serving job's latency objective
+                    percentile: decimal, 50 .. 99.99 (p50, p99, p99.9)
+                    latency:    decimal ('us' | 'ms' | 's'), 1ms .. 600s (1500us, 250ms, 1.5s)
+        decimal  := digits ['.' digits]
 
-    Keys are case-insensitive; other text and other ``key=value`` pairs are left alone, since
-    sites use ``--comment`` for other things too. A key given twice, an empty or malformed value
-    is an `InputError` with one line such as ``cannot read deadline 'tomorow': use
-    2026-12-01T12:00 or +6h``. Nothing else is ever raised, whatever the text.
+    Keys, units and the ``p`` are case-insensitive; other text and other ``key=value`` pairs are
+    left alone, since sites use ``--comment`` for other things too. A key given twice, an empty
+    or malformed value is an `InputError` with one line such as ``cannot read deadline
+    'tomorow': use 2026-12-01T12:00 or +6h``. Nothing else is ever raised, whatever the text.
     """
     if not text:
         return CommentRequest()
     deadline: DeadlineSpec | None = None
     iterations: int | None = None
+    slo: LatencyObjective | None = None
     for token in _SEPARATORS.split(text):
         key, sep, value = token.partition("=")
         if not sep or not key.isascii():
@@ -171,7 +216,11 @@ def parse_comment(text: str | None, *, tz: tzinfo | None = None) -> CommentReque
             if iterations is not None:
                 raise InputError("iters= is given twice in the comment")
             iterations = parse_iterations(value)
-    return CommentRequest(deadline, iterations)
+        elif key == SLO_KEY:
+            if slo is not None:
+                raise InputError("slo= is given twice in the comment")
+            slo = parse_slo(value)
+    return CommentRequest(deadline, iterations, slo)
 
 
 def effective_deadline(

@@ -138,6 +138,9 @@ def registration(
         )
     if request.iterations_total is not None:
         payload["iterations_total"] = request.iterations_total
+    if request.slo is not None:
+        payload["slo_percentile"] = request.slo.percentile
+        payload["slo_latency_s"] = request.slo.latency_s
     if known.time_limit_s is not None and known.time_limit_s > 0:
         payload["time_limit_s"] = known.time_limit_s
     if known.start_s is not None:
@@ -159,12 +162,12 @@ def run_prolog(
     """Register this node's share of the job (or spool it); never raises `CdgpcError`. Then
     `hold_gpus`.
 
-    The job comes from the environment (`slurm_cdgpc.slurm.env`), its deadline and iteration
-    count from the comment (`slurm_cdgpc.slurm.comment`), its submit and start times,
-    ``--deadline`` and time limit from ``times`` (``scontrol show job``; the time limit bounds
-    the work of a job that does not say its own); then ``POST /v1/jobs`` with this node's GPUs.
-    A multi-node job's Prolog runs on every node and each registers its own GPUs; the head
-    merges them."""
+    The job comes from the environment (`slurm_cdgpc.slurm.env`), its deadline, iteration
+    count and latency objective from the comment (`slurm_cdgpc.slurm.comment`), its submit
+    and start times, ``--deadline`` and time limit from ``times`` (``scontrol show job``; the
+    time limit bounds the work of a job that does not say its own); then ``POST /v1/jobs``
+    with this node's GPUs. A multi-node job's Prolog runs on every node and each registers its
+    own GPUs; the head merges them."""
     where = f"job {env.display_id} on {env.node}"
     if env.job_id != env.display_id:
         where += f" (id {env.job_id})"

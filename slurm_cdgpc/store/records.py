@@ -57,6 +57,10 @@ class Job:
     #: who said ``iterations_total``: ``comment`` (iters=, which wins) or ``framework`` (a
     #: progress report's total); None when nobody did
     total_source: str | None = None
+    #: a serving job's latency objective (``slo=p99:250ms``: 99.0, 0.25): this percentile of its
+    #: request latencies stays within this many seconds; both None: not a serving job
+    slo_percentile: float | None = None
+    slo_latency_s: float | None = None
 
     @property
     def nodes(self) -> tuple[str, ...]:

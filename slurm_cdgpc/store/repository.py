@@ -101,6 +101,8 @@ class JobRegistration:
     at_s: float | None = None
     time_limit_s: float | None = None
     started_at_s: float | None = None
+    slo_percentile: float | None = None
+    slo_latency_s: float | None = None
 
 
 class _RegistrationRaceError(Exception):
@@ -280,6 +282,8 @@ class Store:
         at_s: float | None = None,
         time_limit_s: float | None = None,
         started_at_s: float | None = None,
+        slo_percentile: float | None = None,
+        slo_latency_s: float | None = None,
     ) -> Job:
         """Record a job and its GPUs on the given node(s); idempotent.
 
@@ -288,8 +292,9 @@ class Store:
         changes nothing and a multi-node job collects its nodes. A finished job registered
         again was requeued by Slurm (same id): it starts over with only the new GPUs, unless
         ``at_s`` (when the Prolog ran, for spooled registrations) is not after it finished.
-        Deadline, iteration count (from the comment: it wins over a framework's), time limit
-        and start are updated when given.
+        Deadline, iteration count (from the comment: it wins over a framework's), time limit,
+        start and latency objective (``slo_percentile`` with ``slo_latency_s``, both or
+        neither) are updated when given.
         """
         registration = JobRegistration(
             job_id,
@@ -301,6 +306,8 @@ class Store:
             at_s=at_s,
             time_limit_s=time_limit_s,
             started_at_s=started_at_s,
+            slo_percentile=slo_percentile,
+            slo_latency_s=slo_latency_s,
         )
         [outcome] = self.register_jobs([registration])
         if isinstance(outcome, InputError):
@@ -336,6 +343,7 @@ class Store:
                     raise InputError(f"time limit must be > 0 s, got {r.time_limit_s}")
                 if r.started_at_s is not None:
                     _finite(r.started_at_s, "start time")
+                _check_slo(r.slo_percentile, r.slo_latency_s)
                 checked.append((i, r, new_gpus, self._now(r.at_s)))
             except InputError as e:
                 outcomes[i] = e
@@ -776,6 +784,20 @@ def _finite(value: float, what: str) -> float:
     return float(value)
 
 
+def _check_slo(percentile: float | None, latency_s: float | None) -> None:
+    """A latency objective is both numbers or neither; their policy (p50..p99.99, up to 600 s)
+    is the comment's and the API's, the store only keeps them meaningful."""
+    if (percentile is None) != (latency_s is None):
+        raise InputError(
+            f"a latency objective needs a percentile and a latency, got {percentile} and "
+            f"{latency_s}"
+        )
+    if percentile is not None and not 0 < percentile < 100:
+        raise InputError(f"slo percentile must be in (0, 100), got {percentile}")
+    if latency_s is not None and not (math.isfinite(latency_s) and latency_s > 0):
+        raise InputError(f"slo latency must be > 0 s, got {latency_s}")
+
+
 def _number(value: float, what: str) -> float:
     """A float for a NOT NULL column: ±inf is fine, NaN is not (SQLite would store NULL)."""
     if math.isnan(value):
@@ -873,11 +895,13 @@ def _job(row: JobRow) -> Job:
         time_limit_s=row.time_limit_s,
         started_at_s=row.started_at_s,
         total_source=row.total_source,
+        slo_percentile=row.slo_percentile,
+        slo_latency_s=row.slo_latency_s,
     )
 
 
 _JOB_COLUMNS: tuple[str, ...] = tuple(c.name for c in _JOBS.columns)
-#: rows per multi-row INSERT, at most (a power of two, see `_runs`): 11 columns each stays far
+#: rows per multi-row INSERT, at most (a power of two, see `_runs`): 13 columns each stays far
 #: under either database's bind limit
 _INSERT_ROWS = 512
 
@@ -964,6 +988,8 @@ def _register_checked(
                 "time_limit_s": r.time_limit_s,
                 "started_at_s": r.started_at_s,
                 "total_source": None if r.iterations_total is None else "comment",
+                "slo_percentile": r.slo_percentile,
+                "slo_latency_s": r.slo_latency_s,
             }
             held[r.job_id] = {}
             new_ids.append(r.job_id)
@@ -998,6 +1024,8 @@ def _register_checked(
                 row["time_limit_s"] = r.time_limit_s
             if r.started_at_s is not None:
                 row["started_at_s"] = r.started_at_s
+            if r.slo_percentile is not None:
+                row.update(slo_percentile=r.slo_percentile, slo_latency_s=r.slo_latency_s)
         for g in new_gpus:  # each named node's GPU set is replaced, the others kept
             held[r.job_id][g["node"]] = set()
         for g in new_gpus:
@@ -1044,6 +1072,8 @@ def _job_record(values: Mapping[str, Any], held: Mapping[str, Iterable[int]]) ->
         time_limit_s=values["time_limit_s"],
         started_at_s=values["started_at_s"],
         total_source=values["total_source"],
+        slo_percentile=values["slo_percentile"],
+        slo_latency_s=values["slo_latency_s"],
     )
 
 

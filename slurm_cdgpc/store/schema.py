@@ -86,6 +86,9 @@ class JobRow(Base):
     time_limit_s: Mapped[float | None] = mapped_column(Double)
     started_at_s: Mapped[float | None] = mapped_column(Double)
     total_source: Mapped[str | None] = mapped_column(String(16))
+    #: a serving job's latency objective (slo=p99:250ms: 99, 0.25 s); both NULL: none
+    slo_percentile: Mapped[float | None] = mapped_column(Double)
+    slo_latency_s: Mapped[float | None] = mapped_column(Double)
 
     gpus: Mapped[list[JobGpuRow]] = relationship(
         back_populates="job",

@@ -599,15 +599,46 @@ def _gpu_report_fast(value: object) -> GpuReport | None:
     )
 
 
+#: a serving job's latency at its objective's percentile, in seconds: above 0, at most an hour
+MAX_LATENCY_S: Final = 3600.0
+#: a serving job's requests per second
+MAX_RATE: Final = 1e6
+_SERVING: Final = ("latency_s", "rate")
+
+
+def _opt_latency(value: object, where: str) -> float | None:
+    """A latency in seconds in (0, `MAX_LATENCY_S`]: no request is served in no time."""
+    if value is None:
+        return None
+    if (
+        isinstance(value, int | float)
+        and not isinstance(value, bool)
+        and 0 < value <= MAX_LATENCY_S
+    ):
+        return float(value)  # NaN fails the comparison, as infinity does
+    raise ProtocolError(
+        f"{where}: must be a number of seconds in (0, {MAX_LATENCY_S:g}], {_got(value)}"
+    )
+
+
+def _serving(latency_s: float | None, rate: float | None) -> dict[str, float]:
+    """The serving fields that are set: a training job's line and report leave them out, so
+    they are what they were before serving jobs and an older agent or head reads them."""
+    return {k: v for k, v in (("latency_s", latency_s), ("rate", rate)) if v is not None}
+
+
 @dataclass(frozen=True)
 class ProgressReport:
-    """The latest progress a job reported on this node (``uid``: the sender, from the kernel)."""
+    """The latest progress a job reported on this node (``uid``: the sender, from the kernel);
+    a serving job's also has its latency and request rate (`ProgressLine`)."""
 
     job_id: str
     step: int
     total: int | None
     time_s: float
     uid: int
+    latency_s: float | None = None
+    rate: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -616,17 +647,20 @@ class ProgressReport:
             "total": self.total,
             "time_s": self.time_s,
             "uid": self.uid,
+            **_serving(self.latency_s, self.rate),
         }
 
     @classmethod
     def from_dict(cls, value: object, where: str) -> ProgressReport:
-        d = _fields(value, where, ("job_id", "step", "total", "time_s", "uid"))
+        d = _fields(value, where, ("job_id", "step", "total", "time_s", "uid"), _SERVING)
         return cls(
             job_id=job_id(d["job_id"], f"{where}.job_id"),
             step=_int(d["step"], f"{where}.step", 0, MAX_COUNT),
             total=_opt_int(d["total"], f"{where}.total", 1, MAX_COUNT),
             time_s=_float(d["time_s"], f"{where}.time_s", 0.0, 1e11),
             uid=_int(d["uid"], f"{where}.uid", 0, MAX_UID),
+            latency_s=_opt_latency(d.get("latency_s"), f"{where}.latency_s"),
+            rate=_opt_float(d.get("rate"), f"{where}.rate", 0.0, MAX_RATE),
         )
 
 
@@ -734,11 +768,18 @@ def check_node_name(name: str) -> str:
 
 @dataclass(frozen=True)
 class ProgressLine:
-    """``{"job_id": "123", "step": 500, "total": 10000}``: one line per connection."""
+    """``{"job_id": "123", "step": 500, "total": 10000}``: one line per connection.
+
+    A serving job's ``step`` counts the requests it served so far, and it adds ``latency_s``,
+    its latency at its objective's percentile over the window since its last line, and
+    ``rate``, the requests per second over that window: ``{"job_id": "9", "step": 81234,
+    "total": null, "latency_s": 0.212, "rate": 140.5}``."""
 
     job_id: str
     step: int
     total: int | None = None
+    latency_s: float | None = None
+    rate: float | None = None
 
     def __post_init__(self) -> None:
         job_id(self.job_id)
@@ -746,13 +787,30 @@ class ProgressLine:
         _opt_int(self.total, "total", 1, MAX_COUNT)
         if self.total is not None and self.step > self.total:
             raise ProtocolError(f"step: must not exceed total ({self.total}), got {self.step}")
+        _opt_latency(self.latency_s, "latency_s")
+        _opt_float(self.rate, "rate", 0.0, MAX_RATE)
+
+    def serving(self) -> dict[str, float]:
+        """``latency_s`` and ``rate`` where set: none for a training job."""
+        return _serving(self.latency_s, self.rate)
 
     def to_json(self) -> bytes:
-        return dump_json({"job_id": self.job_id, "step": self.step, "total": self.total})
+        return dump_json(
+            {"job_id": self.job_id, "step": self.step, "total": self.total, **self.serving()}
+        )
 
     @classmethod
     def from_json(cls, data: bytes | str) -> ProgressLine:
         d = _fields(
-            load_json(data, MAX_PROGRESS_LINE_BYTES), "progress", ("job_id", "step"), ("total",)
+            load_json(data, MAX_PROGRESS_LINE_BYTES),
+            "progress",
+            ("job_id", "step"),
+            ("total", *_SERVING),
         )
-        return cls(job_id=d["job_id"], step=d["step"], total=d.get("total"))
+        return cls(
+            job_id=d["job_id"],
+            step=d["step"],
+            total=d.get("total"),
+            latency_s=d.get("latency_s"),
+            rate=d.get("rate"),
+        )

@@ -841,3 +841,31 @@ def test_time_limits_and_who_said_the_total_are_kept(store: Store) -> None:
         with pytest.raises(InputError, match="time limit must be > 0 s"):
             store.record_time_limit("950", bad, None)
     assert store.job("951") is None and store.job("950") == job
+
+
+def test_a_serving_jobs_latency_objective_is_kept(store: Store, clock: FakeClock) -> None:
+    job = store.register_job("960", "erin", {"gpu01": [0]}, slo_percentile=99.0, slo_latency_s=0.25)
+    assert (job.slo_percentile, job.slo_latency_s) == (99.0, 0.25)
+    job = store.register_job("960", "erin", {"gpu02": [0]})  # another node's Prolog: kept
+    assert (job.slo_percentile, job.slo_latency_s) == (99.0, 0.25) and store.job("960") == job
+    job = store.register_job("960", "erin", {"gpu02": [0]}, slo_percentile=99.9, slo_latency_s=1.5)
+    assert store.job("960") == job and (job.slo_percentile, job.slo_latency_s) == (99.9, 1.5)
+    store.finish_job("960")
+    clock.advance(60)
+    requeued = store.register_job("960", "erin", {"gpu03": [1]})
+    assert (requeued.slo_percentile, requeued.slo_latency_s) == (99.9, 1.5)
+    plain = store.register_job("961", "erin", {"gpu01": [1]})
+    assert (plain.slo_percentile, plain.slo_latency_s) == (None, None)
+    for percentile, latency_s, message in [
+        (99.0, None, "needs a percentile and a latency, got 99.0 and None"),
+        (None, 0.25, "needs a percentile and a latency, got None and 0.25"),
+        (100.0, 0.25, r"slo percentile must be in \(0, 100\), got 100.0"),
+        (math.nan, 0.25, "slo percentile must be in"),
+        (99.0, 0.0, "slo latency must be > 0 s, got 0.0"),
+        (99.0, math.inf, "slo latency must be > 0 s, got inf"),
+    ]:
+        with pytest.raises(InputError, match=message):
+            store.register_job(
+                "961", "erin", {"gpu01": [1]}, slo_percentile=percentile, slo_latency_s=latency_s
+            )
+    assert store.job("961") == plain

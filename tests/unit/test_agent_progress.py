@@ -13,9 +13,17 @@ from pathlib import Path
 
 import pytest
 
+from slurm_cdgpc.agent.node import NodeAgent
 from slurm_cdgpc.agent.progress import ProgressServer, main, report_progress, socket_reporter
+from slurm_cdgpc.config import SafeCap
 from slurm_cdgpc.errors import FatalError, InputError
-from slurm_cdgpc.wire.protocol import ProtocolError
+from slurm_cdgpc.gpu.simulated import ManualClock, simulated_gpus
+from slurm_cdgpc.wire.protocol import (
+    ExchangeRequest,
+    ExchangeResponse,
+    ProgressReport,
+    ProtocolError,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 Record = tuple[str, int, int | None, int]
@@ -30,6 +38,7 @@ def short_dir() -> Iterator[Path]:
 
 @pytest.fixture
 def server(short_dir: Path) -> Iterator[tuple[ProgressServer, list[Record]]]:
+    """A recorder of the four arguments a training report has always had."""
     records: list[Record] = []
 
     def record(job_id: str, step: int, total: int | None, uid: int) -> None:
@@ -150,6 +159,10 @@ def test_cli_reports_through_the_socket(
         ("abc", ["1"], 2, "Error: job_id: must be a Slurm job id"),
         ("42", ["-3"], 2, "must be a non-negative integer"),
         ("42", ["5", "4"], 2, "Error: step: must not exceed total"),
+        ("42", ["5", "--latency", "fast"], 2, "must be a duration like 250ms"),
+        ("42", ["5", "--latency", "0ms"], 2, "Error: latency_s: must be a number of seconds"),
+        ("42", ["5", "--rate", "-1"], 2, "Error: rate: must be a number"),
+        ("42", ["5", "--rate", "nan"], 2, "Error: rate: must be a number"),
         ("42", ["5"], 0, "no node agent socket"),
     ],
 )
@@ -189,3 +202,64 @@ def test_client_imports_nothing_heavy() -> None:
         check=True,
     )
     assert done.stdout.strip() == "[]"
+
+
+# -- a serving job's latency and request rate, through a real agent ----------------------------
+
+
+@pytest.fixture
+def agent_socket(short_dir: Path) -> Iterator[tuple[NodeAgent, ManualClock, Path]]:
+    """A `NodeAgent` on simulated GPUs recording from a real `ProgressServer`."""
+    clock = ManualClock(1_767_225_600.0)
+    agent = NodeAgent(
+        simulated_gpus("A100-SXM4-80GB", 1, seed=1, time_source=clock),
+        node_name="gpu01",
+        lease_duration_s=90.0,
+        safe_cap=SafeCap(clock_fraction=0.6),
+        state_file=short_dir / "state.json",
+        clock=clock,
+    )
+    srv = ProgressServer(short_dir / "p.sock", agent.record_progress, timeout_s=0.5)
+    srv.start()
+    yield agent, clock, srv.path
+    srv.close()
+
+
+def _relayed(agent: NodeAgent, clock: ManualClock) -> tuple[ProgressReport, ...]:
+    """The progress of the agent's exchange response, as the head parses it."""
+    response = agent.exchange(ExchangeRequest(1, clock() + 90.0, (), node="gpu01"))
+    return ExchangeResponse.from_json(response.to_json()).progress
+
+
+def test_a_serving_report_reaches_the_head_with_its_latency_and_rate(
+    agent_socket: tuple[NodeAgent, ManualClock, Path],
+) -> None:
+    agent, clock, path = agent_socket
+    assert report_progress(120, job_id="77", path=path, latency_s=0.25, rate=40.0)
+    clock.advance(1.0)
+    # the same count again, with a new latency and rate: it replaces the first
+    assert report_progress(120, job_id="77", path=path, latency_s=0.3, rate=0.5)
+    assert report_progress(5, job_id="78", path=path)  # a training job alongside: no fields
+    uid = os.getuid()
+    assert _relayed(agent, clock) == (
+        ProgressReport("77", 120, None, clock(), uid, latency_s=0.3, rate=0.5),
+        ProgressReport("78", 5, None, clock(), uid),
+    )
+
+
+@pytest.mark.parametrize(
+    ("latency", "seconds"),
+    [("250ms", 0.25), ("0.25s", 0.25), ("800us", 0.0008), ("0.25", 0.25), (" .5 ", 0.5)],
+)
+def test_cli_reports_a_serving_jobs_latency_and_rate(
+    agent_socket: tuple[NodeAgent, ManualClock, Path],
+    monkeypatch: pytest.MonkeyPatch,
+    latency: str,
+    seconds: float,
+) -> None:
+    agent, clock, path = agent_socket
+    monkeypatch.setenv("SLURM_JOB_ID", "42")
+    monkeypatch.setenv("CDGPC_NODE_PROGRESS_SOCKET", str(path))
+    assert main(["9000", "--latency", latency, "--rate", "12.5"]) == 0
+    (p,) = _relayed(agent, clock)
+    assert (p.job_id, p.step, p.latency_s, p.rate) == ("42", 9000, seconds, 12.5)

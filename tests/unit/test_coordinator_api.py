@@ -115,6 +115,7 @@ def _serving(tmp_path: Path, topology: Topology | None = None) -> Iterator[Api]:
 
 
 JOB = {"job_id": "42", "user": "alice", "node": "n1", "gpus": [1, 0], "gpu_type": "A100"}
+SERVING = {**JOB, "slo_percentile": 99, "slo_latency_s": 0.25}
 
 
 def _one_line_error(data: dict[str, object], text: str) -> str:
@@ -131,6 +132,7 @@ def test_register_is_idempotent_and_merges_nodes(api: Api) -> None:
     assert job["job_id"] == "42" and job["state"] == "registered"
     assert job["deadline_s"] == 2e9
     assert (job["time_limit_s"], job["work"], job["progress"]) == (None, "none", "none")
+    assert job["slo"] is None
     status, _ = api.post("/v1/jobs", {**JOB, "time_limit_s": 7200.0, "start_s": 1.9e9})
     [job] = api.jobs()
     assert (status, job["time_limit_s"], job["work"]) == (200, 7200.0, "time-limit")
@@ -337,6 +339,16 @@ def test_a_domain_limit_set_through_the_api_is_the_heads(domain_api: Api) -> Non
     assert list(limits_w) == [2000.0, 600.0, 1500.0, 3000.0]
 
 
+def test_a_serving_jobs_latency_objective_is_kept_and_shown(api: Api) -> None:
+    status, data = api.post("/v1/jobs", SERVING)
+    assert (status, data["slo"]) == (200, {"percentile": 99.0, "latency_s": 0.25})
+    assert api.post("/v1/jobs", {**JOB, "node": "n2", "gpus": [0]})[0] == 200  # not said: kept
+    [job] = api.jobs()
+    assert job["slo"] == {"percentile": 99.0, "latency_s": 0.25}
+    stored = api.coordinator.store.job("42")
+    assert stored is not None and (stored.slo_percentile, stored.slo_latency_s) == (99.0, 0.25)
+
+
 def test_malformed_and_oversized_bodies(api: Api) -> None:
     bad_bodies = {
         b"not json": "not valid JSON",
@@ -352,6 +364,14 @@ def test_malformed_and_oversized_bodies(api: Api) -> None:
         json.dumps({**JOB, "time_limit_s": -5}).encode(): "time_limit_s: must be > 0",
         json.dumps({**JOB, "time_limit_s": 0}).encode(): "time_limit_s: must be > 0",
         json.dumps({**JOB, "start_s": "yesterday"}).encode(): "start_s",
+        json.dumps({**JOB, "slo_percentile": 99}).encode(): "give both or neither",
+        json.dumps({**JOB, "slo_latency_s": 0.25}).encode(): "give both or neither",
+        json.dumps({**SERVING, "slo_percentile": 49.9}).encode(): "in [50, 99.99], got 49.9",
+        json.dumps({**SERVING, "slo_percentile": 100}).encode(): "in [50, 99.99], got 100.0",
+        json.dumps({**SERVING, "slo_percentile": "p99"}).encode(): "slo_percentile: must be",
+        json.dumps({**SERVING, "slo_latency_s": 0}).encode(): "in (0, 600], got 0.0",
+        json.dumps({**SERVING, "slo_latency_s": 600.5}).encode(): "in (0, 600], got 600.5",
+        json.dumps({**SERVING, "slo_latency_s": True}).encode(): "slo_latency_s: must be",
     }
     for body, expected in bad_bodies.items():
         status, data, text = api.call("POST", "/v1/jobs", body)

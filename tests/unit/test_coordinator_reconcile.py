@@ -4,7 +4,7 @@ running jobs that never registered, against the real head loop and in-process ag
 from __future__ import annotations
 
 import json
-from datetime import UTC
+from datetime import UTC, datetime
 from typing import Any
 
 import pytest
@@ -163,6 +163,20 @@ def test_adoption_waits_for_the_prolog_and_never_revives_a_known_job(
     adopted = cluster.store.job("60")
     assert adopted is not None
     assert adopted.deadline_s == T0_S - 120.0 + 7200.0  # the time limit stands in
+
+
+def test_an_adopted_serving_job_keeps_its_latency_objective(make_cluster: MakeCluster) -> None:
+    cluster = make_cluster()
+    cluster.tick()
+    running = {"70": _job("70", comment="vllm slo=p99.9:250ms deadline=2026-01-01T02:00Z")}
+    reconcile_with_slurm(cluster.head, running, now_s=cluster.clock(), grace_s=30.0)
+    job = cluster.store.job("70")
+    assert job is not None and (job.state, job.slo_percentile, job.slo_latency_s) == (
+        "adopted",
+        99.9,
+        0.25,
+    )
+    assert job.deadline_s == datetime(2026, 1, 1, 2, tzinfo=UTC).timestamp()
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,5 @@
-"""The comment grammar: deadline (ISO, relative, epoch), iters, other text left alone; fuzzed."""
+"""The comment grammar: deadline (ISO, relative, epoch), iters, slo, other text left alone; fuzzed;
+and job_submit.lua, its twin, against it."""
 
 from __future__ import annotations
 
@@ -15,10 +16,12 @@ from hypothesis import strategies as st
 from slurm_cdgpc.errors import InputError
 from slurm_cdgpc.slurm.comment import (
     CommentRequest,
+    LatencyObjective,
     deadline_warnings,
     effective_deadline,
     parse_comment,
     parse_deadline,
+    parse_slo,
 )
 
 SUBMIT_S = 1_800_000_000.0
@@ -80,11 +83,53 @@ def test_other_text_is_left_alone_and_separators_mix() -> None:
         ("iters=0", "iters must be between 1"),
         ("iters=many", "cannot read iters 'many'"),
         ("deadline=٣", "cannot read deadline"),  # Unicode digits are not digits here (nor in Lua)
+        ("deadline=+5ſ", "cannot read deadline '+5ſ'"),  # "ſ" is "s" in Unicode's case folding
+        ("slo=p99-250", "cannot read slo 'p99-250': use slo=p99:250ms"),
+        ("slo=", "cannot read slo '': use slo=p99:250ms"),
+        ("slo=99:250ms", "cannot read slo '99:250ms'"),
+        ("slo=p99:250", "cannot read slo 'p99:250'"),  # a latency needs its unit
+        ("slo=p99:250m", "cannot read slo 'p99:250m'"),
+        ("slo=p99.:250ms", "cannot read slo 'p99.:250ms'"),
+        ("slo=p99:.5s", "cannot read slo 'p99:.5s'"),
+        ("slo=p99:-5ms", "cannot read slo 'p99:-5ms'"),
+        ("slo=p99:250ms:x", "cannot read slo 'p99:250ms:x'"),
+        ("slo=p99:1e2ms", "cannot read slo 'p99:1e2ms'"),
+        ("slo=p99:2ſ", "cannot read slo 'p99:2ſ'"),
+        ("slo=p49.9:250ms", "slo percentile must be between 50 and 99.99, got p49.9"),
+        ("slo=p99.991:250ms", "slo percentile must be between 50 and 99.99, got p99.991"),
+        ("slo=p100:250ms", "slo percentile must be between 50 and 99.99, got p100"),
+        ("slo=p99:999us", "slo latency must be between 1ms and 600s, got 999us"),
+        ("slo=p99:0s", "slo latency must be between 1ms and 600s, got 0s"),
+        ("slo=p99:600.001s", "slo latency must be between 1ms and 600s, got 600.001s"),
+        ("slo=p99:250ms SLO=p90:1s", "slo= is given twice in the comment"),
     ],
 )
 def test_malformed_values_are_one_line_input_errors(text: str, message: str) -> None:
     with pytest.raises(InputError, match=message.replace("+", r"\+").replace(".", r"\.")):
         parse_comment(text)
+
+
+@pytest.mark.parametrize(
+    ("text", "percentile", "latency_s"),
+    [
+        ("slo=p99:250ms", 99.0, 0.25),
+        ("SLO=P99.9:1.5S", 99.9, 1.5),
+        ("slo=p50:1500us", 50.0, 1.5e-3),
+        ("slo=p99.99:1000us", 99.99, 1e-3),  # both ends are in
+        ("slo=p95:1ms", 95.0, 1e-3),
+        ("slo=p90:600s", 90.0, 600.0),
+        ("slo=p090:0600000ms", 90.0, 600.0),
+    ],
+)
+def test_latency_objectives(text: str, percentile: float, latency_s: float) -> None:
+    assert parse_comment(text).slo == LatencyObjective(percentile, latency_s)
+
+
+def test_a_serving_job_may_also_have_a_deadline() -> None:
+    request = parse_comment("serve llama, slo=p99:250ms deadline=+6h", tz=UTC)
+    assert request.slo == LatencyObjective(99.0, 0.25)
+    assert request.deadline is not None and request.deadline.relative_s == 6 * 3600
+    assert request.iterations_total is None
 
 
 def test_fallbacks_slurm_deadline_then_time_limit() -> None:
@@ -126,6 +171,16 @@ def test_fuzz_deadline_alphabet(value: str) -> None:
         assert 0 <= spec.resolve(SUBMIT_S) < 1e12
 
 
+@given(st.text(alphabet="0123456789.:pPumsS", max_size=20))
+def test_fuzz_slo_alphabet(value: str) -> None:
+    try:
+        slo = parse_slo(value)
+    except InputError as e:
+        assert "\n" not in str(e)
+    else:
+        assert 50 <= slo.percentile <= 99.99 and 1e-3 <= slo.latency_s <= 600
+
+
 LUA = shutil.which("lua5.1") or shutil.which("lua")
 JOB_SUBMIT = Path(__file__).resolve().parents[2] / "daemon" / "job_submit.lua"
 #: runs job_submit.lua's slurm_job_submit on each line of stdin: "ok" or "refused<TAB>message"
@@ -146,6 +201,12 @@ COMMENTS = [
     *("deadline=+1hm", "deadline=+", "deadline=+4000d", "deadline=+3650d1s", "deadline=tomorow"),
     *("deadline=2026-12-01T12:00Z", "deadline=1893456000", "deadline=99999999999999", "iters=0"),
     *("iters=many", "deadline=+1h deadline=+2h", "deadline=" + "x" * 43, "deadline=" + "x" * 44),
+    *("slo=p99:250ms", "SLO=P99.9:1.5S", "slo=p50:1500us", "slo=p99.99:1000us"),
+    *("slo=p90:600s", "slo=p99:250ms,deadline=+6h iters=9", "slo=p99-250", "slo=", "slo=p99:250"),
+    *("slo=p99:250m", "slo=p99.:250ms", "slo=p99:.5s", "slo=p49.9:250ms"),
+    *("slo=p99.991:250ms", "slo=p100:250ms", "slo=p99:999us", "slo=p99:0s", "slo=p99:600.001s"),
+    *("slo=p99:250ms slo=p90:1s", "slo=p" + "9" * 50 + ":1s", "slo=p99:" + "1" * 400 + "ms"),
+    *("slo=p99:250ms" + "x" * 40,),
 ]
 
 

@@ -85,6 +85,14 @@ def test_prolog_registers_gpus_deadline_and_iterations(tmp_path: Path) -> None:
     assert (head.jobs["42"]["time_limit_s"], head.jobs["42"]["start_s"]) == (7200.0, NOW_S - 1)
 
 
+def test_prolog_sends_a_serving_jobs_latency_objective(tmp_path: Path) -> None:
+    head = FakeHead()
+    env = read_hook_env({**ENV, "SLURM_JOB_COMMENT": "serve slo=p99.9:250ms deadline=+1h"})
+    run_prolog(env, head, Spool(tmp_path), now_s=NOW_S, until_s=1e18, times=_times)
+    assert (head.jobs["42"]["slo_percentile"], head.jobs["42"]["slo_latency_s"]) == (99.9, 0.25)
+    assert head.jobs["42"]["deadline_s"] == NOW_S - 60 + 3600
+
+
 def test_head_down_spools_then_forwarding_delivers_in_order(tmp_path: Path) -> None:
     head = FakeHead(down=True)
     env = read_hook_env(ENV)

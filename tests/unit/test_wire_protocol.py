@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import replace
 from typing import Any
 
@@ -420,3 +421,64 @@ def test_a_setpoint_names_the_jobs_sharing_its_gpu_only_when_there_are_any() -> 
         with pytest.raises(ProtocolError) as caught:
             ExchangeRequest.from_json(text)
         assert str(caught.value).startswith(field) and "\n" not in str(caught.value)
+
+
+# -- a serving job's latency and request rate on the progress path -----------------------------
+
+
+def test_a_training_jobs_line_and_report_are_the_bytes_they_were() -> None:
+    """No serving field is written unless set: an older agent or head parses them."""
+    assert ProgressLine("55_3", 7, 100).to_json() == b'{"job_id":"55_3","step":7,"total":100}'
+    report = ProgressReport("123", 500, None, 1.5, 1000)
+    assert report.to_dict() == {
+        "job_id": "123",
+        "step": 500,
+        "total": None,
+        "time_s": 1.5,
+        "uid": 1000,
+    }
+
+
+def test_a_serving_line_and_report_round_trip() -> None:
+    line = ProgressLine("9", 81_234, None, latency_s=0.212, rate=140.5)
+    assert line.to_json() == (
+        b'{"job_id":"9","step":81234,"total":null,"latency_s":0.212,"rate":140.5}'
+    )
+    assert ProgressLine.from_json(line.to_json()) == line
+    idle = ProgressLine.from_json(b'{"job_id": "9", "step": 3, "rate": 0}')
+    assert (idle.latency_s, idle.rate) == (None, 0.0)
+    served = replace(RESPONSE, progress=(ProgressReport("9", 81_234, None, 7.0, 0, 0.25, 12.0),))
+    assert ExchangeResponse.from_json(served.to_json()) == served
+    assert json.loads(served.to_json())["progress"][0]["latency_s"] == 0.25
+
+
+_BAD_SERVING: list[tuple[str, object]] = [
+    ("latency_s", 0),
+    ("latency_s", -0.1),
+    ("latency_s", 3600.5),
+    ("latency_s", True),
+    ("latency_s", "0.25"),
+    ("latency_s", float("nan")),
+    ("latency_s", float("inf")),
+    ("rate", -1.0),
+    ("rate", 1.5e6),
+    ("rate", False),
+    ("rate", "5"),
+    ("rate", float("nan")),
+]
+
+
+@pytest.mark.parametrize(("field", "value"), _BAD_SERVING)
+def test_bad_serving_fields_are_refused_naming_the_field(field: str, value: object) -> None:
+    with pytest.raises(ProtocolError) as caught:
+        ProgressLine("9", 1, **{field: value})  # type: ignore[arg-type]
+    assert str(caught.value).startswith(f"{field}: ") and "\n" not in str(caught.value)
+    if isinstance(value, float) and not math.isfinite(value):
+        return  # JSON has no NaN or infinity: the parser refuses those before any field
+    text = json.dumps({"job_id": "9", "step": 1, field: value}).encode()
+    with pytest.raises(ProtocolError, match=f"^{field}: "):
+        ProgressLine.from_json(text)
+    data = json.loads(RESPONSE.to_json())
+    data["progress"][0][field] = value
+    with pytest.raises(ProtocolError, match=rf"^progress\[0\]\.{field}: "):
+        ExchangeResponse.from_json(json.dumps(data))
