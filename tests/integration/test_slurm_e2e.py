@@ -231,6 +231,38 @@ def test_job_registers_gets_clocks_and_is_deregistered(slurm: Cluster) -> None:
     )
 
 
+def test_two_shards_of_one_gpu_share_its_clock_until_the_last_job_ends(slurm: Cluster) -> None:
+    """``--gres=shard:1`` twice on n1: Slurm puts both jobs on GPU 0 (each GPU has two shards)
+    and both Prologs name it. Both jobs are registered and controlled, as the GPU's tenants at
+    one clock; the first job's Epilog leaves the GPU at its clock for the second, and the
+    second's resets it."""
+    first = slurm.sbatch(
+        "-w", "n1", "--gres=shard:1", "--comment=deadline=+2h", "--wrap", "sleep 5"
+    )
+    second = slurm.sbatch(
+        "-w", "n1", "--gres=shard:1", "--comment=deadline=+1h", "--wrap", "sleep 14"
+    )
+    wait("both running", lambda: _running(slurm, first) and _running(slurm, second), 15, slurm.logs)
+
+    def both_controlled() -> bool:
+        jobs = slurm.jobs()
+        return all(jobs.get(j, {}).get("controlled") for j in (first, second))
+
+    wait("both controlled", both_controlled, 10, slurm.logs)
+    jobs = slurm.jobs()
+    assert [(g["node"], g["index"]) for g in jobs[first]["gpus"]] == [("n1", 0)]
+    assert [(g["node"], g["index"]) for g in jobs[second]["gpus"]] == [("n1", 0)]
+    assert jobs[first]["shares_with"] == [second] and jobs[second]["shares_with"] == [first]
+    assert jobs[first]["graphics_mhz"] == jobs[second]["graphics_mhz"] is not None
+    wait("the first job deregistered", lambda: first not in slurm.jobs(), 15, slurm.logs)
+    assert _running(slurm, second)
+    assert 0 in slurm.locks("n1"), slurm.logs()  # the second job's clock stays
+    stays = rf"GPU 0: job {first} ended; job {second} still runs on it"
+    assert re.search(stays, slurm.agent_log("n1")), slurm.logs()
+    wait("the second job deregistered", lambda: second not in slurm.jobs(), 20, slurm.logs)
+    wait("GPU 0 back to defaults", lambda: slurm.locks("n1") == {}, 5, slurm.logs)
+
+
 def test_a_starting_job_gets_the_heads_deadline_verdict_in_its_admin_comment(
     slurm: Cluster,
 ) -> None:
