@@ -365,6 +365,11 @@ class ControlConfig:
     #: the same exchange round, before the next plan
     emergency: bool = _setting(True, _boolean)
     emergency_margin: float = _setting(0.01, _in_range(0.0, 1.0, hi_open=True))
+    #: serving jobs (``slo=`` in the comment) run at the lowest clock whose learnt and measured
+    #: latency stays within (1 − serving_margin) of their objective ...
+    serving_margin: float = _setting(0.1, _in_range(0.0, 1.0, hi_open=True))
+    #: ... coming down at most this share of the top clock an interval
+    serving_step: float = _setting(0.05, _in_range(0.0, 1.0, lo_open=True))
     #: decide and record, but apply nothing
     shadow: bool = _setting(False, _boolean)
 

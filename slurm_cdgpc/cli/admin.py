@@ -238,6 +238,8 @@ def jobs(config_path: Path | None, as_json: bool) -> None:
     finish:   when it ends at the clocks just decided (~: from the time-limit estimate)
     shares:   the jobs on the same GPUs (shards, MPS, MIG): one clock for all of them, and
               measured power splits a shared GPU equally
+    serving:  a serving job (slo=): met, missed, unmet (missed at the top clock), gave-way (to
+              the budget) or waiting, its last latency against its objective, its clock floor
     """
     data = _client(_config(config_path)).get("/v1/jobs")
     if as_json:
@@ -257,6 +259,7 @@ def jobs(config_path: Path | None, as_json: bool) -> None:
             ("~" if j.get("work") == "time-limit" else "") + _when(j.get("finish_s")),
             _when(j["deadline_s"]),
             ",".join(j.get("shares_with") or ()) or "-",
+            _serving(j),
         ]
         for j in data["jobs"]
     ]
@@ -273,8 +276,20 @@ def jobs(config_path: Path | None, as_json: bool) -> None:
         "finish",
         "deadline",
         "shares",
+        "serving",
     ]
     click.echo(format_table(headers, rows) if rows else "no active jobs")
+
+
+def _serving(job: dict[str, Any]) -> str:
+    """``met 212/250 ms, floor 885`` for a serving job, else ``-``."""
+    serving, slo = job.get("serving"), job.get("slo")
+    if not serving or not slo:
+        return "-"
+    latency = serving["latency_s"]
+    seen = "?" if latency is None else f"{1e3 * latency:.0f}"
+    floor = serving["floor_mhz"]
+    return f"{serving['state']} {seen}/{1e3 * slo['latency_s']:.0f} ms, floor {floor or '-'}"
 
 
 @click.command()

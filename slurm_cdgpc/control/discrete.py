@@ -146,6 +146,7 @@ def discretise(
     x_m: FloatArray,
     max_rounds: int = 8,
     domains: DomainSet | None = None,
+    fixed: NDArray[np.bool_] | None = None,
 ) -> DiscretePlan:
     """Floor the step-0 continuous clocks to supported levels, then fill the budget greedily.
 
@@ -156,6 +157,7 @@ def discretise(
        budget lasts; repeat for up to ``max_rounds`` rounds (a job may climb more than one level).
        With ``domains``, an upgrade is taken only where every domain above the job has room for
        its share of it after every better-ranked upgrade in that domain (`_fits_domains`).
+       Jobs whose clock is ``fixed`` (a serving job at its floor) are never upgraded.
 
     Vectorised over jobs; the per-type loops run over a handful of GPU types.
     """
@@ -184,6 +186,8 @@ def discretise(
     # 2. greedy fill, one graphics level per job per round
     for _ in range(max_rounds):
         can = ig + 1 < n_g
+        if fixed is not None:
+            can &= ~fixed
         if not can.any() or leftover <= 0:
             break
         ig_up = np.where(can, ig + 1, ig)

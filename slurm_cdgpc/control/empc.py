@@ -30,6 +30,7 @@ from slurm_cdgpc.control.dual import (
 )
 from slurm_cdgpc.control.limits import LimitShare
 from slurm_cdgpc.control.ramp import Ramp
+from slurm_cdgpc.control.serving import ServingPlan, give_way, serving_floor
 from slurm_cdgpc.control.tenancy import Tenancy
 from slurm_cdgpc.errors import InputError
 from slurm_cdgpc.model.estimator import JobEstimator
@@ -92,6 +93,10 @@ class ControllerSettings:
     #: before the next plan (`emergency_cut`; the head's exchange round)
     emergency: bool = _SHIPPED.emergency
     emergency_margin: float = _SHIPPED.emergency_margin
+    #: serving jobs: the latency target is (1 − margin) × the objective, and the floor comes
+    #: down at most ``serving_step`` of the top clock an interval (`serving_floor`)
+    serving_margin: float = _SHIPPED.serving_margin
+    serving_step: float = _SHIPPED.serving_step
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -113,6 +118,8 @@ class ControllerSettings:
             raise InputError("drain pressure and exploration sigmas must not be negative")
         if not 0.0 <= self.emergency_margin < 1.0:
             raise InputError(f"emergency margin must be in [0, 1), got {self.emergency_margin}")
+        if not (0.0 <= self.serving_margin < 1.0 and 0.0 < self.serving_step <= 1.0):
+            raise InputError("serving margin must be in [0, 1) and serving step in (0, 1]")
         if not self.ramp_w_per_s > 0:
             raise InputError(f"ramp must be a positive rate in W/s, got {self.ramp_w_per_s}")
 
@@ -156,6 +163,16 @@ class JobState:
     start_s: FloatArray | None = None
     #: jobs that share GPUs, one clock per group (`Tenancy`); None: no GPU is shared
     tenancy: Tenancy | None = None
+    #: serving jobs' latency objective in seconds, at their percentile (NaN: not serving;
+    #: None: none serves); a serving job's `Measurements.iteration_s` is that latency
+    objective_s: FloatArray | None = None
+
+    def serving(self) -> BoolArray:
+        n = self.gpu_type.shape[0]
+        if self.objective_s is None:
+            return np.zeros(n, dtype=bool)
+        served: BoolArray = np.isfinite(self.objective_s)
+        return served
 
     def remaining_top_s(
         self, work_top_s: FloatArray, now_s: float, share: float = 1.0
@@ -212,6 +229,9 @@ class Decision:
     #: of the jobs under it, Σ share × job power; empty without domains
     domain_price: FloatArray = field(default_factory=lambda: np.zeros(0))
     domain_planned_w: FloatArray = field(default_factory=lambda: np.zeros(0))
+    #: the serving jobs' floors (snapped to supported clocks), missed and given-way
+    #: objectives (`ServingPlan`); None when no job serves
+    serving: ServingPlan | None = None
 
     @property
     def budget_error_pct(self) -> float:
@@ -307,9 +327,12 @@ class EconomicMPC:
         if ramp is not None:
             budget_w, domains = self._ramped(ramp, now_s, budget_w, domains)
 
-        problem, grid, nested = self._problem(
-            estimator, jobs, now_s, budget_w, uncontrolled_w, queue, domains
+        seen = None if measured is None or x_a is None else (x_a, measured.iteration_s)
+        problem, grid, nested, serving = self._problem(
+            estimator, jobs, now_s, budget_w, uncontrolled_w, queue, domains, seen
         )
+        if serving is not None:  # where the next step's floors start from
+            estimator.floor_x = np.where(serving.serving, serving.floor_x, np.nan)
         tenancy = jobs.tenancy
         result = self._solve(problem, nested)
         x, x_m = self._respond(problem, nested, result)
@@ -338,7 +361,13 @@ class EconomicMPC:
             # nothing fits: unknown jobs too go to their lowest clock (still counted at the limit)
             x, x_m = problem.x_lo[None, :], problem.xm_lo[None, :]
         types = jobs.gpu_type if tenancy is None else jobs.gpu_type[tenancy.first()]
-        plan = discretise(problem, grid, types, x[0], x_m[0], s.greedy_rounds, nested)
+        fixed = None
+        if serving is not None:  # serving jobs at their floors, alone or with serving tenants
+            fixed = serving.serving & ~serving.gave_way
+            if tenancy is not None:
+                free = np.bincount(tenancy.group, ~fixed, tenancy.size)
+                fixed = free == 0
+        plan = discretise(problem, grid, types, x[0], x_m[0], s.greedy_rounds, nested, fixed)
         domain_planned_w = None if nested is None else nested.totals(plan.job_power_w)[1:]
         if tenancy is not None:  # every tenant at its GPUs' clocks, charged its share
             g = tenancy.group
@@ -355,6 +384,8 @@ class EconomicMPC:
         settled = estimator.power.count >= s.settle_intervals
         planned = np.where(settled, plan.job_power_w, np.nan)
         decision = self._decide(planned, problem, result, plan, learn, t0, budget_w)
+        if serving is not None:
+            decision = replace(decision, serving=serving)
         if domain_planned_w is not None:
             decision = replace(
                 decision, domain_price=result.price[1:], domain_planned_w=domain_planned_w
@@ -400,8 +431,11 @@ class EconomicMPC:
         self, estimator: JobEstimator, jobs: JobState, now_s: float, queue: QueueState | None
     ) -> IntArray:
         """The jobs by deadline pressure at top clocks (after the rules: `weights`), lowest
-        first: the order in which the emergency cut takes them (`emergency_cut`)."""
+        first: the order in which the emergency cut takes them (`emergency_cut`). Serving jobs
+        come last: a training job's deadline is hours away, a serving job's objective is
+        missed at once."""
         pressure = self.weights(estimator, jobs, now_s, queue)[0] * _top_iteration_s(estimator)
+        pressure = np.where(jobs.serving(), np.inf, pressure)
         return np.argsort(pressure, kind="stable").astype(np.int64)
 
     def lowest_power_w(self, estimator: JobEstimator, jobs: JobState) -> FloatArray:
@@ -514,7 +548,9 @@ class EconomicMPC:
         domains: DomainLimits | None = None,
     ) -> DualProblem:
         """The continuous problem this step solves (also handed to the cvxpy reference)."""
-        return self._problem(estimator, jobs, now_s, budget_w, uncontrolled_w, queue, domains)[0]
+        return self._problem(
+            estimator, jobs, now_s, budget_w, uncontrolled_w, queue, domains, None
+        )[0]
 
     def nested(
         self,
@@ -527,8 +563,8 @@ class EconomicMPC:
         domains: DomainLimits | None = None,
     ) -> tuple[DualProblem, DomainSet | None]:
         """The continuous problem and its domain constraints (for the solvers' checks)."""
-        problem, _, nested = self._problem(
-            estimator, jobs, now_s, budget_w, uncontrolled_w, queue, domains
+        problem, _, nested, _ = self._problem(
+            estimator, jobs, now_s, budget_w, uncontrolled_w, queue, domains, None
         )
         return problem, nested
 
@@ -541,10 +577,13 @@ class EconomicMPC:
         uncontrolled_w: float,
         queue: QueueState | None,
         domains: DomainLimits | None,
-    ) -> tuple[DualProblem, ClockGrid, DomainSet | None]:
+        seen: tuple[FloatArray, FloatArray] | None,
+    ) -> tuple[DualProblem, ClockGrid, DomainSet | None, ServingPlan | None]:
         """The problem above the clock floor, or, with ``floor_fallback``, above the lowest
         supported clock when every job at the floor exceeds the budget (Σ g P(x_lo) > B_eff)
-        or a domain's limit; and the domains' constraints (None without domains)."""
+        or a domain's limit; the domains' constraints (None without domains); the serving
+        jobs' floors (`serving_floor`, from ``seen``: the clocks applied and the latencies
+        measured in the last interval), which give way only on the grid finally used."""
         s = self.settings
         if not np.isfinite(budget_w) or budget_w <= 0:
             raise InputError("the power budget must be a positive number of watts")
@@ -553,17 +592,19 @@ class EconomicMPC:
         weight = self.weights(estimator, jobs, now_s, queue)
         if jobs.tenancy is not None and domains is not None:
             domains = jobs.tenancy.domains(domains)
-        problem = self._bounded(self.floor_grid, estimator, jobs, weight, budget_w, uncontrolled_w)
+        fallback = s.floor_fallback and self.floor_grid is not self.grid and len(estimator) > 0
+        args = (estimator, jobs, weight, budget_w, uncontrolled_w, seen)
+        problem, serving = self._bounded(self.floor_grid, *args, give=not fallback)
         nested = self._nested(problem, domains)
-        if s.floor_fallback and self.floor_grid is not self.grid and len(estimator):
+        if fallback:
             floor_w = problem.power_w(problem.x_lo, problem.xm_lo)
             over = floor_w.sum() > problem.budget_w[0]
             if nested is not None:
                 over = bool(np.any(nested.totals(floor_w) > nested.budget_w))
             if over:
-                low = self._bounded(self.grid, estimator, jobs, weight, budget_w, uncontrolled_w)
-                return low, self.grid, self._nested(low, domains)
-        return problem, self.floor_grid, nested
+                low, serving = self._bounded(self.grid, *args, give=True)
+                return low, self.grid, self._nested(low, domains), serving
+        return problem, self.floor_grid, nested, serving
 
     def _nested(self, problem: DualProblem, domains: DomainLimits | None) -> DomainSet | None:
         """Each domain's budget for its jobs, as the cluster's: B_d,eff = (B_d − P_d,uncontrolled
@@ -594,7 +635,9 @@ class EconomicMPC:
         weight: FloatArray,
         budget_w: float,
         uncontrolled_w: float,
-    ) -> DualProblem:
+        seen: tuple[FloatArray, FloatArray] | None,
+        give: bool,
+    ) -> tuple[DualProblem, ServingPlan | None]:
         s = self.settings
         st = estimator.statics
         g_top, m_top = grid.top_mhz(jobs.gpu_type)
@@ -638,9 +681,69 @@ class EconomicMPC:
             xm_hi=xm_hi,
             budget_w=np.array([max(effective, 0.0)]),
         )
+        serving = None
+        if jobs.serving().any():
+            problem, serving = self._serve(problem, grid, estimator, jobs, seen, give)
+        pinned = None if serving is None else serving.serving
         if jobs.tenancy is None:
-            return problem
-        return jobs.tenancy.collapse(problem, estimator.power.count.astype(np.float64))
+            return problem, serving
+        seen_w = estimator.power.count.astype(np.float64)
+        return jobs.tenancy.collapse(problem, seen_w, pinned), serving
+
+    def _serve(
+        self,
+        problem: DualProblem,
+        grid: ClockGrid,
+        estimator: JobEstimator,
+        jobs: JobState,
+        seen: tuple[FloatArray, FloatArray] | None,
+        give: bool,
+    ) -> tuple[DualProblem, ServingPlan]:
+        """Each serving job's range pinned at its floor (`serving_floor`), snapped up to a
+        supported clock, at its top memory clock; with ``give``, the floors that give way
+        (`give_way`) when the budget cannot hold them with every other job at its lowest
+        clock go back to their lowest clock."""
+        s = self.settings
+        serving = jobs.serving()
+        assert jobs.objective_s is not None
+        b = estimator.time.theta
+        plan = serving_floor(
+            jobs.objective_s,
+            b,
+            estimator.time.count,
+            problem.mem_mask * b[:, 1] / problem.xm_hi,
+            problem.x_lo,
+            problem.x_hi,
+            None if seen is None else seen[0],
+            None if seen is None else seen[1],
+            estimator.floor_x,
+            s.serving_margin,
+            s.serving_step,
+        )
+        g_max = estimator.statics.graphics_max_mhz
+        floor = np.where(serving, _ceil_level(grid, jobs.gpu_type, plan.floor_x, g_max), np.nan)
+        x_lo = np.where(serving, floor, problem.x_lo)
+        pinned = replace(
+            problem,
+            x_lo=x_lo,
+            x_hi=np.where(serving, floor, problem.x_hi),
+            xm_lo=np.where(serving, problem.xm_hi, problem.xm_lo),
+        )
+        gave = np.zeros(serving.shape, dtype=bool)
+        if give:
+            share = (
+                np.ones(serving.shape)
+                if jobs.tenancy is None
+                else jobs.tenancy.attribution(estimator.statics.gpus)
+            )
+            floor_w = share * pinned.power_w(pinned.x_lo, pinned.xm_lo)
+            excess_w = float(floor_w.sum() - problem.budget_w[0])
+            if excess_w > 0:
+                rows = np.flatnonzero(serving)
+                lowest_w = share * problem.power_w(problem.x_lo, pinned.xm_lo)
+                gave[rows[give_way(floor_w[rows], lowest_w[rows], excess_w)]] = True
+                pinned = replace(pinned, x_lo=np.where(gave, problem.x_lo, pinned.x_lo))
+        return pinned, replace(plan, floor_x=floor, gave_way=gave)
 
     def weights(
         self,
@@ -690,7 +793,8 @@ class EconomicMPC:
             w = np.maximum(
                 w, s.drain_pressure * self._draining(estimator, jobs, queue, t_top) / t_top
             )
-        return w[None, :]
+        # a serving job's clock is its floor (`_serve`): it weighs nothing on the others
+        return np.where(jobs.serving(), 0.0, w)[None, :]
 
     @staticmethod
     def _draining(
@@ -741,6 +845,22 @@ class EconomicMPC:
             solve_s=time.perf_counter() - t0,
             learn=learn,
         )
+
+
+def _ceil_level(grid: ClockGrid, types: IntArray, x: FloatArray, g_max: FloatArray) -> FloatArray:
+    """(N,) the lowest supported graphics clock at or above ``x`` (normalised by ``g_max``) at
+    each type's top memory clock, the top one if none is; NaN stays NaN."""
+    out = np.full(x.shape, np.nan)
+    rows = np.flatnonzero(np.isfinite(x))
+    if not rows.size:
+        return out
+    t = types[rows]
+    m_top = grid.memory_count[t] - 1
+    levels = grid.graphics_mhz[t, m_top]  # (S, G), padded with huge values
+    above = levels >= (x[rows] * g_max[rows] * (1.0 - 1e-12))[:, None]
+    first = np.where(above.any(axis=1), above.argmax(axis=1), grid.graphics_count[t, m_top] - 1)
+    out[rows] = levels[np.arange(rows.size), first] / g_max[rows]
+    return out
 
 
 def _per_job(tenancy: Tenancy, x: FloatArray, x_m: FloatArray) -> tuple[FloatArray, FloatArray]:

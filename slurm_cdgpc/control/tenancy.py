@@ -29,6 +29,7 @@ from slurm_cdgpc.control.domains import DomainLimits
 from slurm_cdgpc.control.dual import DualProblem
 from slurm_cdgpc.errors import InputError
 from slurm_cdgpc.model.families import FloatArray
+from slurm_cdgpc.model.rls import BoolArray
 
 IntArray = NDArray[np.int64]
 
@@ -98,9 +99,13 @@ class Tenancy:
         """(N,) each job's equal share of its group's power."""
         return group_power_w[self.group] / self.tenants()[self.group]
 
-    def collapse(self, problem: DualProblem, seen: FloatArray) -> DualProblem:
+    def collapse(
+        self, problem: DualProblem, seen: FloatArray, pinned: BoolArray | None = None
+    ) -> DualProblem:
         """The per-job problem as one row per group; ``seen``: (N,) the readings each job's
-        power model has learnt from (0: unmeasured, its row already flat at its limit)."""
+        power model has learnt from (0: unmeasured, its row already flat at its limit);
+        ``pinned``: jobs whose range is one clock (serving jobs at their floors): their floor
+        bounds the group from below, their ceiling only a group of pinned jobs alone."""
         u, size = self.group, self.size
         weight = np.stack([np.bincount(u, w, size) for w in problem.weight]).astype(np.float64)
         w0 = problem.weight[0]
@@ -118,6 +123,11 @@ class Tenancy:
         first = self.first()
         x_lo = _max_at(u, problem.x_lo, size)
         xm_lo = _max_at(u, problem.xm_lo, size)
+        x_hi, xm_hi = problem.x_hi, problem.xm_hi
+        if pinned is not None and pinned.any():
+            free = np.bincount(u, ~pinned, size)[u] > 0
+            x_hi = np.where(pinned & free, np.inf, x_hi)
+            xm_hi = np.where(pinned & free, np.inf, xm_hi)
         return replace(
             problem,
             gpus=self.gpus.copy(),
@@ -127,9 +137,9 @@ class Tenancy:
             knee_x=problem.knee_x[first],
             mem_mask=problem.mem_mask[first],
             x_lo=x_lo,
-            x_hi=np.maximum(-_max_at(u, -problem.x_hi, size), x_lo),
+            x_hi=np.maximum(-_max_at(u, -x_hi, size), x_lo),
             xm_lo=xm_lo,
-            xm_hi=np.maximum(-_max_at(u, -problem.xm_hi, size), xm_lo),
+            xm_hi=np.maximum(-_max_at(u, -xm_hi, size), xm_lo),
         )
 
     def domains(self, domains: DomainLimits) -> DomainLimits:

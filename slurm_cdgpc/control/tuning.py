@@ -43,6 +43,8 @@ class Tuning:
                 ramp_w_per_s=control.ramp,
                 emergency=control.emergency,
                 emergency_margin=control.emergency_margin,
+                serving_margin=control.serving_margin,
+                serving_step=control.serving_step,
             ),
             estimator=EstimatorSettings(
                 family=control.model_family,

@@ -335,6 +335,9 @@ def job_dict(job: Job, views: Mapping[str, JobView]) -> dict[str, object]:
         "slo": None
         if job.slo_percentile is None
         else {"percentile": job.slo_percentile, "latency_s": job.slo_latency_s},
+        "serving": None
+        if view is None or view.serving is None
+        else {"state": view.serving, "latency_s": view.latency_s, "floor_mhz": view.floor_mhz},
     }
 
 

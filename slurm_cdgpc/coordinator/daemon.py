@@ -838,6 +838,8 @@ class Coordinator:
             self.locks.answered(name, sent, result, known, self.roster.held_on(name))
             for p in self.progress.allowed(name, result, known):
                 self.running.record_progress(p.job_id, p.step, p.time_s)
+                if p.latency_s is not None:  # a serving job's (its step counts requests)
+                    self.running.record_latency(p.job_id, p.latency_s, p.time_s)
                 progress.append(p)
         samples = self.nodes.samples(self.roster.owners(before=k), self.settings.shadow)
         self._sampled = (k, samples)

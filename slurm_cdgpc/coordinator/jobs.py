@@ -61,6 +61,8 @@ class JobInfo:
     #: Slurm's time limit and the job's start, on the head's clock (None: not known)
     time_limit_s: float | None = None
     start_s: float | None = None
+    #: a serving job's latency objective at its percentile (``slo=p99:250ms``; None: trains)
+    objective_s: float | None = None
 
     @property
     def placement(self) -> tuple[tuple[GpuRef, ...], str]:
@@ -121,6 +123,10 @@ class RunningJobs:
     _jobs: list[JobInfo] = field(default_factory=list)
     _row: dict[str, int] = field(default_factory=dict)
     _progress: dict[str, tuple[Progress, Progress | None]] = field(default_factory=dict)
+    #: serving jobs' latest latency at their objective's percentile and the time of its
+    #: report; the time of the one the controller last measured
+    _latency: dict[str, tuple[float, float]] = field(default_factory=dict)
+    _measured_at: dict[str, float] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self._jobs)
@@ -193,6 +199,8 @@ class RunningJobs:
         self._row = {j.job_id: i for i, j in enumerate(self._jobs)}
         for job_id in gone:
             self._progress.pop(job_id, None)
+            self._latency.pop(job_id, None)
+            self._measured_at.pop(job_id, None)
         return removed
 
     def record_progress(self, job_id: str, step: int, time_s: float) -> None:
@@ -203,6 +211,20 @@ class RunningJobs:
         if latest is not None and (step <= latest[0].step or time_s <= latest[0].time_s):
             return
         self._progress[job_id] = (Progress(step, time_s), None if latest is None else latest[0])
+
+    def record_latency(self, job_id: str, latency_s: float, time_s: float) -> None:
+        """A serving job reported its latency at its objective's percentile over its last
+        window, at ``time_s``: the next `measurements` hand it to the controller once; a
+        report seen before (the agent relays the latest every exchange) is not new."""
+        if job_id not in self._row or not (math.isfinite(latency_s) and latency_s > 0):
+            return
+        if time_s > self._latency.get(job_id, (math.nan, -math.inf))[1]:
+            self._latency[job_id] = (latency_s, time_s)
+
+    def latency_s(self, job_id: str) -> float | None:
+        """A serving job's latest reported latency (None: none yet)."""
+        latest = self._latency.get(job_id)
+        return None if latest is None else latest[0]
 
     def job_state(self) -> JobState:
         types = np.array([self.grid.type_index(j.gpu_type) for j in self._jobs], dtype=np.int64)
@@ -223,6 +245,11 @@ class RunningJobs:
             time_limit_s=column(j.time_limit_s for j in self._jobs),
             start_s=column(j.start_s for j in self._jobs),
             tenancy=self.tenancy(),
+            objective_s=(
+                column(j.objective_s for j in self._jobs)
+                if any(j.objective_s is not None for j in self._jobs)
+                else None
+            ),
         )
 
     def tenancy(self) -> Tenancy | None:
@@ -269,7 +296,8 @@ class RunningJobs:
         is the slowest GPU's (it paces the job); iteration time comes from the last two progress
         reports (NaN without them); power-capped if any GPU was held below its lock by a
         limiter (`HELD_BELOW_LOCK`): the plan then does not go above the clock it ran at, and
-        the job counts at what it draws.
+        the job counts at what it draws. A serving job's iteration time is the latency it
+        reported since the last measurements (NaN: none).
         """
         by_ref = {s.ref: s for s in samples}
         n = len(self)
@@ -286,6 +314,12 @@ class RunningJobs:
                 clock[i] = min(s.sm_clock_mhz for s in good)
                 memory[i] = min(s.memory_clock_mhz for s in good)
                 capped[i] = any(s.throttle & HELD_BELOW_LOCK for s in good)
+            if job.objective_s is not None:
+                latency_s, at_s = self._latency.get(job.job_id, (math.nan, -math.inf))
+                if at_s > self._measured_at.get(job.job_id, -math.inf):
+                    iteration[i] = latency_s
+                    self._measured_at[job.job_id] = at_s
+                continue
             latest, before = self._progress.get(job.job_id, (None, None))
             if latest is not None and before is not None:
                 iteration[i] = (latest.time_s - before.time_s) / (latest.step - before.step)

@@ -61,6 +61,10 @@ _FAILURE_SHAPES: Final = (
 REFUSAL_CODES: Final = (400, 401, 403, 411, 413, 500, 503)
 
 
+#: `JobView.serving`'s states
+SERVING_STATES: Final = ("met", "missed", "unmet", "gave-way", "waiting")
+
+
 def failure_kind(reason: str) -> str:
     """The kind (`EXCHANGE_FAILURE_KINDS`) of a transport's failure ``reason``."""
     for kind, shape in _FAILURE_SHAPES:
@@ -191,6 +195,17 @@ class _StateCollector(Collector):
                 "jobs whose clocks the last decision chose",
                 sum(1 for j in report.jobs if j.controlled),
             )
+            served = Tally(j.serving for j in report.jobs if j.serving is not None)
+            serving = GaugeMetricFamily(
+                "cdgpc_serving_jobs",
+                "serving jobs by the state of their latency objective at the last interval: "
+                "met or missed by their last report, unmet at the top clock, gave-way to the "
+                "budget, waiting for a report",
+                labels=["state"],
+            )
+            for state in SERVING_STATES:
+                serving.add_metric([state], served.get(state, 0))
+            yield serving
         yield from _domains(c, report)
         by_state = Tally(j.state for j in c.store.jobs(ACTIVE_STATES))
         jobs = GaugeMetricFamily("cdgpc_jobs", "active jobs by state", labels=["state"])

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -44,6 +44,14 @@ class JobView:
     finish_s: float | None = None
     #: the other active jobs on its GPUs (shards, MPS, MIG instances): one clock for all
     shares_with: tuple[str, ...] = ()
+    #: a serving job: its latency objective, the latency it last reported, its clock floor
+    #: (`slurm_cdgpc.control.serving`) and its state: ``met`` (the last report within the
+    #: objective), ``missed``, ``unmet`` (missed at the top clock), ``gave-way`` (its floor
+    #: gave way to the budget) or ``waiting`` (no report yet)
+    objective_s: float | None = None
+    latency_s: float | None = None
+    floor_mhz: int | None = None
+    serving: str | None = None
 
 
 @dataclass(frozen=True)
@@ -178,18 +186,46 @@ def job_views(
                 JobView(job_id, i is not None, measured_power_w=measured, shares_with=shares)
             )
             continue
-        views.append(
-            JobView(
-                job_id,
-                True,
-                int(decision.graphics_mhz[i]),
-                int(decision.memory_mhz[i]),
-                float(decision.job_power_w[i]),
-                measured,
-                progress="reported" if running.reported(job_id) else "none",
-                left_top_s=finite_or_none(float(outlook.left_top_s[i])),
-                finish_s=finite_or_none(float(outlook.finish_s[i])),
-                shares_with=shares,
-            )
+        view = JobView(
+            job_id,
+            True,
+            int(decision.graphics_mhz[i]),
+            int(decision.memory_mhz[i]),
+            float(decision.job_power_w[i]),
+            measured,
+            progress="reported" if running.reported(job_id) else "none",
+            left_top_s=finite_or_none(float(outlook.left_top_s[i])),
+            finish_s=finite_or_none(float(outlook.finish_s[i])),
+            shares_with=shares,
         )
+        views.append(_served(view, running, decision, i))
     return tuple(views)
+
+
+def _served(view: JobView, running: RunningJobs, decision: Decision, row: int) -> JobView:
+    """``view`` with its serving fields, if job ``row`` serves."""
+    objective_s = running.jobs[row].objective_s
+    plan = decision.serving
+    if objective_s is None or plan is None:
+        return view
+    latency_s = running.latency_s(view.job_id)
+    floor_x = float(plan.floor_x[row])
+    if plan.gave_way[row]:
+        state = "gave-way"
+    elif plan.unmet[row]:
+        state = "unmet"
+    elif latency_s is None:
+        state = "waiting"
+    else:
+        state = "met" if latency_s <= objective_s else "missed"
+    return replace(
+        view,
+        objective_s=objective_s,
+        latency_s=latency_s,
+        floor_mhz=(
+            round(floor_x * float(running.estimator.statics.graphics_max_mhz[row]))
+            if math.isfinite(floor_x)
+            else None
+        ),
+        serving=state,
+    )

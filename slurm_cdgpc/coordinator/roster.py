@@ -190,6 +190,7 @@ class Roster:
             time_limit_s=job.time_limit_s,
             # the Prolog runs as the job starts: its registration stands in for Slurm's word
             start_s=job.registered_at_s if job.started_at_s is None else job.started_at_s,
+            objective_s=job.slo_latency_s,
         )
 
     def _restore_models(self, job_ids: list[str]) -> None:

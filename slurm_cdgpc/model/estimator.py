@@ -155,6 +155,9 @@ class JobEstimator:
         #: work done, in seconds at top clocks (`accrue_work`): what a job that does not say its
         #: total has used of its time limit
         self.work_top_s = np.zeros(0)
+        #: a serving job's floor in the last plan (normalised; NaN: none yet), where the next
+        #: starts from (`slurm_cdgpc.control.serving`)
+        self.floor_x = np.zeros(0)
 
     def __len__(self) -> int:
         return self.power.n
@@ -169,6 +172,7 @@ class JobEstimator:
         self.statics = JobStatics.concat([self.statics, statics])
         self.limit_x = np.concatenate([self.limit_x, np.full(len(statics), np.inf)])
         self.work_top_s = np.concatenate([self.work_top_s, np.zeros(len(statics))])
+        self.floor_x = np.concatenate([self.floor_x, np.full(len(statics), np.nan)])
 
     def restore(self, power: RlsState, time: RlsState, rows: Sequence[int] | None = None) -> None:
         """Put back the models of jobs already added (``rows``; default: every one), as
@@ -183,6 +187,7 @@ class JobEstimator:
         self.statics = self.statics.select(mask)
         self.limit_x = self.limit_x[mask]
         self.work_top_s = self.work_top_s[mask]
+        self.floor_x = self.floor_x[mask]
 
     def normalise(
         self, graphics_mhz: FloatArray, memory_mhz: FloatArray
