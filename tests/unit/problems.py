@@ -5,7 +5,9 @@ from __future__ import annotations
 import numpy as np
 
 from slurm_cdgpc.control.dual import DualProblem
+from slurm_cdgpc.model.estimator import JobEstimator, JobStatics
 from slurm_cdgpc.model.families import power_family
+from slurm_cdgpc.wire.board import ClockTable
 
 
 def build_problem(
@@ -59,3 +61,27 @@ def build_problem(
     p_max = probe.power_w(np.ones(n), np.ones(n)).sum()
     p_min = probe.power_w(x_lo, xm_lo).sum()
     return make(p_min + fractions * (p_max - p_min))
+
+
+#: an A100-80GB's clocks, as its board lists them (one memory clock, 15 MHz steps)
+A100 = ClockTable(memory_mhz=(1593,), graphics_mhz={1593: tuple(range(1410, 209, -15))})
+
+
+def a100_estimator(gpus: list[int], iteration_s: float | list[float] = 0.5) -> JobEstimator:
+    """An estimator of ``len(gpus)`` jobs on A100s (top 1,410 MHz, knee 1,085 MHz, 60 W idle,
+    400 W limit), each on its number of GPUs, its time model's prior at ``iteration_s``."""
+    n = len(gpus)
+    est = JobEstimator()
+    est.add_jobs(
+        JobStatics(
+            gpus=np.array(gpus, dtype=np.int64),
+            graphics_max_mhz=np.full(n, 1410.0),
+            memory_max_mhz=np.full(n, 1593.0),
+            knee_mhz=np.full(n, 1085.0),
+            mem_mask=np.zeros(n),
+            idle_power_w=np.full(n, 60.0),
+            power_limit_w=np.full(n, 400.0),
+        ),
+        iteration_s=np.broadcast_to(np.asarray(iteration_s, dtype=np.float64), (n,)).copy(),
+    )
+    return est

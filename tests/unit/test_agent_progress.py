@@ -185,11 +185,15 @@ def test_cli_exit_codes(
     assert done.stdout == ""
 
 
-def test_client_imports_nothing_heavy() -> None:
+@pytest.mark.parametrize(
+    "module", ["slurm_cdgpc.agent.progress", "slurm_cdgpc.integrations.serving"]
+)
+def test_what_jobs_import_imports_nothing_heavy(module: str) -> None:
+    """The progress client and the serving reporter run inside users' jobs."""
     code = (
-        "import sys, slurm_cdgpc.agent.progress\n"
+        f"import sys, {module}\n"
         "heavy = [m for m in sys.modules if m.split('.')[0] in ('numpy', 'pynvml', 'sqlalchemy',"
-        " 'cvxpy') or m.startswith(('slurm_cdgpc.gpu', 'slurm_cdgpc.config',"
+        " 'cvxpy', 'torch') or m.startswith(('slurm_cdgpc.gpu', 'slurm_cdgpc.config',"
         " 'slurm_cdgpc.agent.node', 'slurm_cdgpc.agent.server', 'slurm_cdgpc.transport'))]\n"
         "print(sorted(heavy))\n"
     )

@@ -13,29 +13,15 @@ from slurm_cdgpc.control.empc import (
     QueueState,
 )
 from slurm_cdgpc.errors import InputError
-from slurm_cdgpc.model.estimator import JobEstimator, JobStatics
-from slurm_cdgpc.wire.board import ClockTable
-
-A100 = ClockTable(memory_mhz=(1593,), graphics_mhz={1593: tuple(range(1410, 209, -15))})
+from slurm_cdgpc.model.estimator import JobEstimator
+from tests.unit.problems import A100, a100_estimator
 
 
 def _setup(
     n: int, settings: ControllerSettings | None = None, measured: bool = True
 ) -> tuple[EconomicMPC, JobEstimator, JobState]:
     grid = ClockGrid.from_tables([("A100", A100)], min_fraction=0.5)
-    est = JobEstimator()
-    est.add_jobs(
-        JobStatics(
-            gpus=np.full(n, 4, dtype=np.int64),
-            graphics_max_mhz=np.full(n, 1410.0),
-            memory_max_mhz=np.full(n, 1593.0),
-            knee_mhz=np.full(n, 1085.0),
-            mem_mask=np.zeros(n),
-            idle_power_w=np.full(n, 60.0),
-            power_limit_w=np.full(n, 400.0),
-        ),
-        iteration_s=np.full(n, 0.5),
-    )
+    est = a100_estimator([4] * n)
     if measured:  # one interval at the top clock drawing 300 W per GPU: the model is known
         one = np.ones(n)
         est.observe(one, one, np.full(n, 300.0), np.full(n, 0.5))

@@ -11,11 +11,9 @@ from slurm_cdgpc.control.discrete import ClockGrid
 from slurm_cdgpc.control.empc import Decision, EconomicMPC, JobState, Measurements
 from slurm_cdgpc.control.serving import give_way, serving_floor
 from slurm_cdgpc.control.tenancy import Tenancy
-from slurm_cdgpc.model.estimator import JobEstimator, JobStatics
-from slurm_cdgpc.wire.board import ClockTable
+from tests.unit.problems import A100, a100_estimator
 
 TOP_MHZ = 1410.0
-A100 = ClockTable(memory_mhz=(1593,), graphics_mhz={1593: tuple(range(1410, 209, -15))})
 GRID = ClockGrid.from_tables([("A100", A100)], min_fraction=0.5)
 NAN = float("nan")
 
@@ -88,23 +86,6 @@ def test_floors_give_way_most_power_first_until_the_rest_fit() -> None:
     assert sorted(give_way(floor_w, lowest_w, 1e4).tolist()) == [0, 1, 2]
 
 
-def _estimator(n: int) -> JobEstimator:
-    est = JobEstimator()
-    est.add_jobs(
-        JobStatics(
-            gpus=np.ones(n, dtype=np.int64),
-            graphics_max_mhz=np.full(n, TOP_MHZ),
-            memory_max_mhz=np.full(n, 1593.0),
-            knee_mhz=np.full(n, 1085.0),
-            mem_mask=np.zeros(n),
-            idle_power_w=np.full(n, 60.0),
-            power_limit_w=np.full(n, 400.0),
-        ),
-        iteration_s=np.full(n, 0.5),
-    )
-    return est
-
-
 def _power_w(x: np.ndarray) -> np.ndarray:
     return 80.0 + 220.0 * np.maximum(x, x**3 / 0.77**2) / (1 / 0.77**2)
 
@@ -118,7 +99,7 @@ def _truth_s(x: np.ndarray) -> np.ndarray:
 def _run(
     jobs: JobState, budget_w: float | list[float], steps: int
 ) -> tuple[list[np.ndarray], list[np.ndarray], Decision]:
-    est, mpc = _estimator(3), EconomicMPC(GRID)
+    est, mpc = a100_estimator([1, 1, 1]), EconomicMPC(GRID)
     budgets = budget_w if isinstance(budget_w, list) else [budget_w] * steps
     clocks, latencies, measured = [], [], None
     for k in range(steps):

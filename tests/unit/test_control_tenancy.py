@@ -12,27 +12,13 @@ from slurm_cdgpc.control.domains import DomainLimits
 from slurm_cdgpc.control.empc import EconomicMPC, JobState, Measurements
 from slurm_cdgpc.control.tenancy import Tenancy
 from slurm_cdgpc.errors import InputError
-from slurm_cdgpc.model.estimator import JobEstimator, JobStatics
-from slurm_cdgpc.wire.board import ClockTable
-
-A100 = ClockTable(memory_mhz=(1593,), graphics_mhz={1593: tuple(range(1410, 209, -15))})
+from slurm_cdgpc.model.estimator import JobEstimator
+from tests.unit.problems import A100, a100_estimator
 
 
 def _estimator(gpus: list[int], power_w: list[float], iteration_s: list[float]) -> JobEstimator:
     n = len(gpus)
-    est = JobEstimator()
-    est.add_jobs(
-        JobStatics(
-            gpus=np.array(gpus, dtype=np.int64),
-            graphics_max_mhz=np.full(n, 1410.0),
-            memory_max_mhz=np.full(n, 1593.0),
-            knee_mhz=np.full(n, 1085.0),
-            mem_mask=np.zeros(n),
-            idle_power_w=np.full(n, 60.0),
-            power_limit_w=np.full(n, 400.0),
-        ),
-        iteration_s=np.array(iteration_s),
-    )
+    est = a100_estimator(gpus, iteration_s)
     for x in (1.0, 0.8, 0.6):  # three intervals on a simple power curve: the models are known
         one = np.full(n, x)
         est.observe(
@@ -132,18 +118,7 @@ def test_the_offset_counts_a_shared_gpu_once() -> None:
 
 def test_a_new_tenant_makes_its_gpu_count_at_its_limit() -> None:
     est = _estimator([1], [300.0], [0.5])
-    est.add_jobs(
-        JobStatics(
-            gpus=np.ones(1, dtype=np.int64),
-            graphics_max_mhz=np.full(1, 1410.0),
-            memory_max_mhz=np.full(1, 1593.0),
-            knee_mhz=np.full(1, 1085.0),
-            mem_mask=np.zeros(1),
-            idle_power_w=np.full(1, 60.0),
-            power_limit_w=np.full(1, 400.0),
-        ),
-        iteration_s=np.full(1, 0.5),
-    )
+    est.add_jobs(a100_estimator([1]).statics, iteration_s=np.full(1, 0.5))
     tenancy = Tenancy.of_gpus([["a0"], ["a0"]])
     problem = _mpc().problem(est, _jobs(2, [3600.0, 3600.0], tenancy), 0.0, 1e4)
     # not measured with its new tenant yet: the GPU at its limit, whatever the clock
