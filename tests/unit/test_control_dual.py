@@ -1,9 +1,19 @@
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
-from slurm_cdgpc.control.dual import MODES, DualProblem, StepStatus, solve_price
+from slurm_cdgpc.control.dual import (
+    MODES,
+    DomainSet,
+    DualProblem,
+    StepStatus,
+    _grouped,
+    solve_domain_prices,
+    solve_price,
+)
 from slurm_cdgpc.control.reference import solve_reference
 from slurm_cdgpc.errors import InputError
 from slurm_cdgpc.model.families import FAMILIES, power_family
@@ -130,3 +140,37 @@ def test_bad_mode_and_tolerance_are_refused() -> None:
         solve_price(problem, "fast")
     with pytest.raises(InputError, match="tolerance must be positive"):
         solve_price(problem, "newton", tol=0.0)
+
+
+def test_a_margin_re_solve_keeps_the_groups_and_answers_as_a_fresh_solve() -> None:
+    """The re-solve with the exploration margin replaces only the budgets: it groups the jobs
+    no second time (`_grouped`), and answers as a solve on copies of the membership does."""
+    problem = build_problem(n=3000, seed=4, budget_fraction=0.3)
+    n = 3000
+    rack = np.arange(n) % 6
+    split = np.arange(n) % 40 == 0  # half on the next rack of their row
+    other = 3 * (rack // 3) + (rack + 1) % 3
+    job = np.concatenate([np.arange(n), np.flatnonzero(split), np.arange(n)])
+    dom = np.concatenate([2 + rack, 2 + other[split], rack // 3])
+    share = np.concatenate([np.where(split, 0.5, 1.0), np.full(split.sum(), 0.5), np.ones(n)])
+    top = np.bincount(dom, weights=share * problem.power_w(problem.x_hi, problem.xm_hi)[job])
+    parent = np.array([-1, -1, 0, 0, 0, 1, 1, 1])
+    cluster_w = float(problem.budget_w[0])
+    limit = np.array([0.9, 0.9, 0.5, 0.6, 0.7, 0.5, 0.6, 0.7]) * top
+    domains = DomainSet.nested(n, cluster_w, dom, job, share, limit, parent)
+    first = solve_domain_prices(problem, domains)
+    assert np.count_nonzero(first.price[1:] > 0) >= 2  # racks bind as well
+    budget_w = domains.budget_w.copy()
+    budget_w[0] *= 0.98
+    copied = DomainSet(
+        domains.domain.copy(), domains.job_row.copy(), domains.share.copy(), budget_w,
+        domains.depth.copy(), n, domains.parent.copy(),
+    )  # fmt: skip
+    held = replace(problem, budget_w=budget_w[:1])
+    fresh = solve_domain_prices(held, copied, warm_price=first.price)
+    margin = replace(domains, budget_w=budget_w)
+    assert _grouped(margin) is _grouped(domains)  # kept: the re-solve below reuses them
+    again = solve_domain_prices(held, margin, warm_price=first.price)
+    assert again.status[0] is StepStatus.BINDING
+    np.testing.assert_array_equal(again.price, fresh.price)
+    np.testing.assert_array_equal(again.roots, fresh.roots)
