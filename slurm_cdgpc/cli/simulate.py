@@ -23,8 +23,9 @@ from slurm_cdgpc.sim.fleet import (
     with_domains,
 )
 from slurm_cdgpc.sim.metrics import PolicyRun, compute_metrics, run_policies
-from slurm_cdgpc.sim.policies import POLICIES, make_policy
+from slurm_cdgpc.sim.policies import POLICIES, READS_PLANT, make_policy
 from slurm_cdgpc.sim.reporting import DEFAULT_TIME_LIMITS, SOURCES, ProgressMix, TimeLimitModel
+from slurm_cdgpc.sim.serving import ARRIVALS_FILE, DEFAULT_MULTIPLE, Arrivals, Serving
 from slurm_cdgpc.sim.sweep import parse_mixes
 from slurm_cdgpc.sim.traces import load_trace
 from slurm_cdgpc.sim.twin import HeadTwin
@@ -46,6 +47,13 @@ _TABLE = (
     ("energy_kwh", "kWh"),
     ("mean_jct_s", "mean JCT s"),
     ("controller_ms_p50", "ctl ms"),
+)
+#: columns shown when jobs serve
+_SERVING_TABLE = (
+    ("slo_attainment", "SLO met"),
+    ("serving_energy_kwh", "serving kWh"),
+    ("serving_mean_w", "serving W"),
+    ("serving_clock_fraction", "serving clock"),
 )
 
 
@@ -112,6 +120,21 @@ _TABLE = (
     type=click.Path(dir_okay=False),
     help="Power domains from a site's topology TOML (daemon/topology.toml's format) whose "
     "nodes are the simulator's: node0001, node0002, ... in --fleet order. Not with --racks.",
+)
+@click.option(
+    "--serving",
+    default=None,
+    metavar="N[:MULTIPLE]",
+    help="Add N serving jobs, one A100 each, on nodes added after the fleet's (the budget "
+    "fraction counts them), loaded from the Azure LLM inference trace; each one's p99 latency "
+    f"objective is MULTIPLE × its top-clock latency at its peak load [{DEFAULT_MULTIPLE}]. "
+    "Not with the oracle or --engine head.",
+)
+@click.option(
+    "--serving-arrivals",
+    default=None,
+    type=click.Path(dir_okay=False, exists=True),
+    help=f"--serving: the arrivals CSV [default: $CDGPC_DATA_DIR/{ARRIVALS_FILE}].",
 )
 @click.option(
     "--engine",
@@ -188,6 +211,8 @@ def simulate(
     limit_jobs: int | None,
     racks: str | None,
     topology_path: str | None,
+    serving: str | None,
+    serving_arrivals: str | None,
     engine: str,
     config_path: str | None,
     as_json: bool,
@@ -215,12 +240,18 @@ def simulate(
 
     With --racks or --topology, every power domain's limit holds too, and the metrics add
     how often and how far the worst domain's true power went over its limit.
+
+    With --serving, the metrics add the share of serving-job intervals that met their
+    objective (slo_attainment), the serving GPUs' energy and mean power, and their mean clock
+    over the top; cdgpc-serving-top is cdgpc with the serving jobs left at their top clocks.
     """
     try:
         if racks is not None and topology_path is not None:
             raise InputError("give --racks or --topology, not both")
         if racks is not None:
             parse_racks(racks)
+        if serving is None and serving_arrivals is not None:
+            raise InputError("--serving-arrivals needs --serving")
         if sweep_dir is not None:
             if engine != "fast":
                 raise InputError("--engine head replays one trace: not with --sweep")
@@ -243,6 +274,8 @@ def simulate(
                 limit_jobs=limit_jobs,
                 racks=racks,
                 topology_path=topology_path,
+                serving=serving,
+                serving_arrivals=serving_arrivals,
                 as_json=as_json,
                 backend=backend,
                 workers=workers,
@@ -285,6 +318,9 @@ def simulate(
             limit_jobs,
             racks,
             None if topology_path is None else load_topology(Path(topology_path)),
+            None
+            if serving is None
+            else Serving(*Serving.parse(serving), Arrivals.load(Arrivals.path(serving_arrivals))),
             engine,
             None if config_path is None else load_config(Path(config_path), env={}).control,
             as_json,
@@ -325,6 +361,7 @@ def _simulate(
     limit_jobs: int | None,
     racks: str | None,
     topology: Topology | None,
+    serving: Serving | None,
     engine: str,
     control: ControlConfig | None,
     as_json: bool,
@@ -335,6 +372,14 @@ def _simulate(
         raise InputError(f"unknown policy {policy!r} (known: {', '.join(POLICIES)}, all)")
     if engine == "head" and policy != "cdgpc":
         raise InputError(f"--engine head runs cdgpc only, not --policy {policy}")
+    if serving is not None:
+        if engine == "head":
+            raise InputError("--engine head does not replay serving jobs")
+        # a policy that reads the training plant cannot replay serving jobs
+        if policy == "all":
+            names = [p for p in names if p == "max-clock" or p not in READS_PLANT]
+        elif policy != "max-clock" and policy in READS_PLANT:
+            raise InputError(f"--policy {policy} reads the training plant: not with --serving")
     interval_s = parse_duration_s(interval)
     fleet = parse_fleet(fleet_text) if fleet_text is not None else None
     trace = load_trace(trace_path, trace_format)
@@ -342,7 +387,8 @@ def _simulate(
         trace = trace.head(limit_jobs)
     if len(trace) == 0:
         raise InputError(f"{trace_path}: no jobs to replay")
-    fleet = with_domains(fleet or default_fleet(trace), racks, topology)
+    fleet = fleet or default_fleet(trace)
+    fleet = with_domains(fleet if serving is None else serving.fleet(fleet), racks, topology)
     budget_w = parse_budget_w(budget, fleet)
     simulator = Simulator(
         trace,
@@ -352,6 +398,7 @@ def _simulate(
         seed=seed,
         progress_mix=mix,
         time_limits=time_limits,
+        serving=serving,
     )
     show = not as_json or sys.stderr.isatty()
     replays = 2 if engine == "head" else len(names) + (0 if "max-clock" in names else 1)
@@ -381,6 +428,7 @@ def _simulate(
         "time_limit_model": str(time_limits),
         **({} if racks is None else {"racks": racks}),
         **({} if topology is None else {"domains": len(topology)}),
+        **({} if serving is None else {"serving": f"{serving.jobs}:{serving.multiple:g}"}),
     }
     if report_dir is not None:
         from slurm_cdgpc.sim.report import write_report  # noqa: PLC0415 (matplotlib is optional)
@@ -423,6 +471,8 @@ def _print(runs: dict[str, PolicyRun], as_json: bool, keyed: bool, engine: str =
         for k, h in _TABLE
         if k != "domain_over_limit_intervals_pct" or any(r.metrics.domains for r in runs.values())
     ]
+    if any(r.metrics.serving_jobs for r in runs.values()):
+        columns += _SERVING_TABLE
     rows = [[format_value(r.metrics.as_dict()[k]) for k, _ in columns] for r in runs.values()]
     click.echo(format_table([h for _, h in columns], rows))
     if engine == "head":

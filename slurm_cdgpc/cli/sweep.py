@@ -87,6 +87,8 @@ def run_sweep(
     limit_jobs: int | None,
     racks: str | None,
     topology_path: str | None,
+    serving: str | None,
+    serving_arrivals: str | None,
     as_json: bool,
     backend: str,
     workers: int | None,
@@ -108,6 +110,8 @@ def run_sweep(
         time_limits=TimeLimitModel.parse(time_limit_model),
         racks=racks,
         topology_path=topology_path,
+        serving=serving,
+        serving_arrivals=serving_arrivals,
     )
     sweep = Sweep.create(Path(directory).resolve(), definition)
     pending = sweep.pending()

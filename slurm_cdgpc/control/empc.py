@@ -308,6 +308,8 @@ class EconomicMPC:
                     # a job held down by the firmware drew less than planned for a reason that
                     # leaves with the next budget change; the clock clamp, not δ, handles it
                     both &= ~measured.power_capped
+                # a serving job draws what its load asks, not what its plan said: no model error
+                both &= ~jobs.serving()
                 planned_w = float(np.sum(measured.planned_power_w[both]))
                 if planned_w > 0:
                     miss = float(np.sum(drawn[both])) / planned_w - 1.0

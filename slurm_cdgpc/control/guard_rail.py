@@ -21,6 +21,7 @@ def power_limits_w(
     margin: float,
     min_w: npt.ArrayLike,
     default_w: npt.ArrayLike,
+    free: npt.ArrayLike | None = None,
 ) -> FloatArray | None:
     """Per job, the power limit of each of its GPUs (W); None when the rail is off (margin 0).
 
@@ -29,7 +30,11 @@ def power_limits_w(
     limit (the rail only tightens what the board boots with), never below its minimum, and the
     board's default for a job whose planned power is not finite. The clocks are the lever; the
     limit only catches a model that under-predicts, within the firmware's ~1 s averaging window
-    instead of the next interval. The agent clips it again into the board it actually has."""
+    instead of the next interval. The agent clips it again into the board it actually has.
+
+    Jobs ``free`` of it (serving jobs) keep the board's default: their draw follows their
+    load, not the plan, and a limit at a quiet interval's plan would clip the next burst and
+    miss the objective the floor was chosen for."""
     if not margin >= 0:
         raise InputError(f"the power-limit margin must be at least 0, got {margin}")
     if margin == 0:
@@ -40,4 +45,6 @@ def power_limits_w(
     # L_j = clip(P_j / g_j · (1 + m), L_min, L_default)
     per_gpu = power / np.maximum(np.asarray(gpus, dtype=np.float64), 1.0) * (1.0 + margin)
     per_gpu = np.where(np.isfinite(per_gpu), per_gpu, hi)
+    if free is not None:
+        per_gpu = np.where(np.asarray(free, dtype=bool), hi, per_gpu)
     return np.clip(per_gpu, lo, np.maximum(lo, hi))

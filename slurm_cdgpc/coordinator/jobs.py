@@ -344,10 +344,15 @@ class RunningJobs:
             raise InputError("the decision does not match the running jobs")
         gpus = np.array([len(job.gpus) for job in self._jobs], dtype=np.float64)
         gpu_w = decision.job_power_w / gpus
+        # a serving job's GPUs keep their default limit (`power_limits_w`), its tenants' too
+        free = np.zeros(len(self), dtype=bool)
+        if decision.serving is not None:
+            free = decision.serving.serving.copy()
         tenancy = self.tenancy()
         if tenancy is not None:
             group = tenancy.group
             gpu_w = (np.bincount(group, decision.job_power_w) / tenancy.gpus)[group]
+            free = (np.bincount(group, free, tenancy.size) > 0)[group]
         first: dict[GpuRef, int] = {}
         for i, job in enumerate(self._jobs):
             for ref in job.gpus:
@@ -360,6 +365,7 @@ class RunningJobs:
             power_limit_margin,
             [s.power_limit.min_w for s in specs],
             [s.power_limit.default_w for s in specs],
+            [free[first[ref]] for ref in refs],
         )
         tenants = self.tenants()
         out: dict[str, list[NodeSetpoint]] = {}

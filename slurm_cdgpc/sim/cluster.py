@@ -13,6 +13,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from typing import Final
 
 import numpy as np
 import numpy.typing as npt
@@ -29,6 +30,7 @@ from slurm_cdgpc.sim.reporting import (
     ProgressMix,
     TimeLimitModel,
 )
+from slurm_cdgpc.sim.serving import Serving, ServingReplay, ServingState
 from slurm_cdgpc.sim.traces import Trace
 
 logger = logging.getLogger(__name__)
@@ -46,7 +48,10 @@ class ClusterView:
 
     Job rows: the previous view's rows still running (``kept`` over them), in order, then the
     ``started`` jobs placed this interval. Measurements are the last interval's means as node
-    agents report them (noisy); NaN for jobs that started this interval.
+    agents report them (noisy); NaN for jobs that started this interval. Serving jobs
+    (`slurm_cdgpc.sim.serving`) are the first rows, from the first interval on: their
+    ``job_id`` is −1 − k, they have no deadline, limit or iterations, and their
+    ``iteration_s`` is the latency at their objective's percentile.
     """
 
     now_s: float
@@ -77,6 +82,9 @@ class ClusterView:
     idle_power_w: float  # GPUs without a job, at their idle power
     queued_jobs: int
     queued_gpus: int
+    #: serving jobs' latency objective (s) at their percentile, NaN for training jobs; None
+    #: when no job serves (`JobState.objective_s`)
+    objective_s: FloatArray | None = None
 
     def __post_init__(self) -> None:
         # read-only views: a policy cannot write into the simulator's state
@@ -92,6 +100,41 @@ class ClusterView:
     @property
     def busy_gpus(self) -> int:
         return int(self.job_gpus.sum())
+
+    def rows(
+        self, keep: BoolArray, kept: BoolArray, started: int, **changes: object
+    ) -> ClusterView:
+        """The view of the rows ``keep`` only, whose previous rows are ``kept`` over the
+        previous view of those rows and of which the last ``started`` are new."""
+        per_job = {
+            name: getattr(self, name)[keep]
+            for name in JOB_FIELDS
+            if getattr(self, name) is not None
+        }
+        fields = {**per_job, **changes, "kept": kept, "started": started}
+        return replace(self, **fields)  # type: ignore[arg-type]
+
+
+#: `ClusterView`'s fields with one value per job row
+JOB_FIELDS: Final = (
+    "job_id",
+    "job_gpus",
+    "job_type",
+    "job_nodes",
+    "submit_s",
+    "start_s",
+    "deadline_s",
+    "time_limit_s",
+    "iterations",
+    "remaining_iterations",
+    "iterations_done",
+    "graphics_mhz",
+    "memory_mhz",
+    "power_w",
+    "iteration_s",
+    "power_capped",
+    "objective_s",
+)
 
 
 @dataclass(frozen=True)
@@ -164,6 +207,13 @@ class SimulationResult:
     #: domain's limit (domains,)
     domain_nodes: BoolArray = field(default_factory=lambda: np.zeros((0, 0), dtype=bool))
     domain_limit_w: FloatArray = field(default_factory=lambda: np.zeros(0))
+    #: serving jobs (`slurm_cdgpc.sim.serving`): each one's objective (S,); per simulated
+    #: interval and job its true latency at the objective's percentile (NaN: no request) and
+    #: its clock over its top clock (intervals, S); their energy over the replay
+    serving_objective_s: FloatArray = field(default_factory=lambda: np.zeros(0))
+    serving_latency_s: FloatArray = field(default_factory=lambda: np.zeros((0, 0)))
+    serving_clock: FloatArray = field(default_factory=lambda: np.zeros((0, 0)))
+    serving_energy_j: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -237,6 +287,92 @@ class _Running:
         return _Running(*(getattr(self, f)[keep] for f in self.__dataclass_fields__))
 
 
+class _Served:
+    """The serving jobs of one replay: what they showed last interval, and what they did."""
+
+    def __init__(self, replay: ServingReplay, nodes: IntArray, types: IntArray, seed: int) -> None:
+        self.replay = replay
+        self.nodes = nodes  # (S, nodes)
+        self.types = types
+        self.rng = np.random.default_rng([seed, 2])  # apart from the training jobs' noise
+        nan = np.full(replay.jobs, np.nan)
+        self.seen = ServingState(nan, nan, nan, np.zeros(replay.jobs, dtype=bool))
+        self.memory_mhz = nan
+        self.latency: list[FloatArray] = []
+        self.clock: list[FloatArray] = []
+        self.energy_j = 0.0
+
+    def prepend(self, view: ClusterView, first: bool) -> ClusterView:
+        """``view`` with the serving jobs as its first rows (new in the first interval)."""
+        s = self.replay.jobs
+        nan = np.full(s, np.nan)
+        heads: dict[str, npt.NDArray[np.generic]] = {
+            "job_id": -1 - np.arange(s),
+            "job_gpus": np.ones(s, dtype=np.int64),
+            "job_type": self.types,
+            "job_nodes": self.nodes,
+            "submit_s": nan,
+            "start_s": nan,
+            "deadline_s": nan,
+            "time_limit_s": nan,
+            "iterations": nan,
+            "remaining_iterations": nan,
+            "iterations_done": nan,
+            "graphics_mhz": self.seen.applied_mhz,
+            "memory_mhz": self.memory_mhz,
+            "power_w": self.seen.power_w,
+            "iteration_s": self.seen.latency_s,
+            "power_capped": self.seen.power_capped,
+        }
+        rows = {k: np.concatenate([v, getattr(view, k)]) for k, v in heads.items()}
+        objective = np.concatenate([self.replay.objective_s, np.full(len(view), np.nan)])
+        kept = view.kept if first else np.concatenate([np.ones(s, dtype=bool), view.kept])
+        started = view.started + (s if first else 0)
+        return replace(view, kept=kept, started=started, objective_s=objective, **rows)  # type: ignore[arg-type]
+
+    def split(self, sp: Setpoints) -> tuple[Setpoints, Setpoints]:
+        """A policy's answer on the prepended view: the serving jobs', the training jobs'."""
+        s = self.replay.jobs
+
+        def part(values: FloatArray | None, rows: slice) -> FloatArray | None:
+            return None if values is None else values[rows]
+
+        head, tail = slice(0, s), slice(s, None)
+        return (
+            Setpoints(*(part(v, head) for v in (sp.graphics_mhz, sp.memory_mhz, sp.limit_w))),
+            Setpoints(*(part(v, tail) for v in (sp.graphics_mhz, sp.memory_mhz, sp.limit_w))),
+        )
+
+    def step(self, interval: int, sp: Setpoints, dt: float) -> ServingState:
+        """Interval number ``interval`` at ``sp``: the truth, recorded; ``seen`` is measured."""
+        nan = np.full(self.replay.jobs, np.nan)
+        clock = nan if sp.graphics_mhz is None else sp.graphics_mhz
+        limit = nan if sp.limit_w is None else sp.limit_w
+        truth = self.replay.step(interval, clock, limit)
+        self.seen = self.replay.observe(truth, self.rng)
+        self.memory_mhz = np.full(self.replay.jobs, self.replay.memory_mhz)
+        self.latency.append(truth.latency_s)
+        self.clock.append(truth.applied_mhz / self.replay.top_mhz)
+        self.energy_j += float(truth.power_w.sum()) * dt
+        return truth
+
+    def top_w(self, interval: int) -> float:
+        """What they would draw at top clocks and default limits this interval."""
+        nan = np.full(self.replay.jobs, np.nan)
+        return float(self.replay.step(interval, nan, nan).power_w.sum())
+
+    def result(self, result: SimulationResult) -> SimulationResult:
+        """``result`` with its serving fields."""
+        s = self.replay.jobs
+        return replace(
+            result,
+            serving_objective_s=self.replay.objective_s,
+            serving_latency_s=np.array(self.latency).reshape(-1, s),
+            serving_clock=np.array(self.clock).reshape(-1, s),
+            serving_energy_j=self.energy_j,
+        )
+
+
 class Simulator:
     """Replays `trace` on `fleet` under one policy.
 
@@ -264,9 +400,15 @@ class Simulator:
     6. cluster power over the interval: busy GPUs at plant power, idle GPUs at idle power;
        with power domains (``fleet.topology``) the same per node is recorded too.
 
-    Intervals with nothing running or queued are skipped (their idle energy is still counted).
-    Measurements are interval means with seeded noise (`Plant.observe`); Hopper's 1 s power
-    averaging does not matter at interval means and is not modelled here.
+    Intervals with nothing running or queued are skipped (their idle energy is still counted),
+    unless jobs serve. Measurements are interval means with seeded noise (`Plant.observe`);
+    Hopper's 1 s power averaging does not matter at interval means and is not modelled here.
+
+    With ``serving``, that many serving jobs hold the fleet's last GPUs, one each, from the
+    first interval to the last (`Serving.fleet` adds nodes for them), and are the view's first
+    rows; their latency and power come from `ServingReplay`, and they count in the cluster's
+    power and energy like any job. The oracle reads the training plant alone, so it cannot
+    replay them.
     """
 
     def __init__(
@@ -281,6 +423,7 @@ class Simulator:
         progress_share: float | None = None,
         progress_mix: ProgressMix | None = None,
         time_limits: TimeLimitModel = DEFAULT_TIME_LIMITS,
+        serving: Serving | None = None,
     ) -> None:
         if not budget_w > 0 or not math.isfinite(budget_w):
             raise InputError(f"the power budget must be a positive number of watts, got {budget_w}")
@@ -313,6 +456,23 @@ class Simulator:
         )
         self.idle_w_by_type = np.array([s.idle_power_w for s in self.specs])
         self.max_mhz_by_type = np.array([float(s.max_graphics_mhz) for s in self.specs])
+        self.serving = serving
+        #: (S, nodes): the serving jobs' GPUs, the fleet's last ones
+        count = 0 if serving is None else serving.jobs
+        if count > int(self.node_gpus.sum()):
+            raise InputError(f"{count} serving jobs need more GPUs than the fleet has")
+        gpu_node = np.repeat(np.arange(self.node_gpus.size), self.node_gpus)
+        gpu_node = gpu_node[gpu_node.size - count :]
+        self.serving_nodes = np.zeros((count, self.node_gpus.size), dtype=np.int64)
+        self.serving_nodes[np.arange(count), gpu_node] = 1
+        self.serving_types = self.node_type[gpu_node]
+        if np.unique(self.serving_types).size > 1:
+            raise InputError("the serving jobs' GPUs must be of one type: the fleet's last GPUs")
+        self.serving_replay = (
+            None
+            if serving is None
+            else ServingReplay(serving, self.specs[int(self.serving_types[0])], self.interval_s)
+        )
 
     def _as_seen(self, view: ClusterView) -> ClusterView:
         """The view as a live head has it, by each job's progress source: ``steps`` shows no
@@ -395,20 +555,32 @@ class Simulator:
         n_nodes = self.node_gpus.shape[0]
         total_gpus = int(self.node_gpus.sum())
         rng = np.random.default_rng([self.seed, 1])
+        served = None
+        if self.serving_replay is not None:
+            if isinstance(policy, PlantPolicy):
+                raise InputError(
+                    f"policy {policy.name!r} reads the training plant: not with serving"
+                )
+            served = _Served(self.serving_replay, self.serving_nodes, self.serving_types, self.seed)
         policy.start(self.fleet, self.budget_w, dt)
         start_s = np.full(n, np.nan)
         finish_s = np.full(n, np.nan)
         killed = np.zeros(n, dtype=bool)
         masks, mask_of = self.allowed_nodes()
-        allowed_gpus = (masks * self.node_gpus[None, :]).sum(axis=1)[mask_of]
-        rejected = trace.num_gpu > allowed_gpus
+        # a job that never fits: more than one node with room and more than the whole nodes
+        # (a node with serving GPUs is never whole) of the types it asks for
+        serving_gpus = self.serving_nodes.sum(axis=0)
+        room = np.where(masks, self.node_gpus - serving_gpus, 0).max(axis=1)[mask_of]
+        whole = np.where(serving_gpus > 0, 0, self.node_gpus)
+        allowed_gpus = (masks * whole[None, :]).sum(axis=1)[mask_of]
+        rejected = (trace.num_gpu > allowed_gpus) & (trace.num_gpu > room)
         if rejected.any():
             logger.info(
                 "%d jobs need more GPUs than the fleet's %d (of the types they ask for)",
                 rejected.sum(),
                 total_gpus,
             )
-        free = self.node_gpus.copy()
+        free = self.node_gpus - serving_gpus
         node_power_w = np.full(n_nodes, np.nan)
         empty_f, empty_i = np.zeros(0), np.zeros(0, dtype=np.int64)
         run = _Running(
@@ -440,7 +612,7 @@ class Simulator:
         t0 = t
         idle_all_w = float(np.sum(self.node_gpus * self.idle_w_by_type[self.node_type]))
         while done < n:
-            if not queue and len(run.rows) == 0:
+            if not queue and len(run.rows) == 0 and served is None:
                 # nothing to do: jump to the boundary at or after the next submission
                 nxt = float(trace.submit_s[next_job])
                 if nxt > t:
@@ -488,7 +660,7 @@ class Simulator:
                     np.concatenate([run.power_capped, np.zeros(new_rows.size, dtype=bool)]),
                 )
                 plant = None
-            if len(run.rows) == 0:
+            if len(run.rows) == 0 and served is None:
                 t += dt
                 energy_j += idle_all_w * dt
                 continue
@@ -525,12 +697,25 @@ class Simulator:
                 queued_jobs=len(queue),
                 queued_gpus=queued_gpus,
             )
+            if not isinstance(policy, PlantPolicy):
+                view = self._as_seen(view)
+                if served is not None:
+                    view = served.prepend(view, first=not c_rec)
             c0 = time.perf_counter()
             if isinstance(policy, PlantPolicy):
                 sp = policy.decide_with_plant(view, plant)
             else:
-                sp = policy.decide(self._as_seen(view))
+                sp = policy.decide(view)
             c_rec.append(time.perf_counter() - c0)
+            serving_w = serving_top_w = 0.0
+            serving_node_w = serving_seen_w = np.zeros(n_nodes)
+            if served is not None:
+                serve_sp, sp = served.split(sp)
+                served_now = served.step(len(c_rec) - 1, serve_sp, dt)
+                serving_w = float(served_now.power_w.sum())
+                serving_top_w = served.top_w(len(c_rec) - 1)
+                serving_node_w = served.nodes.T @ served_now.power_w
+                serving_seen_w = served.nodes.T @ served.seen.power_w
             top = self.max_mhz_by_type[run.types]
             clock = (
                 top
@@ -560,25 +745,28 @@ class Simulator:
             finishing &= ~killing
             idle_job_w = self.idle_w_by_type[run.types]
             job_w = run.gpus * (truth.power_w * share + idle_job_w * (1.0 - share))
-            power_w = float(job_w.sum()) + idle_gpu_w
+            power_w = float(job_w.sum()) + idle_gpu_w + serving_w
             energy_j += power_w * dt
             t_rec.append(t)
             p_rec.append(power_w)
-            d_rec.append(float(np.sum(run.gpus * at_max.power_w)) + idle_gpu_w)
+            d_rec.append(float(np.sum(run.gpus * at_max.power_w)) + idle_gpu_w + serving_top_w)
             if topology is not None:
                 # per node, as p_rec: its jobs' GPUs at true power, its idle GPUs at idle power
                 n_rec.append(
                     (
                         run.alloc.T @ (job_w / run.gpus)
                         + free * self.idle_w_by_type[self.node_type]
+                        + serving_node_w
                     ).astype(np.float32)
                 )
             seen = plant.observe(truth, rng)
             seen_job_w = run.gpus * (seen.power_w * share + idle_job_w * (1.0 - share))
             # per node: Σ_jobs GPUs on the node × measured per-GPU power, plus its idle GPUs
-            node_power_w = (run.alloc.T @ (seen_job_w / run.gpus)) + free * self.idle_w_by_type[
-                self.node_type
-            ]
+            node_power_w = (
+                run.alloc.T @ (seen_job_w / run.gpus)
+                + free * self.idle_w_by_type[self.node_type]
+                + serving_seen_w
+            )
             finish_s[run.rows[finishing]] = t + share[finishing] * dt
             run.remaining = np.maximum(run.remaining - per_interval, 0.0)
             finishing |= killing  # leaves like a finished job, without a finish time
@@ -601,7 +789,7 @@ class Simulator:
                     progress(done)
             t += dt
         logger.debug("replayed %d jobs in %.1f s of simulated time", n, t - t0)
-        return SimulationResult(
+        result = SimulationResult(
             policy=policy.name,
             fleet=str(self.fleet),
             fleet_gpus=total_gpus,
@@ -626,3 +814,4 @@ class Simulator:
             domain_nodes=self.fleet.domain_nodes(),
             domain_limit_w=np.zeros(0) if topology is None else topology.limits_w,
         )
+        return result if served is None else served.result(result)

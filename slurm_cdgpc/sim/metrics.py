@@ -82,13 +82,36 @@ class Metrics:
     domain_over_limit_intervals_pct: float | None = None
     #: max over domains and intervals of (P_d − L_d) / L_d × 100
     domain_max_overshoot_pct: float | None = None
+    #: serving jobs (0: none, and the fields below are left out of `as_dict`)
+    serving_jobs: int = 0
+    #: share of the serving jobs' intervals with requests whose true latency at the
+    #: objective's percentile met the objective
+    slo_attainment: float | None = None
+    #: the serving GPUs' energy over the replay (in ``energy_kwh`` too), and their mean power
+    #: per GPU: a replay that takes longer serves longer, so the mean compares policies
+    serving_energy_kwh: float | None = None
+    serving_mean_w: float | None = None
+    #: mean over the serving jobs' intervals of their clock over their top clock
+    serving_clock_fraction: float | None = None
 
     def as_dict(self) -> dict[str, Any]:
         out = asdict(self)
         if not self.domains:
             for key in ("domains", "domain_over_limit_intervals_pct", "domain_max_overshoot_pct"):
                 del out[key]
+        if not self.serving_jobs:
+            for key in _SERVING_KEYS:
+                del out[key]
         return out
+
+
+_SERVING_KEYS = (
+    "serving_jobs",
+    "slo_attainment",
+    "serving_energy_kwh",
+    "serving_mean_w",
+    "serving_clock_fraction",
+)
 
 
 def missed(result: SimulationResult) -> BoolArray:
@@ -160,7 +183,31 @@ def compute_metrics(result: SimulationResult, reference: SimulationResult | None
         killed_at_time_limit=int(np.sum(result.killed)),
         by_job_type=_by_job_type(result, miss, None if reference is None else missed(reference)),
         **_domain_metrics(result),
+        **_serving_metrics(result),
     )
+
+
+def _serving_metrics(result: SimulationResult) -> dict[str, Any]:
+    """`Metrics`' serving fields, from the true latencies and clocks."""
+    jobs = int(result.serving_objective_s.size)
+    if not jobs:
+        return {}
+    latency = result.serving_latency_s
+    seen = np.isfinite(latency)
+    met = latency <= result.serving_objective_s[None, :]
+    return {
+        "serving_jobs": jobs,
+        "slo_attainment": float(met[seen].mean()) if seen.any() else None,
+        "serving_energy_kwh": result.serving_energy_j / 3.6e6,
+        "serving_mean_w": (
+            result.serving_energy_j / (jobs * result.t_s.size * result.interval_s)
+            if result.t_s.size
+            else None
+        ),
+        "serving_clock_fraction": (
+            float(result.serving_clock.mean()) if result.serving_clock.size else None
+        ),
+    }
 
 
 def _domain_metrics(result: SimulationResult) -> dict[str, Any]:

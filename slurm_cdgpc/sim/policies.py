@@ -235,7 +235,9 @@ class Cdgpc(Policy):
     paper's (`slurm_cdgpc.control.tuning.paper`): the linear power family and the
     deadline-aware weights w = R / max(D − t, Δt) alone. With power domains (the fleet's
     topology) each step also gets every domain's limit, its jobs' shares and its idle GPUs'
-    power (`Topology.limits`), as the head builds them."""
+    power (`Topology.limits`), as the head builds them. Serving jobs reach it as the head
+    sees them: their objective (`JobState.objective_s`) and their measured latency as their
+    iteration time."""
 
     def __init__(
         self,
@@ -318,6 +320,7 @@ class Cdgpc(Policy):
             view.deadline_s,
             time_limit_s=view.time_limit_s,
             start_s=view.start_s,
+            objective_s=view.objective_s,
         )
         queue = QueueState.from_matrix(
             view.queued_jobs > 0, view.job_nodes, view.node_gpus - view.job_nodes.sum(axis=0)
@@ -341,12 +344,57 @@ class Cdgpc(Policy):
             self.power_limit_margin,
             np.array([s.power_limit.min_w for s in self.specs])[view.job_type],
             np.array([s.power_limit.default_w for s in self.specs])[view.job_type],
+            None if d.serving is None else d.serving.serving,
         )
         return Setpoints(
             graphics_mhz=d.graphics_mhz.astype(np.float64),
             memory_mhz=d.memory_mhz.astype(np.float64),
             limit_w=limits,
         )
+
+
+class CdgpcServingTop(Cdgpc):
+    """``cdgpc-serving-top``, the baseline for serving jobs: they run at their top clock and
+    default power limit outside the controller, as on a site that does not register them with
+    cdgpcd, and their GPUs' measured power is uncontrolled power to the controller, which runs
+    the training jobs in what is left (an unmeasured serving GPU counts at its power limit, as
+    the controller counts an unmeasured job). Without serving jobs it is ``cdgpc``. Not with
+    power domains: a domain's uncontrolled power would need the serving GPUs' per node."""
+
+    def start(self, fleet: FleetSpec, budget_w: float, interval_s: float) -> None:
+        super().start(fleet, budget_w, interval_s)
+        self.serving = np.zeros(0, dtype=bool)  # over the previous view's rows
+
+    def decide(self, view: ClusterView) -> Setpoints:
+        if view.objective_s is None:
+            return super().decide(view)
+        if self.topology is not None:
+            raise InputError(f"{self.name} does not run with power domains")
+        serving = np.isfinite(view.objective_s)
+        train = ~serving
+        kept = view.kept[~self.serving]
+        started = int(train[len(view) - view.started :].sum())
+        self.serving = serving
+        limit_w = np.array([s.power_limit.default_w for s in self.specs])[view.job_type]
+        drawn_w = view.job_gpus * np.where(np.isfinite(view.power_w), view.power_w, limit_w)
+        sp = super().decide(
+            view.rows(
+                train,
+                kept,
+                started,
+                objective_s=None,
+                idle_power_w=view.idle_power_w + float(drawn_w[serving].sum()),
+            )
+        )
+
+        def top(values: FloatArray | None) -> FloatArray | None:
+            if values is None:
+                return None
+            out = np.full(len(view), np.nan)
+            out[train] = values
+            return out
+
+        return Setpoints(top(sp.graphics_mhz), top(sp.memory_mhz), top(sp.limit_w))
 
 
 class UniformClock(Policy):
@@ -472,6 +520,7 @@ _WL = tuple(WorkloadArrays.__dataclass_fields__)
 _FACTORIES: Final[dict[str, Callable[[], Policy]]] = {
     "cdgpc": lambda: Cdgpc("cdgpc", shipped),
     "cdgpc-paper": lambda: Cdgpc("cdgpc-paper", paper),
+    "cdgpc-serving-top": lambda: CdgpcServingTop("cdgpc-serving-top", shipped),
     "max-clock": MaxClock,
     "uniform-power-cap": UniformPowerCap,
     "uniform-domain-cap": UniformDomainCap,
@@ -487,14 +536,16 @@ READS_PLANT: Final = ("max-clock", "oracle")
 
 def make_policy(name: str, control: ControlConfig | None = None) -> Policy:
     """A fresh policy called ``name`` (one of `POLICIES`); ``control``: the ``[control]``
-    section ``cdgpc`` runs with, as cdgpcd would (None: the shipped one)."""
+    section ``cdgpc`` and ``cdgpc-serving-top`` run with, as cdgpcd would (None: the shipped
+    one)."""
     try:
         factory = _FACTORIES[name]
     except KeyError:
         raise InputError(f"unknown policy {name!r} (known: {', '.join(POLICIES)})") from None
-    if name == "cdgpc" and control is not None:
-        return Cdgpc(
-            "cdgpc",
+    if name in ("cdgpc", "cdgpc-serving-top") and control is not None:
+        kind = Cdgpc if name == "cdgpc" else CdgpcServingTop
+        return kind(
+            name,
             lambda interval_s: Tuning.from_config(control).with_interval(interval_s),
             control.power_limit_margin,
         )

@@ -36,8 +36,9 @@ from slurm_cdgpc.sim.fleet import (
     with_domains,
 )
 from slurm_cdgpc.sim.metrics import compute_metrics
-from slurm_cdgpc.sim.policies import POLICIES, make_policy
+from slurm_cdgpc.sim.policies import POLICIES, READS_PLANT, make_policy
 from slurm_cdgpc.sim.reporting import DEFAULT_TIME_LIMITS, ProgressMix, TimeLimitModel
+from slurm_cdgpc.sim.serving import Arrivals, Serving
 from slurm_cdgpc.sim.traces import Trace, load_trace
 from slurm_cdgpc.topology import Topology, load_topology
 from slurm_cdgpc.units import parse_power_w
@@ -245,6 +246,9 @@ class SweepDefinition:
     #: the power domains of every cell, one per sweep: ``--racks`` K:F or a ``--topology``
     racks: str | None = None
     topology: TopologyFile | None = None
+    #: the serving jobs of every cell, one per sweep: ``--serving`` N:MULTIPLE and the arrivals
+    serving: str | None = None
+    serving_arrivals: TraceFile | None = None
 
     def cells(self) -> tuple[Cell, ...]:
         """Trace by trace, seed by seed: the cells of one reference replay are neighbours."""
@@ -273,6 +277,12 @@ class SweepDefinition:
             "interval_s": self.interval_s,
             "racks": self.racks,
             "topology": None if self.topology is None else vars(self.topology),
+            **({} if self.serving is None else {"serving": self.serving}),
+            **(
+                {}
+                if self.serving_arrivals is None
+                else {"serving_arrivals": vars(self.serving_arrivals)}
+            ),
         }
 
     def domains(self) -> dict[str, str]:
@@ -311,6 +321,12 @@ class SweepDefinition:
                 topology=(
                     None if data.get("topology") is None else TopologyFile(**data["topology"])
                 ),
+                serving=data.get("serving"),
+                serving_arrivals=(
+                    None
+                    if data.get("serving_arrivals") is None
+                    else TraceFile(**data["serving_arrivals"])
+                ),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise InputError(f"a sweep definition without a valid {e}") from None
@@ -331,6 +347,7 @@ def _prepare(
     fleet_text: str | None,
     racks: str | None = None,
     topology: Topology | None = None,
+    serving: Serving | None = None,
 ) -> tuple[Trace, FleetSpec]:
     trace = load_trace(path, trace_format)
     if limit_jobs is not None:
@@ -338,6 +355,7 @@ def _prepare(
     if len(trace) == 0:
         raise InputError(f"{path}: no jobs to replay")
     fleet = parse_fleet(fleet_text) if fleet_text is not None else default_fleet(trace)
+    fleet = fleet if serving is None else serving.fleet(fleet)
     return trace, with_domains(fleet, racks, topology)
 
 
@@ -355,16 +373,23 @@ def define_sweep(
     time_limits: TimeLimitModel = DEFAULT_TIME_LIMITS,
     racks: str | None = None,
     topology_path: str | None = None,
+    serving: str | None = None,
+    serving_arrivals: str | None = None,
 ) -> SweepDefinition:
     """Check what every cell will need (each trace readable and not empty, each budget on each
-    trace's fleet, the power domains on each trace's fleet) and return the definition; nothing
-    is written."""
+    trace's fleet, the power domains on each trace's fleet, the serving jobs' arrivals) and
+    return the definition; nothing is written."""
     if racks is not None:
         racks = canonical_racks(racks)
     topology = None if topology_path is None else load_topology(Path(topology_path))
+    served, arrivals = _serving(serving, serving_arrivals)
+    if served is not None:
+        serving = f"{served.jobs}:{served.multiple!r}"
+        if any(p != "max-clock" and p in READS_PLANT for p in policies):
+            raise InputError("policies that read the training plant do not replay serving jobs")
     traces: list[TraceFile] = []
     for path in trace_paths:
-        _, trace_fleet = _prepare(path, trace_format, limit_jobs, fleet, racks, topology)
+        _, trace_fleet = _prepare(path, trace_format, limit_jobs, fleet, racks, topology, served)
         for budget in budgets:
             parse_budget_w(budget, trace_fleet)
         name = _NAME_UNSAFE.sub("-", Path(path).stem) or "trace"
@@ -393,7 +418,19 @@ def define_sweep(
                 str(Path(topology_path).resolve()), _sha256(Path(topology_path).resolve())
             )
         ),
+        serving=serving,
+        serving_arrivals=arrivals,
     )
+
+
+def _serving(text: str | None, path: str | None) -> tuple[Serving | None, TraceFile | None]:
+    """``--serving`` and its arrivals file (`Arrivals.path`), as a sweep holds them."""
+    if text is None:
+        return None, None
+    jobs, multiple = Serving.parse(text)
+    absolute = Path(Arrivals.path(path)).resolve()
+    served = Serving(jobs, multiple, Arrivals.load(absolute))
+    return served, TraceFile(absolute.stem, str(absolute), _sha256(absolute))
 
 
 # --- files ------------------------------------------------------------------------------------
@@ -527,6 +564,7 @@ class _Traces:
         self.definition = definition
         self.loaded: dict[str, tuple[Trace, FleetSpec]] = {}
         self.topology: Topology | None = None
+        self.serving: Serving | None = None
 
     def get(self, trace: TraceFile) -> tuple[Trace, FleetSpec]:
         """The trace and its fleet, under the sweep's power domains."""
@@ -538,8 +576,20 @@ class _Traces:
                 if _sha256(Path(d.topology.path)) != d.topology.sha256:
                     raise InputError(f"{d.topology.path} changed since the sweep was defined")
                 self.topology = load_topology(Path(d.topology.path))
+            if d.serving_arrivals is not None and self.serving is None:
+                if _sha256(Path(d.serving_arrivals.path)) != d.serving_arrivals.sha256:
+                    raise InputError(
+                        f"{d.serving_arrivals.path} changed since the sweep was defined"
+                    )
+                self.serving = _serving(d.serving, d.serving_arrivals.path)[0]
             self.loaded[trace.name] = _prepare(
-                trace.path, d.trace_format, d.limit_jobs, d.fleet, d.racks, self.topology
+                trace.path,
+                d.trace_format,
+                d.limit_jobs,
+                d.fleet,
+                d.racks,
+                self.topology,
+                self.serving,
             )
         return self.loaded[trace.name]
 
@@ -549,7 +599,7 @@ def _reference(sweep: Sweep, cell: Cell, traces: _Traces) -> SimulationResult:
 
     It depends on neither budget (max clocks ignore it; `compute_metrics` reads only its
     finish times and deadlines) nor progress mix (run at the default) nor power domains (run
-    without: it records no per-node power); it has the sweep's time limits.
+    without: it records no per-node power); it has the sweep's time limits and serving jobs.
     """
     path = sweep.reference_path(cell)
     if path.exists():
@@ -564,6 +614,7 @@ def _reference(sweep: Sweep, cell: Cell, traces: _Traces) -> SimulationResult:
             fleet.max_power_w,
             interval_s=sweep.definition.interval_s,
             seed=cell.seed,
+            serving=traces.serving,
             **simulator_options(ProgressMix(), sweep.definition.time_limits),
         )
         result = simulator.run(make_policy("max-clock"))
@@ -582,6 +633,7 @@ def _run_cell(sweep: Sweep, cell: Cell, traces: _Traces) -> None:
         budget_w,
         interval_s=sweep.definition.interval_s,
         seed=cell.seed,
+        serving=traces.serving,
         **simulator_options(cell.progress_mix, sweep.definition.time_limits),
     )
     result = simulator.run(make_policy(cell.policy))
@@ -596,6 +648,7 @@ def _run_cell(sweep: Sweep, cell: Cell, traces: _Traces) -> None:
         "interval_s": sweep.definition.interval_s,
         "limit_jobs": sweep.definition.limit_jobs,
         **sweep.definition.domains(),
+        **({} if sweep.definition.serving is None else {"serving": sweep.definition.serving}),
         **compute_metrics(result, reference).as_dict(),
         "wall_s": result.wall_s,
     }
@@ -691,7 +744,8 @@ def record_mix(record: Mapping[str, Any]) -> str:
 def aggregate(records: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """One row per trace × budget × progress mix × policy, over its seeds: Σ violations and
     induced violations, max power MAE and over-budget share, mean energy; with power domains
-    the max over seeds of the worst domain's over-limit share."""
+    the max over seeds of the worst domain's over-limit share; with serving jobs the mean over
+    seeds of their SLO attainment and serving energy."""
     groups: dict[tuple[str, str, str, str], list[Mapping[str, Any]]] = {}
     for r in records:
         key = (r["trace"], r["budget"], record_mix(r), r["policy"])
@@ -721,6 +775,16 @@ def aggregate(records: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
                 "killed_at_time_limit": sum(r.get("killed_at_time_limit", 0) for r in group),
                 "energy_kwh": sum(r["energy_kwh"] for r in group) / len(group),
                 **({"domain_over_limit_intervals_pct": max(domain_over)} if domain_over else {}),
+                **_serving_means(group),
             }
         )
     return rows
+
+
+def _serving_means(group: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """Means over seeds of the serving metrics (nothing without serving jobs)."""
+    if not all(r.get("serving_jobs") for r in group):
+        return {}
+    keys = ("slo_attainment", "serving_energy_kwh", "serving_mean_w", "serving_clock_fraction")
+    values = {k: [r[k] for r in group if r[k] is not None] for k in keys}
+    return {k: sum(v) / len(v) if v else None for k, v in values.items()}

@@ -9,6 +9,7 @@ import pytest
 
 from slurm_cdgpc.control.discrete import ClockGrid
 from slurm_cdgpc.control.empc import Decision, EconomicMPC, JobState, Measurements
+from slurm_cdgpc.control.guard_rail import power_limits_w
 from slurm_cdgpc.control.serving import give_way, serving_floor
 from slurm_cdgpc.control.tenancy import Tenancy
 from tests.unit.problems import A100, a100_estimator
@@ -165,3 +166,29 @@ def test_a_serving_tenant_holds_its_gpu_at_least_at_its_floor() -> None:
     clocks, latencies, _ = _run(jobs, budget_w=700.0, steps=15)
     assert all(c[1] == c[2] for c in clocks)
     assert max(lat[2] for lat in latencies) <= 0.25
+
+
+def test_a_serving_jobs_draw_teaches_no_offset_and_meets_no_guard_rail() -> None:
+    """A serving job draws what its load asks, not what its plan said: its burst is no model
+    error, and a power limit at a quiet interval's plan would clip the next burst."""
+    est, mpc = a100_estimator([1, 1, 1]), EconomicMPC(GRID)
+    jobs = _jobs(0.25)
+    measured = None
+    for k in range(4):  # settled models, drawing as planned
+        d = mpc.step(est, jobs, 30.0 * k, 700.0, measured=measured)
+        x = d.graphics_mhz / TOP_MHZ
+        drawn = _power_w(x)
+        if k == 3:
+            drawn[2] *= 2.0  # the serving job's burst
+        measured = Measurements(
+            d.graphics_mhz.astype(np.float64),
+            np.full(3, 1593.0),
+            drawn,
+            _truth_s(x),
+            planned_power_w=d.planned_power_w,
+        )
+    before = mpc.offset
+    mpc.step(est, jobs, 120.0, 700.0, measured=measured)
+    assert abs(mpc.offset - before) < 0.01
+    limits = power_limits_w([150.0, 150.0], [1, 1], 0.1, [100.0] * 2, [400.0] * 2, [False, True])
+    assert limits is not None and limits.tolist() == pytest.approx([165.0, 400.0])
