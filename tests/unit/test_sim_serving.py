@@ -14,12 +14,13 @@ from slurm_cdgpc.cli.main import cli
 from slurm_cdgpc.errors import InputError
 from slurm_cdgpc.gpu.catalog import catalog_spec
 from slurm_cdgpc.sim import serving as sv
-from slurm_cdgpc.sim.cluster import ClusterView, Policy, Setpoints, Simulator
+from slurm_cdgpc.sim.cluster import Simulator
 from slurm_cdgpc.sim.fleet import parse_fleet
 from slurm_cdgpc.sim.metrics import PolicyRun, run_policies
 from slurm_cdgpc.sim.policies import make_policy
 from slurm_cdgpc.sim.serving import Arrivals, Serving, ServingReplay, power_w, tpot_s
 from slurm_cdgpc.sim.traces import load_trace
+from tests.unit.test_sim_cluster import Recorder
 
 DATA = Path(__file__).resolve().parent.parent / "data" / "sim"
 A100 = catalog_spec(sv.SERVING_GPU)
@@ -103,19 +104,6 @@ def test_a_bad_serving_is_refused(text: str) -> None:
 
 
 # --- the simulator --------------------------------------------------------------------------
-
-
-class Recorder(Policy):
-    """Top clocks, keeping every view."""
-
-    name = "recorder"
-
-    def __init__(self) -> None:
-        self.views: list[ClusterView] = []
-
-    def decide(self, view: ClusterView) -> Setpoints:
-        self.views.append(view)
-        return Setpoints()
 
 
 def test_serving_jobs_are_the_first_rows_of_every_view_and_hold_their_gpus() -> None:
