@@ -21,9 +21,10 @@ from urllib.parse import parse_qs, urlsplit
 
 from slurm_cdgpc.coordinator.admission import AdmissionRequest, judge
 from slurm_cdgpc.coordinator.daemon import Coordinator
+from slurm_cdgpc.coordinator.jobs import GpuRef, jobs_on
 from slurm_cdgpc.coordinator.metrics import CONTENT_TYPE
 from slurm_cdgpc.coordinator.registrations import Registration
-from slurm_cdgpc.coordinator.report import IntervalReport, JobView
+from slurm_cdgpc.coordinator.report import IntervalReport, JobView, gpu_refs
 from slurm_cdgpc.errors import CdgpcError, InputError, one_line
 from slurm_cdgpc.slurm.comment import (
     MAX_SLO_LATENCY_S,
@@ -538,14 +539,13 @@ class _Handler(JsonHandler):
             return {"jobs": [job_dict(j, views) for j in c.store.jobs(ACTIVE_STATES)]}
         if path == "/v1/nodes":
             # each GPU's active jobs: more than one are its tenants (shards, MPS, MIG)
-            on: dict[tuple[str, int], list[str]] = {}
-            for job in c.store.jobs(ACTIVE_STATES):
-                for g in job.gpus:
-                    on.setdefault((g.node, g.gpu_index), []).append(job.job_id)
+            on = jobs_on((j.job_id, gpu_refs(j)) for j in c.store.jobs(ACTIVE_STATES))
 
             def gpus(node: str) -> list[dict[str, object]]:
                 views = c.nodes.gpu_views(node)
-                return [{**v, "jobs": on.get((node, int(str(v["index"]))), [])} for v in views]
+                return [
+                    {**v, "jobs": on.get(GpuRef(node, int(str(v["index"]))), [])} for v in views
+                ]
 
             return {"nodes": [{**node_dict(n), "gpus": gpus(n.name)} for n in c.store.nodes()]}
         if path == "/v1/budget":

@@ -41,6 +41,16 @@ class GpuRef:
     index: int
 
 
+def jobs_on(jobs: Iterable[tuple[str, Iterable[GpuRef]]]) -> dict[GpuRef, list[str]]:
+    """Each GPU that ``jobs`` (job id, its GPUs) name, and the jobs on it in their order: more
+    than one are its tenants."""
+    on: dict[GpuRef, list[str]] = {}
+    for job_id, refs in jobs:
+        for ref in refs:
+            on.setdefault(ref, []).append(job_id)
+    return on
+
+
 def node_power_w(power_by_gpu: Mapping[GpuRef, float]) -> dict[str, float]:
     """Each node's power: ``power_by_gpu`` summed over its GPUs."""
     node_w: dict[str, float] = {}
@@ -256,14 +266,6 @@ class RunningJobs:
         """The jobs that share GPUs, in row order (None: no GPU is shared)."""
         return Tenancy.of_gpus([list(j.gpus) for j in self._jobs])
 
-    def tenants(self) -> dict[GpuRef, tuple[str, ...]]:
-        """Every GPU that more than one job runs on, and its jobs in row order."""
-        on: dict[GpuRef, list[str]] = {}
-        for job in self._jobs:
-            for ref in job.gpus:
-                on.setdefault(ref, []).append(job.job_id)
-        return {ref: tuple(ids) for ref, ids in on.items() if len(ids) > 1}
-
     def outlook(self, decision: Decision, now_s: float, bounded: bool) -> Outlook:
         """Per job: the work left in seconds at top clocks and the predicted finish at the
         decided clocks (NaN: not known). ``bounded``: a job that did not say its total is
@@ -353,24 +355,20 @@ class RunningJobs:
             group = tenancy.group
             gpu_w = (np.bincount(group, decision.job_power_w) / tenancy.gpus)[group]
             free = (np.bincount(group, free, tenancy.size) > 0)[group]
-        first: dict[GpuRef, int] = {}
-        for i, job in enumerate(self._jobs):
-            for ref in job.gpus:
-                first.setdefault(ref, i)
-        refs = list(first)
-        specs = [self.specs[self._jobs[first[ref]].gpu_type] for ref in refs]
+        on = jobs_on((job.job_id, job.gpus) for job in self._jobs)
+        refs = list(on)
+        first = [self._row[on[ref][0]] for ref in refs]  # each GPU's first tenant's row
+        specs = [self.specs[self._jobs[i].gpu_type] for i in first]
         limits = power_limits_w(
-            [gpu_w[first[ref]] for ref in refs],
+            gpu_w[first],
             np.ones(len(refs)),
             power_limit_margin,
             [s.power_limit.min_w for s in specs],
             [s.power_limit.default_w for s in specs],
-            [free[first[ref]] for ref in refs],
+            free[first],
         )
-        tenants = self.tenants()
         out: dict[str, list[NodeSetpoint]] = {}
-        for r, ref in enumerate(refs):
-            i = first[ref]
+        for r, (ref, i) in enumerate(zip(refs, first, strict=True)):
             memory = int(decision.memory_mhz[i]) if specs[r].memory_lockable else None
             out.setdefault(ref.node, []).append(
                 NodeSetpoint(
@@ -379,7 +377,7 @@ class RunningJobs:
                     int(decision.graphics_mhz[i]),
                     memory,
                     None if limits is None else round(float(limits[r]), 3),
-                    tenants.get(ref, (self._jobs[i].job_id,))[1:],
+                    tuple(on[ref][1:]),
                 )
             )
         return out

@@ -21,6 +21,7 @@ from prometheus_client.platform_collector import PlatformCollector
 from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector, CollectorRegistry
 
+from slurm_cdgpc.coordinator.report import SERVING_STATES
 from slurm_cdgpc.store import ACTIVE_STATES
 
 if TYPE_CHECKING:
@@ -59,10 +60,6 @@ _FAILURE_SHAPES: Final = (
 )
 #: HTTP statuses a refused registration may get (`slurm_cdgpc.coordinator.api`)
 REFUSAL_CODES: Final = (400, 401, 403, 411, 413, 500, 503)
-
-
-#: `JobView.serving`'s states
-SERVING_STATES: Final = ("met", "missed", "unmet", "gave-way", "waiting")
 
 
 def failure_kind(reason: str) -> str:

@@ -10,14 +10,18 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
+from typing import Final
 
 import numpy as np
 
 from slurm_cdgpc.control.domains import DomainLimits
 from slurm_cdgpc.control.empc import Decision
-from slurm_cdgpc.coordinator.jobs import GpuRef, RunningJobs, node_power_w
+from slurm_cdgpc.coordinator.jobs import GpuRef, RunningJobs, jobs_on, node_power_w
 from slurm_cdgpc.store import Job
 from slurm_cdgpc.topology import Topology
+
+#: `JobView.serving`'s states (`_served`)
+SERVING_STATES: Final = ("met", "missed", "unmet", "gave-way", "waiting")
 
 
 def finite_or_none(x: float | None) -> float | None:
@@ -171,12 +175,9 @@ def job_views(
     infos = running.jobs
     row = {j.job_id: i for i, j in enumerate(infos)}
     outlook = None if decision is None or not infos else running.outlook(decision, now_s, bounded)
-    on: dict[GpuRef, list[str]] = {}
+    on = jobs_on((job_id, gpu_refs(job)) for job_id, job in known.items())
     for job_id, job in known.items():
-        for g in job.gpus:
-            on.setdefault(GpuRef(g.node, g.gpu_index), []).append(job_id)
-    for job_id, job in known.items():
-        refs = [GpuRef(g.node, g.gpu_index) for g in job.gpus]
+        refs = gpu_refs(job)
         drawn = [power_by_gpu[r] / len(on[r]) for r in refs if r in power_by_gpu]
         measured = float(sum(drawn)) if drawn else None
         shares = tuple(sorted({j for r in refs for j in on[r]} - {job_id}))
@@ -200,6 +201,11 @@ def job_views(
         )
         views.append(_served(view, running, decision, i))
     return tuple(views)
+
+
+def gpu_refs(job: Job) -> list[GpuRef]:
+    """A stored job's GPUs as the head's table names them."""
+    return [GpuRef(g.node, g.gpu_index) for g in job.gpus]
 
 
 def _served(view: JobView, running: RunningJobs, decision: Decision, row: int) -> JobView:
