@@ -76,6 +76,17 @@ def parse_duration_s(text: str) -> float:
     return seconds
 
 
+#: a latency's units, as counts per second: divided by, not multiplied (800 / 1e6 is 0.0008,
+#: 800 * 1e-6 is not), so that 1000us is 1ms exactly
+_PER_SECOND: Final = {"us": 1e6, "ms": 1e3, "s": 1.0}
+
+
+def latency_s(number: str, unit: str | None) -> float:
+    """A latency a grammar has read as ``number`` and ``unit`` (``us``, ``ms``, ``s`` in any
+    case; None: seconds) → seconds."""
+    return float(number) / _PER_SECOND[(unit or "s").lower()]
+
+
 def format_power(watts: float) -> str:
     """450000 → ``450 kW``; three significant digits, the largest unit that keeps it ≥ 1."""
     for unit, scale in (("MW", 1e6), ("kW", 1e3)):

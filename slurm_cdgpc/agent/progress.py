@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Final, Protocol
 
 from slurm_cdgpc.errors import CdgpcError, FatalError
+from slurm_cdgpc.units import latency_s
 from slurm_cdgpc.wire.protocol import MAX_PROGRESS_LINE_BYTES, ProgressLine, ProtocolError
 
 logger = logging.getLogger(__name__)
@@ -34,8 +35,6 @@ JOB_ID_ENV: Final = "SLURM_JOB_ID"
 CLIENT_TIMEOUT_S: Final = 1.0
 _PEERCRED: Final = struct.Struct("3i")  # struct ucred: pid, uid, gid
 _LATENCY: Final = re.compile(r"([0-9]+(?:\.[0-9]*)?|\.[0-9]+)(us|ms|s)?")
-#: divided by, not multiplied: 800 / 1e6 is 0.0008, 800 * 1e-6 is not
-_PER_SECOND: Final = {"us": 1e6, "ms": 1e3, "s": 1.0, None: 1.0}
 
 
 class Recorder(Protocol):
@@ -184,7 +183,7 @@ def _latency(text: str) -> float:
         raise argparse.ArgumentTypeError(
             f"must be a duration like 250ms, 0.25s, 800us or 0.25, got {text!r}"
         )
-    return float(match[1]) / _PER_SECOND[match[2]]
+    return latency_s(match[1], match[2])
 
 
 def _read_line(sock: socket.socket, limit: int, until_s: float) -> bytes:

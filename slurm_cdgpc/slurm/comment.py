@@ -16,7 +16,7 @@ from datetime import UTC, datetime, timedelta, timezone, tzinfo
 from typing import Final
 
 from slurm_cdgpc.errors import InputError, one_line
-from slurm_cdgpc.units import span_s
+from slurm_cdgpc.units import latency_s, span_s
 
 logger = logging.getLogger(__name__)
 
@@ -46,8 +46,6 @@ _SLO: Final = re.compile(
     r"p(?P<p>[0-9]+(?:\.[0-9]+)?):(?P<n>[0-9]+(?:\.[0-9]+)?)(?P<unit>us|ms|s)",
     re.IGNORECASE | re.ASCII,
 )
-#: a latency's unit → its count per second (divided, so that 1000us is 1ms exactly)
-_PER_SECOND: Final = {"us": 1e6, "ms": 1e3, "s": 1.0}
 _CLIP_CHARS: Final = 43  # 40 and "...", as job_submit.lua shows them
 
 
@@ -166,11 +164,11 @@ def parse_slo(value: str) -> LatencyObjective:
     percentile = float(slo["p"])
     if not MIN_SLO_PERCENTILE <= percentile <= MAX_SLO_PERCENTILE:
         raise InputError(f"slo percentile must be between 50 and 99.99, got p{_clip(slo['p'])}")
-    latency_s = float(slo["n"]) / _PER_SECOND[slo["unit"].lower()]
-    if not MIN_SLO_LATENCY_S <= latency_s <= MAX_SLO_LATENCY_S:
+    seconds = latency_s(slo["n"], slo["unit"])
+    if not MIN_SLO_LATENCY_S <= seconds <= MAX_SLO_LATENCY_S:
         latency = _clip(slo["n"] + slo["unit"])
         raise InputError(f"slo latency must be between 1ms and 600s, got {latency}")
-    return LatencyObjective(percentile, latency_s)
+    return LatencyObjective(percentile, seconds)
 
 
 def parse_comment(text: str | None, *, tz: tzinfo | None = None) -> CommentRequest:
