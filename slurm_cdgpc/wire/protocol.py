@@ -94,6 +94,21 @@ def _opt_float(value: object, where: str, lo: float, hi: float) -> float | None:
     return None if value is None else _float(value, where, lo, hi)
 
 
+def _opt_positive(value: object, where: str, hi: float, expected: str) -> float | None:
+    """None, or a finite number in (0, ``hi``], else `ProtocolError`: ``where: must be
+    <expected>, got ...``."""
+    if value is None:
+        return None
+    if (
+        isinstance(value, int | float)
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and 0 < value <= hi
+    ):
+        return float(value)
+    raise ProtocolError(f"{where}: must be {expected}, {_got(value)}")
+
+
 def _is_text(value: object) -> TypeGuard[str]:
     return (
         isinstance(value, str)
@@ -216,18 +231,8 @@ MAX_POWER_LIMIT_W: Final = 1e5
 
 def _power_limit(value: object, where: str) -> float | None:
     """None, or a finite power in (0, `MAX_POWER_LIMIT_W`] W, else `ProtocolError`."""
-    if value is None:
-        return None
-    if (
-        isinstance(value, int | float)
-        and not isinstance(value, bool)
-        and math.isfinite(value)
-        and 0 < value <= MAX_POWER_LIMIT_W
-    ):
-        return float(value)
-    raise ProtocolError(
-        f"{where}: must be a power in W, above 0 and at most {MAX_POWER_LIMIT_W:g}, {_got(value)}"
-    )
+    expected = f"a power in W, above 0 and at most {MAX_POWER_LIMIT_W:g}"
+    return _opt_positive(value, where, MAX_POWER_LIMIT_W, expected)
 
 
 @dataclass(frozen=True)
@@ -608,16 +613,8 @@ _SERVING: Final = ("latency_s", "rate")
 
 def _opt_latency(value: object, where: str) -> float | None:
     """A latency in seconds in (0, `MAX_LATENCY_S`]: no request is served in no time."""
-    if value is None:
-        return None
-    if (
-        isinstance(value, int | float)
-        and not isinstance(value, bool)
-        and 0 < value <= MAX_LATENCY_S
-    ):
-        return float(value)  # NaN fails the comparison, as infinity does
-    raise ProtocolError(
-        f"{where}: must be a number of seconds in (0, {MAX_LATENCY_S:g}], {_got(value)}"
+    return _opt_positive(
+        value, where, MAX_LATENCY_S, f"a number of seconds in (0, {MAX_LATENCY_S:g}]"
     )
 
 
