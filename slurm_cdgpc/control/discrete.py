@@ -289,19 +289,14 @@ def _best_first(
     """``cand`` by ratio, best first (ties in index order): the order a full stable sort
     gives, over as many as the leftover can take. The best `_RANK_FIRST` (and any tied with
     the last of them) are ranked first; where those fit together, the best 4, 16, ... times
-    as many, until their upgrades in order cost more than the leftover: every upgrade ranked
-    after them costs > 0 (a finite ratio needs a cost > 0), so none of those is taken either."""
-    if cand.size > _RANK_FIRST:
-        edge = np.partition(ratio, cand.size - _RANK_FIRST)[cand.size - _RANK_FIRST]
-        top = np.flatnonzero(ratio >= edge)
-        if d_power[cand[top]].sum() > leftover:
-            head: IntArray = cand[top]
-            return head[_descending(ratio[top])]
-    best = 4 * _RANK_FIRST
+    as many, until their upgrades in order cost more than the leftover (summed in that order,
+    as the greedy fill spends them): every upgrade ranked after them costs > 0 (a finite ratio
+    needs a cost > 0), so none of those is taken either."""
+    best = _RANK_FIRST
     while cand.size > best:
         edge = np.partition(ratio, cand.size - best)[cand.size - best]
         top = np.flatnonzero(ratio >= edge)
-        head = cand[top][_descending(ratio[top])]
+        head: IntArray = cand[top][_descending(ratio[top])]
         if np.cumsum(d_power[head])[-1] > leftover:
             return head
         best *= 4

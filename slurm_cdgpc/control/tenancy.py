@@ -111,8 +111,8 @@ class Tenancy:
         w0 = problem.weight[0]
         total = np.bincount(u, w0, size)
         # pressure-weighted time: a group with no pressure at all takes its tenants' mean
-        pull = np.where(total[u] > 0, w0 / np.where(total[u] > 0, total[u], 1.0), 0.0)
-        pull = np.where(total[u] > 0, pull, 1.0 / self.tenants()[u])
+        pressed = total[u] > 0
+        pull = np.where(pressed, w0 / np.where(pressed, total[u], 1.0), 1.0 / self.tenants()[u])
         time_theta = _sum_rows(u, pull[:, None] * problem.time_theta, size)
         # power: the measured tenants' models by what they saw, or a new tenant's flat limit
         new = seen <= 0

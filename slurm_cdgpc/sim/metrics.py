@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Final
 
 import numpy as np
 import numpy.typing as npt
@@ -100,13 +100,14 @@ class Metrics:
             for key in ("domains", "domain_over_limit_intervals_pct", "domain_max_overshoot_pct"):
                 del out[key]
         if not self.serving_jobs:
-            for key in _SERVING_KEYS:
+            for key in ("serving_jobs", *SERVING_MEANS):
                 del out[key]
         return out
 
 
-_SERVING_KEYS = (
-    "serving_jobs",
+#: the serving metrics a sweep averages over seeds (`Metrics`; with ``serving_jobs``, left out
+#: when nothing serves)
+SERVING_MEANS: Final = (
     "slo_attainment",
     "serving_energy_kwh",
     "serving_mean_w",

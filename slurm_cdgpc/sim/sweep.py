@@ -35,7 +35,7 @@ from slurm_cdgpc.sim.fleet import (
     parse_racks,
     with_domains,
 )
-from slurm_cdgpc.sim.metrics import compute_metrics
+from slurm_cdgpc.sim.metrics import SERVING_MEANS, compute_metrics
 from slurm_cdgpc.sim.policies import POLICIES, READS_PLANT, make_policy
 from slurm_cdgpc.sim.reporting import DEFAULT_TIME_LIMITS, ProgressMix, TimeLimitModel
 from slurm_cdgpc.sim.serving import Arrivals, Serving
@@ -785,6 +785,5 @@ def _serving_means(group: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """Means over seeds of the serving metrics (nothing without serving jobs)."""
     if not all(r.get("serving_jobs") for r in group):
         return {}
-    keys = ("slo_attainment", "serving_energy_kwh", "serving_mean_w", "serving_clock_fraction")
-    values = {k: [r[k] for r in group if r[k] is not None] for k in keys}
+    values = {k: [r[k] for r in group if r[k] is not None] for k in SERVING_MEANS}
     return {k: sum(v) / len(v) if v else None for k, v in values.items()}
