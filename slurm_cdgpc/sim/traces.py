@@ -20,7 +20,7 @@ from datetime import datetime
 from itertools import chain, pairwise
 from pathlib import Path
 from types import MappingProxyType
-from typing import NamedTuple, NoReturn
+from typing import Final, NamedTuple, NoReturn
 
 import numpy as np
 import numpy.typing as npt
@@ -36,6 +36,8 @@ IntArray = npt.NDArray[np.int64]
 StrArray = npt.NDArray[np.str_]
 BoolArray = npt.NDArray[np.bool_]
 
+#: `Trace.gpu_milli` of a job on whole GPUs
+WHOLE_GPU: Final = 1000
 FORMATS = ("elasticflow", "chronus", "alibaba2023", "cdgpc")
 JOB_TYPES = ("strict", "soft", "best-effort", "")
 
@@ -70,6 +72,7 @@ _COLUMNS: tuple[tuple[str, type[np.generic]], ...] = (
     ("gpu_type", np.str_),
     ("job_type", np.str_),
     ("time_limit_s", np.float64),
+    ("gpu_milli", np.int64),
 )
 
 
@@ -97,11 +100,16 @@ class Trace:
     #: Slurm's time limit per job, from its start (NaN: not in the trace; empty: none has one).
     #: No format read here carries one: the simulator draws them (`slurm_cdgpc.sim.reporting`)
     time_limit_s: FloatArray = field(default_factory=lambda: np.zeros(0))
+    #: per job, the thousandths of one GPU it asks for: 1000 for whole GPUs (empty: all),
+    #: less for a one-GPU job that shares its GPU with others (Alibaba's ``gpu_milli``)
+    gpu_milli: IntArray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
 
     def __post_init__(self) -> None:
         n = len(np.atleast_1d(self.job_id))
         if np.size(self.time_limit_s) == 0:
             object.__setattr__(self, "time_limit_s", np.full(n, np.nan))
+        if np.size(self.gpu_milli) == 0:
+            object.__setattr__(self, "gpu_milli", np.full(n, WHOLE_GPU, dtype=np.int64))
         for name, dtype in _COLUMNS:
             column = np.array(getattr(self, name), dtype=dtype)
             if column.shape != (n,):
@@ -115,6 +123,11 @@ class Trace:
             raise InputError("Trace.duration_s must be finite and >= 0")
         if np.any(self.num_gpu < 1):
             raise InputError("Trace.num_gpu must be >= 1")
+        shared = self.gpu_milli != WHOLE_GPU
+        if np.any(
+            (self.gpu_milli < 1) | (self.gpu_milli > WHOLE_GPU) | (shared & (self.num_gpu > 1))
+        ):
+            raise InputError("Trace.gpu_milli must be 1 … 1000, and 1000 for a job of several GPUs")
         limit_s = self.time_limit_s
         if np.any(~(np.isfinite(limit_s) & (limit_s > 0)) & ~np.isnan(limit_s)):
             raise InputError("Trace.time_limit_s must be finite and > 0, or NaN")
@@ -203,8 +216,9 @@ def alibaba2023(
     ``creation_time``; duration is ``deletion_time - scheduled_time``, or ``deletion_time -
     creation_time`` for pods never scheduled (how long they waited before deletion); pods alive
     at the end of the trace are cut there. ``gpu_spec`` (allowed GPU types, '|'-separated, empty
-    = any) becomes ``gpu_type``. ``gpu_milli`` (GPU sharing) is not kept: a pod with ``num_gpu``
-    1 counts as a whole GPU. The resampled lists without times (``openb_pod_list_multigpu50.csv``
+    = any) becomes ``gpu_type``. ``gpu_milli`` (thousandths of a GPU, below 1000 for a pod that
+    shares its one GPU) becomes `Trace.gpu_milli`: the simulator packs such pods onto shared
+    GPUs. The resampled lists without times (``openb_pod_list_multigpu50.csv``
     and kin) cannot be replayed. ``nodes_path`` (``openb_node_list_gpu_node.csv``) fills
     `Trace.cluster_gpus` and checks that every GPU type a pod asks for exists.
     """
@@ -499,6 +513,7 @@ def _trace(
     gpu_type: Sequence[str] | None = None,
     job_type: Sequence[str] | None = None,
     cluster_gpus: Mapping[str, int] | None = None,
+    gpu_milli: IntArray | None = None,
     skipped_why: str = "no GPUs",
 ) -> Trace:
     """Keep the rows ``keep``, check their ids, sort them by submission, and build the Trace."""
@@ -543,6 +558,7 @@ def _trace(
         time_unit_note=note,
         skipped=skipped,
         cluster_gpus=cluster_gpus or {},
+        gpu_milli=np.zeros(0, dtype=np.int64) if gpu_milli is None else gpu_milli[order],
     )
 
 
@@ -688,6 +704,13 @@ def _alibaba2023(name: str, text: str, nodes: tuple[str, dict[str, int]] | None 
         table.fail(i, "deletion_time", f"{deleted[i]:g} is before the pod started at {start[i]:g}")
     gpu_type = _gpu_specs(table, nodes) if table.has("gpu_spec") else None
     num_gpu = table.counts("num_gpu")
+    milli = None
+    if table.has("gpu_milli"):
+        milli = table.counts("gpu_milli")
+        for i in np.flatnonzero((num_gpu > 0) & ((milli < 1) | (milli > WHOLE_GPU))).tolist():
+            table.fail(i, "gpu_milli", f"{milli[i]} is not 1 … {WHOLE_GPU} thousandths of a GPU")
+        for i in np.flatnonzero((num_gpu > 1) & (milli != WHOLE_GPU)).tolist():
+            table.fail(i, "gpu_milli", f"a pod of {num_gpu[i]} GPUs cannot share them ({milli[i]})")
     return _trace(
         table,
         "alibaba2023",
@@ -701,6 +724,7 @@ def _alibaba2023(name: str, text: str, nodes: tuple[str, dict[str, int]] | None 
         num_gpu=num_gpu,
         gpu_type=gpu_type,
         cluster_gpus=None if nodes is None else nodes[1],
+        gpu_milli=milli,
         skipped_why="CPU-only pods, num_gpu 0",
     )
 

@@ -146,6 +146,7 @@ def test_alibaba_pods_run_from_scheduling_to_deletion() -> None:
     assert trace.duration_s.tolist() == [4990, 4945, 3540, 60, 120]
     assert trace.num_gpu.tolist() == [1, 1, 8, 1, 2]
     assert trace.gpu_type.tolist() == ["", "G2", "V100M32", "T4|P100", ""]
+    assert trace.gpu_milli.tolist() == [1000, 250, 1000, 500, 1000]  # pods 05 and 03 share
     assert np.all(np.isnan(trace.deadline_s)) and dict(trace.cluster_gpus) == {}
 
 
@@ -372,6 +373,14 @@ BROKEN: dict[str, tuple[str | bytes, str | None, int, str | None, str]] = {
         2,
         "deletion_time",
         "before the pod started",
+    ),
+    "alibaba no share": (set_cell(ALI, 6, "gpu_milli", "0"), None, 6, "gpu_milli", "1 … 1000"),
+    "alibaba shares several": (
+        set_cell(ALI, 4, "gpu_milli", "500"),
+        None,
+        4,
+        "gpu_milli",
+        "a pod of 8 GPUs cannot share them",
     ),
     "alibaba without times": (
         "name,cpu_milli,memory_mib,num_gpu,gpu_milli\nopenb-pod-0000,12000,16384,1,1000\n",
@@ -623,6 +632,7 @@ def test_real_alibaba_pods_and_nodes(shared_data: Path) -> None:
     trace = alibaba2023(folder / "openb_pod_list_default.csv", nodes_path=nodes)
     assert len(trace) == 8_152 - 1_088 and trace.skipped == 1_088
     assert sum(trace.cluster_gpus.values()) == 6_212 and trace.cluster_gpus["G2"] == 549 * 8
+    assert int(np.sum(trace.gpu_milli < 1000)) == 3_078  # the pods that share a GPU
     typed = alibaba2023(folder / "openb_pod_list_gpuspec33.csv", nodes_path=nodes)
     assert 0.25 < float(np.mean(typed.gpu_type != "")) < 0.40
     with pytest.raises(TraceFormatError, match="column 'creation_time'"):
