@@ -300,9 +300,9 @@ class EconomicMPC:
         if measured is not None:
             x_a, xm_a = estimator.normalise(measured.graphics_mhz, measured.memory_mhz)
             if measured.planned_power_w is not None:
-                drawn = estimator.statics.gpus * measured.power_w
-                if jobs.tenancy is not None:  # a shared GPU's readings, once
-                    drawn = drawn * jobs.tenancy.attribution(estimator.statics.gpus)
+                # a shared GPU's readings once, split as the plan that was measured split them:
+                # a tenant that came or left since changes today's split, not that reading's
+                drawn = estimator.statics.gpus * measured.power_w * estimator.share
                 both = np.isfinite(drawn) & np.isfinite(measured.planned_power_w)
                 if measured.power_capped is not None:
                     # a job held down by the firmware drew less than planned for a reason that
@@ -371,6 +371,13 @@ class EconomicMPC:
                 fixed = free == 0
         plan = discretise(problem, grid, types, x[0], x_m[0], s.greedy_rounds, nested, fixed)
         domain_planned_w = None if nested is None else nested.totals(plan.job_power_w)[1:]
+        share = (
+            np.ones(len(estimator))
+            if tenancy is None
+            else tenancy.attribution(estimator.statics.gpus)
+        )
+        estimator.same_share = np.where(share == estimator.share, estimator.same_share + 1, 0)
+        estimator.share = share
         if tenancy is not None:  # every tenant at its GPUs' clocks, charged its share
             g = tenancy.group
             plan = replace(
@@ -382,8 +389,11 @@ class EconomicMPC:
                 job_power_w=tenancy.job_power_w(plan.job_power_w),
             )
         # the offset learns only from settled models: a young job's error is RLS's to fix, and
-        # counting it twice (model and offset) overshoots once the model has caught up
-        settled = estimator.power.count >= s.settle_intervals
+        # counting it twice (model and offset) overshoots once the model has caught up; so is
+        # the error of a model whose GPU has gained or lost a tenant
+        settled = (estimator.power.count >= s.settle_intervals) & (
+            estimator.same_share >= s.settle_intervals
+        )
         planned = np.where(settled, plan.job_power_w, np.nan)
         decision = self._decide(planned, problem, result, plan, learn, t0, budget_w)
         if serving is not None:

@@ -8,9 +8,12 @@ same dual problem:
 
 - time: Σ_k w_k T_k(x) = W · (Σ_k w_k b_k / W) · φ_T(x) with W = Σ_k w_k;
 - power: every tenant sees its GPUs' whole readings, so every tenant's model learns the GPUs'
-  power; the group's is their mean weighted by what each has seen (a tenant not yet measured
-  makes the group unmeasured: counted at its power limit, as a new job is), times the group's
-  physical GPUs.
+  power; the group's is its youngest measured tenant's (the fewest readings, so all of them
+  taken with the present co-tenants; ties averaged), times the group's physical GPUs. An older
+  tenant's model also remembers the GPU before the newcomer came, and under-predicts what the
+  two draw together; a model that remembers a tenant that has left over-predicts, the safe
+  side. A tenant not yet measured makes the group unmeasured: counted at its power limit, as a
+  new job is.
 
 Each tenant is charged an equal share of its group's power (`job_power_w`, `attribution`), so
 sums over jobs count every GPU once. The controller's math: never reaches `store/`,
@@ -114,10 +117,11 @@ class Tenancy:
         pressed = total[u] > 0
         pull = np.where(pressed, w0 / np.where(pressed, total[u], 1.0), 1.0 / self.tenants()[u])
         time_theta = _sum_rows(u, pull[:, None] * problem.time_theta, size)
-        # power: the measured tenants' models by what they saw, or a new tenant's flat limit
+        # power: the youngest measured tenant's model, or a new tenant's flat limit
         new = seen <= 0
         has_new = np.bincount(u, new.astype(np.float64), size) > 0
-        trust = np.where(has_new[u], new.astype(np.float64), seen)
+        youngest = -_max_at(u, -np.where(new, np.inf, seen), size)
+        trust = np.where(has_new[u], new, seen == youngest[u]).astype(np.float64)
         trust = trust / np.bincount(u, trust, size)[u]
         power_theta = _sum_rows(u, trust[:, None] * problem.power_theta, size)
         first = self.first()

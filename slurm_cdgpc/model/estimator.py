@@ -158,6 +158,13 @@ class JobEstimator:
         #: a serving job's floor in the last plan (normalised; NaN: none yet), where the next
         #: starts from (`slurm_cdgpc.control.serving`)
         self.floor_x = np.zeros(0)
+        #: the part of its GPUs' readings that was the job's own in the last plan (1 alone,
+        #: less on a shared GPU: `Tenancy.attribution`; NaN: not planned yet): what its next
+        #: reading, taken among the tenants that plan counted on, is compared with
+        self.share = np.zeros(0)
+        #: plans in a row with that share: a GPU whose tenants changed gives readings its
+        #: models have not learnt yet, like a new job's
+        self.same_share = np.zeros(0, dtype=np.int64)
 
     def __len__(self) -> int:
         return self.power.n
@@ -173,6 +180,8 @@ class JobEstimator:
         self.limit_x = np.concatenate([self.limit_x, np.full(len(statics), np.inf)])
         self.work_top_s = np.concatenate([self.work_top_s, np.zeros(len(statics))])
         self.floor_x = np.concatenate([self.floor_x, np.full(len(statics), np.nan)])
+        self.share = np.concatenate([self.share, np.full(len(statics), np.nan)])
+        self.same_share = np.concatenate([self.same_share, np.zeros(len(statics), np.int64)])
 
     def restore(self, power: RlsState, time: RlsState, rows: Sequence[int] | None = None) -> None:
         """Put back the models of jobs already added (``rows``; default: every one), as
@@ -188,6 +197,8 @@ class JobEstimator:
         self.limit_x = self.limit_x[mask]
         self.work_top_s = self.work_top_s[mask]
         self.floor_x = self.floor_x[mask]
+        self.share = self.share[mask]
+        self.same_share = self.same_share[mask]
 
     def normalise(
         self, graphics_mhz: FloatArray, memory_mhz: FloatArray

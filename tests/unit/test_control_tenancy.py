@@ -125,6 +125,23 @@ def test_a_new_tenant_makes_its_gpu_count_at_its_limit() -> None:
     assert problem.power_w(np.array([0.6]), np.ones(1)) == pytest.approx([400.0])
 
 
+def test_a_gpu_is_modelled_by_its_youngest_tenant_who_saw_only_the_present_company() -> None:
+    """Job 0 ran alone at 200 W for three intervals; job 1 joined and both read 320 W at the
+    same clock once: the GPU is counted at what the two draw together, not at a mean that
+    remembers the GPU alone."""
+    est = _estimator([1], [200.0], [0.5])
+    est.add_jobs(a100_estimator([1]).statics, iteration_s=np.full(1, 0.5))
+    x = np.full(2, 0.6)
+    together_w = 320.0 * (0.4 + 0.6 * 0.6**3)
+    est.observe(x, np.ones(2), np.full(2, together_w), np.full(2, 0.5 / 0.6))
+    tenancy = Tenancy.of_gpus([["a0"], ["a0"]])
+    problem = _mpc().problem(est, _jobs(2, [3600.0, 3600.0], tenancy), 0.0, 1e4)
+    assert problem.gpus.tolist() == [1.0]
+    newcomer_w = est.predict_power_w(x, np.ones(2))[1]
+    assert problem.power_w(x[:1], np.ones(1)) == pytest.approx([newcomer_w])
+    assert newcomer_w > est.predict_power_w(x, np.ones(2))[0]  # the old model under-predicts
+
+
 def test_a_domain_sees_a_shared_gpu_once() -> None:
     est = _estimator([1, 1, 1], [300.0] * 3, [0.5] * 3)
     tenancy = Tenancy.of_gpus([["a0"], ["a0"], ["b0"]])
