@@ -6,9 +6,11 @@ import io
 import os
 import sys
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import click
+import numpy as np
 
 from slurm_cdgpc.cli.output import echo_json, format_table, format_value
 from slurm_cdgpc.cli.sweep import BACKENDS, run_sweep, run_sweep_cell
@@ -27,7 +29,7 @@ from slurm_cdgpc.sim.policies import POLICIES, READS_PLANT, make_policy
 from slurm_cdgpc.sim.reporting import DEFAULT_TIME_LIMITS, SOURCES, ProgressMix, TimeLimitModel
 from slurm_cdgpc.sim.serving import ARRIVALS_FILE, DEFAULT_MULTIPLE, Arrivals, Serving
 from slurm_cdgpc.sim.sweep import parse_mixes
-from slurm_cdgpc.sim.traces import load_trace
+from slurm_cdgpc.sim.traces import WHOLE_GPU, load_trace
 from slurm_cdgpc.sim.twin import HeadTwin
 from slurm_cdgpc.topology import Topology, load_topology
 from slurm_cdgpc.units import parse_duration_s
@@ -107,6 +109,19 @@ _SERVING_TABLE = (
     "limits (replays as before the simulator modelled them).",
 )
 @click.option("--limit-jobs", type=click.IntRange(min=1), default=None, help="First N jobs only.")
+@click.option(
+    "--last-jobs",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Last N jobs only (by submission), e.g. where Alibaba's pods crowd. Not with "
+    "--limit-jobs or --sweep.",
+)
+@click.option(
+    "--whole-gpus",
+    is_flag=True,
+    help="Every job on whole GPUs: a pod that asks for part of one gets all of it (what if the "
+    "site stopped sharing GPUs).",
+)
 @click.option(
     "--racks",
     default=None,
@@ -209,6 +224,8 @@ def simulate(
     progress_mixes: tuple[str, ...],
     time_limit_model: str,
     limit_jobs: int | None,
+    last_jobs: int | None,
+    whole_gpus: bool,
     racks: str | None,
     topology_path: str | None,
     serving: str | None,
@@ -226,9 +243,12 @@ def simulate(
 ) -> None:
     """Replay a job trace on a simulated GPU cluster under a power budget.
 
-    Jobs are placed strict-FIFO first-fit on whole GPUs; every interval the policy sets clocks
-    or power limits from what it measured; the calibrated plant says what the GPUs do. The
-    default fleet covers the trace's 90th-percentile concurrent demand with 8-GPU A100 nodes.
+    Jobs are placed strict-FIFO first-fit on whole GPUs, and pods that ask for part of one
+    (Alibaba's gpu_milli) share GPUs; every interval the policy sets clocks or power limits
+    from what it measured; the calibrated plant says what the GPUs do. The default fleet covers
+    the trace's 90th-percentile concurrent demand with 8-GPU A100 nodes. peak_demand_w in the
+    metrics is the most the jobs would have drawn at top clocks: max-clock's is the fleet's
+    peak draw, to set a budget against.
 
     With --sweep OUTDIR, every combination of the traces, budgets, policies, seeds and progress
     mixes (or shares) is one replay (a cell) whose metrics land in OUTDIR/cells; cells already
@@ -252,7 +272,13 @@ def simulate(
             parse_racks(racks)
         if serving is None and serving_arrivals is not None:
             raise InputError("--serving-arrivals needs --serving")
+        if last_jobs is not None and limit_jobs is not None:
+            raise InputError("give --limit-jobs or --last-jobs, not both")
         if sweep_dir is not None:
+            if last_jobs is not None or whole_gpus:
+                raise InputError(
+                    "--last-jobs and --whole-gpus are for one replay: not with --sweep"
+                )
             if engine != "fast":
                 raise InputError("--engine head replays one trace: not with --sweep")
             if config_path is not None:
@@ -316,6 +342,8 @@ def simulate(
             mix,
             TimeLimitModel.parse(time_limit_model),
             limit_jobs,
+            last_jobs,
+            whole_gpus,
             racks,
             None if topology_path is None else load_topology(Path(topology_path)),
             None
@@ -359,6 +387,8 @@ def _simulate(
     mix: ProgressMix,
     time_limits: TimeLimitModel,
     limit_jobs: int | None,
+    last_jobs: int | None,
+    whole_gpus: bool,
     racks: str | None,
     topology: Topology | None,
     serving: Serving | None,
@@ -385,8 +415,19 @@ def _simulate(
     trace = load_trace(trace_path, trace_format)
     if limit_jobs is not None:
         trace = trace.head(limit_jobs)
+    if last_jobs is not None:
+        trace = trace.select(np.arange(len(trace)) >= len(trace) - last_jobs)
     if len(trace) == 0:
         raise InputError(f"{trace_path}: no jobs to replay")
+    if whole_gpus:
+        trace = replace(trace, gpu_milli=np.full(len(trace), WHOLE_GPU))
+    if np.any(trace.gpu_milli < WHOLE_GPU):  # jobs share GPUs: the plant is per whole GPU
+        if policy == "all":
+            names = [p for p in names if p == "max-clock" or p not in READS_PLANT]
+        elif policy != "max-clock" and policy in READS_PLANT:
+            raise InputError(
+                f"--policy {policy} reads the plant of whole GPUs: not with shared ones"
+            )
     fleet = fleet or default_fleet(trace)
     fleet = with_domains(fleet if serving is None else serving.fleet(fleet), racks, topology)
     budget_w = parse_budget_w(budget, fleet)

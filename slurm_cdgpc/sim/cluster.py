@@ -20,7 +20,14 @@ import numpy.typing as npt
 
 from slurm_cdgpc.errors import InputError
 from slurm_cdgpc.gpu.catalog import GpuSpec, catalog_spec
-from slurm_cdgpc.gpu.plant import Plant, WorkloadArrays, draw_workloads, hardware_calibration
+from slurm_cdgpc.gpu.plant import (
+    Plant,
+    PlantState,
+    WorkloadArrays,
+    draw_workloads,
+    hardware_calibration,
+)
+from slurm_cdgpc.sim.colocation import draw_pair_throughput, throughput_factors
 from slurm_cdgpc.sim.fleet import FleetSpec
 from slurm_cdgpc.sim.reporting import (
     DEFAULT_TIME_LIMITS,
@@ -31,7 +38,8 @@ from slurm_cdgpc.sim.reporting import (
     TimeLimitModel,
 )
 from slurm_cdgpc.sim.serving import Serving, ServingReplay, ServingState
-from slurm_cdgpc.sim.traces import Trace
+from slurm_cdgpc.sim.sharing import SharedGpus, shared_step
+from slurm_cdgpc.sim.traces import WHOLE_GPU, Trace
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +93,9 @@ class ClusterView:
     #: serving jobs' latency objective (s) at their percentile, NaN for training jobs; None
     #: when no job serves (`JobState.objective_s`)
     objective_s: FloatArray | None = None
+    #: the shared GPU a job holds part of (`slurm_cdgpc.sim.sharing`): an id, the same for its
+    #: tenants, or −1 for a job on whole GPUs; None when no job shares
+    shared_gpu: IntArray | None = None
 
     def __post_init__(self) -> None:
         # read-only views: a policy cannot write into the simulator's state
@@ -99,7 +110,24 @@ class ClusterView:
 
     @property
     def busy_gpus(self) -> int:
-        return int(self.job_gpus.sum())
+        return round(float(self.gpus_held.sum()))
+
+    @property
+    def gpus_held(self) -> FloatArray:
+        """Per job, the physical GPUs that are its own: its GPUs, or 1 / tenants of a shared
+        one (so that sums over jobs count every GPU once)."""
+        gpus = self.job_gpus.astype(np.float64)
+        if self.shared_gpu is None:
+            return gpus
+        shared = self.shared_gpu >= 0
+        ids, where, count = np.unique(self.shared_gpu, return_inverse=True, return_counts=True)
+        del ids
+        return np.where(shared, 1.0 / count[where.reshape(-1)], gpus)
+
+    def node_busy_gpus(self) -> FloatArray:
+        """Per node, its GPUs that run jobs (a shared GPU once)."""
+        held: FloatArray = self.job_nodes.T @ (self.gpus_held / self.job_gpus)
+        return held
 
     def rows(
         self, keep: BoolArray, kept: BoolArray, started: int, **changes: object
@@ -134,6 +162,7 @@ JOB_FIELDS: Final = (
     "iteration_s",
     "power_capped",
     "objective_s",
+    "shared_gpu",
 )
 
 
@@ -214,6 +243,9 @@ class SimulationResult:
     serving_latency_s: FloatArray = field(default_factory=lambda: np.zeros((0, 0)))
     serving_clock: FloatArray = field(default_factory=lambda: np.zeros((0, 0)))
     serving_energy_j: float = 0.0
+    #: per simulated interval: the GPUs that jobs share, and their tenants (empty: none shares)
+    shared_gpus: FloatArray = field(default_factory=lambda: np.zeros(0))
+    tenants: FloatArray = field(default_factory=lambda: np.zeros(0))
 
 
 @dataclass(frozen=True)
@@ -282,6 +314,7 @@ class _Running:
     power_w: FloatArray
     iteration_s: FloatArray
     power_capped: BoolArray
+    shared: IntArray  # the shared GPU's id, −1: whole GPUs
 
     def select(self, keep: BoolArray) -> _Running:
         return _Running(*(getattr(self, f)[keep] for f in self.__dataclass_fields__))
@@ -324,6 +357,8 @@ class _Served:
             "iteration_s": self.seen.latency_s,
             "power_capped": self.seen.power_capped,
         }
+        if view.shared_gpu is not None:
+            heads["shared_gpu"] = np.full(s, -1, dtype=np.int64)
         rows = {k: np.concatenate([v, getattr(view, k)]) for k, v in heads.items()}
         objective = np.concatenate([self.replay.objective_s, np.full(len(view), np.nan)])
         kept = view.kept if first else np.concatenate([np.ones(s, dtype=bool), view.kept])
@@ -384,7 +419,9 @@ class Simulator:
        behind it. A job of g ≤ GPUs-per-node GPUs takes the first node with g free GPUs; a
        larger job takes ⌈g / n⌉ entirely free nodes, first within one node group, else across
        groups in order (the last node holds the remainder). A job that names GPU types goes
-       only on nodes of those types (`allowed_nodes`);
+       only on nodes of those types (`allowed_nodes`). A job that asks for part of one GPU
+       (`Trace.gpu_milli`) goes onto the oldest shared GPU with room for it, else opens one
+       (`slurm_cdgpc.sim.sharing`: what tenants of one GPU draw and how fast they run);
     3. the policy sees a `ClusterView` (measurements of the last interval, GPU counts and types,
        deadlines, reported progress, the budget) and returns `Setpoints`; what a job reports
        follows its progress source (`_as_seen`), and every job but a ``none`` one has a Slurm
@@ -456,6 +493,11 @@ class Simulator:
         )
         self.idle_w_by_type = np.array([s.idle_power_w for s in self.specs])
         self.max_mhz_by_type = np.array([float(s.max_graphics_mhz) for s in self.specs])
+        #: per trace job: the thousandths of a GPU a sharing job asks for (1000: whole GPUs),
+        #: and the combined throughput its GPU's tenants reach with it (`sim.colocation`)
+        self.gpu_milli = np.asarray(trace.gpu_milli, dtype=np.int64)
+        self.sharing = bool(np.any(self.gpu_milli < WHOLE_GPU))
+        self.combined = draw_pair_throughput(len(trace), np.random.default_rng([seed, 3]))
         self.serving = serving
         #: (S, nodes): the serving jobs' GPUs, the fleet's last ones
         count = 0 if serving is None else serving.jobs
@@ -562,6 +604,11 @@ class Simulator:
                     f"policy {policy.name!r} reads the training plant: not with serving"
                 )
             served = _Served(self.serving_replay, self.serving_nodes, self.serving_types, self.seed)
+        if self.sharing and isinstance(policy, PlantPolicy):
+            raise InputError(
+                f"policy {policy.name!r} reads the plant of whole GPUs: not with shared ones"
+            )
+        shared = SharedGpus()
         policy.start(self.fleet, self.budget_w, dt)
         start_s = np.full(n, np.nan)
         finish_s = np.full(n, np.nan)
@@ -594,6 +641,7 @@ class Simulator:
             empty_f,
             empty_f,
             np.zeros(0, dtype=bool),
+            empty_i,
         )
         kept = np.zeros(0, dtype=bool)
         queue: deque[int] = deque()
@@ -601,12 +649,14 @@ class Simulator:
         next_job = 0  # next trace row not yet submitted
         done = int(rejected.sum())
         plant: Plant | None = None
+        tenants: Plant | None = None  # the plant of the rows that share GPUs
         t_rec: list[float] = []
         p_rec: list[float] = []
         d_rec: list[float] = []
         c_rec: list[float] = []
         topology = self.fleet.topology
         n_rec: list[npt.NDArray[np.float32]] = []
+        shared_rec: list[tuple[int, int]] = []
         energy_j = 0.0
         t = float(trace.submit_s[0]) if n else 0.0
         t0 = t
@@ -626,15 +676,33 @@ class Simulator:
                 next_job += 1
             started_rows: list[int] = []
             started_alloc: list[IntArray] = []
+            started_shared: list[int] = []
             while queue:
                 head = queue[0]
-                take = self._place(int(trace.num_gpu[head]), free, masks[mask_of[head]])
-                if take is None:
-                    break  # strict FIFO: the head blocks the queue
-                free -= take
+                allowed = masks[mask_of[head]]
+                milli = int(self.gpu_milli[head])
+                gpu = -1
+                if milli < WHOLE_GPU:  # the oldest shared GPU with room, else a new one
+                    found = shared.find(milli, allowed)
+                    if found is None:
+                        take = self._place(1, free, allowed)
+                        if take is None:
+                            break
+                        free -= take
+                        found = shared.open(int(np.argmax(take)))
+                    gpu = found
+                    shared.join(gpu, milli)
+                    take = np.zeros_like(free)
+                    take[shared.node[gpu]] = 1
+                else:
+                    take = self._place(int(trace.num_gpu[head]), free, allowed)
+                    if take is None:
+                        break  # strict FIFO: the head blocks the queue
+                    free -= take
                 started_rows.append(queue.popleft())
                 queued_gpus -= int(trace.num_gpu[started_rows[-1]])
                 started_alloc.append(take)
+                started_shared.append(gpu)
             if started_rows:
                 new_rows = np.array(started_rows, dtype=np.int64)
                 new_alloc = np.stack(started_alloc)
@@ -658,6 +726,7 @@ class Simulator:
                     np.concatenate([run.power_w, nan]),
                     np.concatenate([run.iteration_s, nan]),
                     np.concatenate([run.power_capped, np.zeros(new_rows.size, dtype=bool)]),
+                    np.concatenate([run.shared, np.array(started_shared, dtype=np.int64)]),
                 )
                 plant = None
             if len(run.rows) == 0 and served is None:
@@ -666,6 +735,13 @@ class Simulator:
                 continue
             if plant is None:
                 plant = Plant(self.specs, run.types, wl.on(run.types, run.rows))
+                tenant = run.shared >= 0
+                tenants = None
+                if tenant.any():
+                    rows, types = run.rows[tenant], run.types[tenant]
+                    tenants = Plant(self.specs, types, wl.on(types, rows))
+                    gpu_of = np.unique(run.shared[tenant], return_inverse=True)[1].reshape(-1)
+                    factor = throughput_factors(self.gpu_milli[rows], gpu_of, self.combined[rows])
             idle_gpu_w = float(np.sum(free * self.idle_w_by_type[self.node_type]))
             view = ClusterView(
                 now_s=t,
@@ -696,6 +772,7 @@ class Simulator:
                 idle_power_w=idle_gpu_w,
                 queued_jobs=len(queue),
                 queued_gpus=queued_gpus,
+                shared_gpu=run.shared if self.sharing else None,
             )
             if not isinstance(policy, PlantPolicy):
                 view = self._as_seen(view)
@@ -729,6 +806,11 @@ class Simulator:
             mem = sp.memory_mhz
             truth = plant.step(clock, mem, limit)
             at_max = plant.step(top)
+            if tenants is not None:  # shared GPUs: one clock, one power each
+                truth, tenant_w = _with_tenants(
+                    truth, tenants, tenant, gpu_of, factor, clock, mem, limit
+                )
+                at_max, tenant_top_w = _with_tenants(at_max, tenants, tenant, gpu_of, factor, top)
             # progress ΔR = Δt / T; a job with R ≤ Δt/T ran the share R·T/Δt of the interval
             per_interval = dt / truth.iteration_time_s
             finishing = run.remaining <= per_interval * (1.0 + 1e-9)  # FP: exact fits finish
@@ -745,11 +827,17 @@ class Simulator:
             finishing &= ~killing
             idle_job_w = self.idle_w_by_type[run.types]
             job_w = run.gpus * (truth.power_w * share + idle_job_w * (1.0 - share))
+            demand_w = run.gpus * at_max.power_w
+            if tenants is not None:  # a tenant's draw above idle while it ran, and its idle part
+                job_w[tenant] = share[tenant] * tenant_w[0] + tenant_w[1]
+                demand_w[tenant] = tenant_top_w[0] + tenant_top_w[1]
             power_w = float(job_w.sum()) + idle_gpu_w + serving_w
             energy_j += power_w * dt
             t_rec.append(t)
             p_rec.append(power_w)
-            d_rec.append(float(np.sum(run.gpus * at_max.power_w)) + idle_gpu_w + serving_top_w)
+            if self.sharing:
+                shared_rec.append((len(shared), int(np.sum(run.shared >= 0))))
+            d_rec.append(float(demand_w.sum()) + idle_gpu_w + serving_top_w)
             if topology is not None:
                 # per node, as p_rec: its jobs' GPUs at true power, its idle GPUs at idle power
                 n_rec.append(
@@ -761,6 +849,13 @@ class Simulator:
                 )
             seen = plant.observe(truth, rng)
             seen_job_w = run.gpus * (seen.power_w * share + idle_job_w * (1.0 - share))
+            if tenants is not None:  # one reading per GPU: every tenant sees its first's
+                first = np.unique(gpu_of, return_index=True)[1]
+                read = (seen.power_w[tenant] / truth.power_w[tenant])[first][gpu_of]
+                seen_w = seen.power_w.copy()
+                seen_w[tenant] = truth.power_w[tenant] * read
+                seen = replace(seen, power_w=seen_w)
+                seen_job_w[tenant] = job_w[tenant] * read
             # per node: Σ_jobs GPUs on the node × measured per-GPU power, plus its idle GPUs
             node_power_w = (
                 run.alloc.T @ (seen_job_w / run.gpus)
@@ -781,7 +876,11 @@ class Simulator:
             run.power_capped = truth.power_capped
             kept = ~finishing
             if finishing.any():
-                free += run.alloc[finishing].sum(axis=0)
+                free += run.alloc[finishing & (run.shared < 0)].sum(axis=0)
+                for row in np.flatnonzero(finishing & (run.shared >= 0)).tolist():
+                    node = shared.leave(int(run.shared[row]), int(self.gpu_milli[run.rows[row]]))
+                    if node is not None:  # its last tenant left: the GPU is whole again
+                        free[node] += 1
                 run = run.select(kept)
                 plant = None
                 done += int(finishing.sum())
@@ -813,5 +912,36 @@ class Simulator:
             node_power_w=(np.stack(n_rec) if n_rec else np.zeros((0, n_nodes), dtype=np.float32)),
             domain_nodes=self.fleet.domain_nodes(),
             domain_limit_w=np.zeros(0) if topology is None else topology.limits_w,
+            shared_gpus=np.array([g for g, _ in shared_rec], dtype=np.float64),
+            tenants=np.array([k for _, k in shared_rec], dtype=np.float64),
         )
         return result if served is None else served.result(result)
+
+
+def _with_tenants(
+    state: PlantState,
+    tenants: Plant,
+    tenant: BoolArray,
+    gpu_of: IntArray,
+    factor: FloatArray,
+    clock: FloatArray,
+    memory_mhz: FloatArray | None = None,
+    limit_w: FloatArray | None = None,
+) -> tuple[PlantState, tuple[FloatArray, FloatArray]]:
+    """``state`` with its ``tenant`` rows as their shared GPUs run them (`shared_step`), and
+    per tenant row its draw above idle and its equal part of its GPU's idle power."""
+    step = shared_step(
+        tenants,
+        gpu_of,
+        factor,
+        clock[tenant],
+        None if memory_mhz is None else np.asarray(memory_mhz, dtype=np.float64)[tenant],
+        None if limit_w is None else limit_w[tenant],
+    )
+    fields = {}
+    for name in ("applied_mhz", "power_w", "iteration_time_s", "power_capped"):
+        values = getattr(state, name).copy()
+        values[tenant] = getattr(step.state, name)
+        fields[name] = values
+    idle_part = step.idle_w / np.bincount(gpu_of)[gpu_of]
+    return PlantState(**fields), (step.dynamic_w, idle_part)

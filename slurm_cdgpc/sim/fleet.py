@@ -19,7 +19,7 @@ import numpy.typing as npt
 
 from slurm_cdgpc.errors import InputError
 from slurm_cdgpc.gpu.catalog import GpuSpec, catalog_spec
-from slurm_cdgpc.sim.traces import Trace
+from slurm_cdgpc.sim.traces import WHOLE_GPU, Trace
 from slurm_cdgpc.topology import CLUSTER, Domain, Topology
 from slurm_cdgpc.units import parse_power_w
 
@@ -212,7 +212,7 @@ def with_domains(fleet: FleetSpec, racks: str | None, topology: Topology | None)
 
 
 def concurrent_demand_quantile(
-    submit_s: FloatArray, duration_s: FloatArray, num_gpu: IntArray, quantile: float
+    submit_s: FloatArray, duration_s: FloatArray, num_gpu: IntArray | FloatArray, quantile: float
 ) -> float:
     """Time-weighted quantile of Σ GPUs of the jobs in [submit, submit + duration).
 
@@ -238,9 +238,8 @@ def concurrent_demand_quantile(
 def default_fleet(trace: Trace) -> FleetSpec:
     """The trace's time-weighted p90 concurrent GPU demand, in whole 8-GPU A100 nodes (≥ 1):
     the GPUs the trace would keep busy if every job started at submission and ran at max
-    clocks."""
-    demand = concurrent_demand_quantile(
-        trace.submit_s, trace.duration_s, trace.num_gpu, DEFAULT_QUANTILE
-    )
+    clocks (a job that shares a GPU counts its part of it)."""
+    gpus = trace.num_gpu * trace.gpu_milli / WHOLE_GPU
+    demand = concurrent_demand_quantile(trace.submit_s, trace.duration_s, gpus, DEFAULT_QUANTILE)
     nodes = max(1, math.ceil(demand / DEFAULT_GPUS_PER_NODE))
     return FleetSpec((NodeGroup(nodes, DEFAULT_GPUS_PER_NODE, catalog_spec(DEFAULT_GPU)),))

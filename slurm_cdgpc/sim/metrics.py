@@ -93,6 +93,13 @@ class Metrics:
     serving_mean_w: float | None = None
     #: mean over the serving jobs' intervals of their clock over their top clock
     serving_clock_fraction: float | None = None
+    #: the most the running jobs (idle GPUs included) would have drawn at top clocks in one
+    #: interval: ``max-clock``'s is the fleet's peak draw, against which to set a budget
+    peak_demand_w: float = 0.0
+    #: jobs that share GPUs (`slurm_cdgpc.sim.sharing`; None, and left out of `as_dict`, when
+    #: none does): the mean number of shared GPUs over the intervals, and their mean tenants
+    shared_gpus_mean: float | None = None
+    tenants_per_shared_gpu: float | None = None
 
     def as_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -102,6 +109,8 @@ class Metrics:
         if not self.serving_jobs:
             for key in ("serving_jobs", *SERVING_MEANS):
                 del out[key]
+        if self.shared_gpus_mean is None:
+            del out["shared_gpus_mean"], out["tenants_per_shared_gpu"]
         return out
 
 
@@ -185,7 +194,18 @@ def compute_metrics(result: SimulationResult, reference: SimulationResult | None
         by_job_type=_by_job_type(result, miss, None if reference is None else missed(reference)),
         **_domain_metrics(result),
         **_serving_metrics(result),
+        peak_demand_w=float(result.demand_w.max()) if result.demand_w.size else 0.0,
+        **_sharing_metrics(result),
     )
+
+
+def _sharing_metrics(result: SimulationResult) -> dict[str, Any]:
+    if not result.shared_gpus.size or not result.shared_gpus.any():
+        return {}
+    return {
+        "shared_gpus_mean": float(result.shared_gpus.mean()),
+        "tenants_per_shared_gpu": float(result.tenants.sum() / result.shared_gpus.sum()),
+    }
 
 
 def _serving_metrics(result: SimulationResult) -> dict[str, Any]:

@@ -22,6 +22,7 @@ from slurm_cdgpc.control.domains import DomainLimits
 from slurm_cdgpc.control.empc import EconomicMPC, JobState, Measurements, QueueState
 from slurm_cdgpc.control.guard_rail import power_limits_w
 from slurm_cdgpc.control.ramp import Ramp
+from slurm_cdgpc.control.tenancy import Tenancy
 from slurm_cdgpc.control.tuning import Tuning, paper, shipped
 from slurm_cdgpc.errors import InputError
 from slurm_cdgpc.gpu.catalog import GpuSpec
@@ -126,7 +127,7 @@ class UniformDomainCap(UniformPowerCap):
         if not self.limit_w.size:
             return Setpoints(limit_w=limit)
         members = self.members.astype(np.float64)
-        busy = view.job_nodes.sum(axis=0)
+        busy = view.node_busy_gpus()
         idle_w = (view.node_gpus - busy) * np.array([s.idle_power_w for s in view.specs])[
             view.node_type
         ]
@@ -186,7 +187,7 @@ class EarGreedy(Policy):
                 lo = mid
         self.alloc_w = np.minimum(wants, lo * self.base_w)
         # per busy GPU of a node: (alloc − idle GPUs · P_idle) / busy GPUs
-        busy = view.job_nodes.sum(axis=0)
+        busy = view.node_busy_gpus()
         idle_w = np.array([s.idle_power_w for s in view.specs])[view.node_type]
         per_gpu = (self.alloc_w - (view.node_gpus - busy) * idle_w) / np.maximum(busy, 1)
         # a job's limit: the lowest of its nodes'
@@ -275,11 +276,24 @@ class Cdgpc(Policy):
             rows.tolist(), nodes.tolist(), view.job_nodes[rows, nodes].tolist(), strict=True
         ):
             job_gpus[row][names[node]] = count
-        idle_w = (view.node_gpus - view.job_nodes.sum(axis=0)) * np.array(
+        idle_w = (view.node_gpus - view.node_busy_gpus()) * np.array(
             [s.idle_power_w for s in self.specs]
         )[view.node_type]
         uncontrolled = {names[i]: w for i, w in enumerate(idle_w.tolist()) if w > 0}
         return self.topology.limits(job_gpus, uncontrolled)
+
+    @staticmethod
+    def tenancy(view: ClusterView) -> Tenancy | None:
+        """The jobs that share GPUs, as the head finds them: from each job's GPUs."""
+        if view.shared_gpu is None or not np.any(view.shared_gpu >= 0):
+            return None
+        shared, gpus = view.shared_gpu.tolist(), view.job_gpus.tolist()
+        return Tenancy.of_gpus(
+            [
+                [("shared", g)] if g >= 0 else [(n, k) for k in range(gpus[n])]
+                for n, g in enumerate(shared)
+            ]
+        )
 
     def ramp(self, with_domains: bool) -> Ramp | None:
         """The ramp rule's input, as the head builds it (`Coordinator._ramp`): the cluster's
@@ -314,17 +328,18 @@ class Cdgpc(Policy):
             planned,
             view.power_capped,
         )
+        tenancy = self.tenancy(view)
         jobs = JobState(
             view.job_type,
             view.remaining_iterations,
             view.deadline_s,
             time_limit_s=view.time_limit_s,
             start_s=view.start_s,
+            tenancy=tenancy,
             objective_s=view.objective_s,
         )
-        queue = QueueState.from_matrix(
-            view.queued_jobs > 0, view.job_nodes, view.node_gpus - view.job_nodes.sum(axis=0)
-        )
+        free_gpus = np.rint(view.node_gpus - view.node_busy_gpus()).astype(np.int64)
+        queue = QueueState.from_matrix(view.queued_jobs > 0, view.job_nodes, free_gpus)
         domains = self.domains(view)
         d = self.controller.step(
             self.estimator,
@@ -338,13 +353,23 @@ class Cdgpc(Policy):
             ramp=self.ramp(domains is not None),
         )
         self.planned_w = d.planned_power_w
+        # as the head's setpoints: a shared GPU is planned at its group's power, and keeps
+        # its default limit if any tenant serves
+        job_w, gpus = d.job_power_w, view.job_gpus.astype(np.float64)
+        free = None if d.serving is None else d.serving.serving
+        if tenancy is not None:
+            group = tenancy.group
+            job_w = np.bincount(group, job_w).astype(np.float64)[group]
+            gpus = tenancy.gpus[group]
+            if free is not None:
+                free = (np.bincount(group, free, tenancy.size) > 0)[group]
         limits = power_limits_w(
-            d.job_power_w,
-            view.job_gpus,
+            job_w,
+            gpus,
             self.power_limit_margin,
             np.array([s.power_limit.min_w for s in self.specs])[view.job_type],
             np.array([s.power_limit.default_w for s in self.specs])[view.job_type],
-            None if d.serving is None else d.serving.serving,
+            free,
         )
         return Setpoints(
             graphics_mhz=d.graphics_mhz.astype(np.float64),
@@ -421,7 +446,8 @@ class UniformClock(Policy):
         planned = np.concatenate([self.planned_w[view.kept], np.full(view.started, np.nan)])
         x_a, xm_a = est.normalise(view.graphics_mhz, view.memory_mhz)
         settled = est.power.count >= 3
-        drawn = view.job_gpus * view.power_w
+        held = view.gpus_held  # a shared GPU's reading once
+        drawn = held * view.power_w
         ok = settled & np.isfinite(drawn) & np.isfinite(planned) & ~view.power_capped
         if ok.any() and planned[ok].sum() > 0:
             miss = float(drawn[ok].sum() / planned[ok].sum()) - 1.0
@@ -434,7 +460,7 @@ class UniformClock(Policy):
         per_gpu = est.predict_power_w(x, np.ones_like(x))
         # unmeasured jobs: at their power limit, whatever the clock
         per_gpu = np.where(est.power.count > 0, per_gpu, est.statics.power_limit_w)
-        job_w = view.job_gpus * per_gpu
+        job_w = held * per_gpu
         total = job_w.sum(axis=1) * (1.0 + self.offset)
         room = view.budget_w * (1.0 - GUARD_BAND) - view.idle_power_w
         fits = np.flatnonzero(total <= room)
