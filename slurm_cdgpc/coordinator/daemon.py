@@ -707,6 +707,8 @@ class Coordinator:
             saving_w,
             self.controller.cut_order(estimator, state, now_s, None),
         )
+        if state.tenancy is not None and cut.any():  # a GPU's lowest clock is all its tenants'
+            cut = np.isin(state.tenancy.group, state.tenancy.group[cut])
         names = (CLUSTER, *self.topology.names)
         over_names = tuple(names[i] for i in np.flatnonzero(over))
         cut_jobs = [jobs[i] for i in np.flatnonzero(cut).tolist()]
@@ -744,12 +746,15 @@ class Coordinator:
         """Exchange the cut jobs' GPUs' lowest clocks with their nodes alone (the leader lock
         renewed first); the answers update the nodes and the locks as any exchange's do."""
         setpoints: dict[str, list[AgentSetpoint]] = {}
+        sent: set[GpuRef] = set()
         for job in cut_jobs:
             lowest = lowest_setpoints(
                 job.job_id, job.gpus, self.nodes.gpu_type, self.grid, self.specs
             )
             for ref, point in lowest.items():
-                setpoints.setdefault(ref.node, []).append(point)
+                if ref not in sent:  # a shared GPU once, named for its first cut tenant
+                    sent.add(ref)
+                    setpoints.setdefault(ref.node, []).append(point)
         if self.leader is not None:
             self.leader.confirm()
         epoch = 0 if self.leader is None else self.leader.epoch

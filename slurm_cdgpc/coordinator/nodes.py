@@ -330,28 +330,33 @@ class NodeBook(Mapping[str, NodeState]):
 
     # -- what the last answers say -------------------------------------------------------------
 
-    def samples(self, owners: Mapping[GpuRef, str], shadow: bool) -> dict[str, list[GpuSample]]:
+    def samples(
+        self, owners: Mapping[GpuRef, tuple[str, ...]], shadow: bool
+    ) -> dict[str, list[GpuSample]]:
         """Per job, the samples of the last answers that may teach its model: GPUs of
         ``owners`` (the jobs that held them since before that exchange) that held the job's lock
         (outside ``shadow`` mode: the agent says it holds the job's setpoint) for the whole
-        interval the readings describe, with the interval's mean power where known."""
+        interval the readings describe, with the interval's mean power where known. A shared
+        GPU holds one setpoint, named for one of its tenants: its sample teaches them all."""
         out: dict[str, list[GpuSample]] = {}
         for name, node in self._nodes.items():
             if node.reachable is not True:
                 continue
             for r in node.reports:
                 ref = GpuRef(name, r.index)
-                job_id = owners.get(ref)
+                jobs = owners.get(ref, ())
                 power_w = node.mean_w.get(r.index, r.power_w)
-                if job_id is None or power_w is None or r.index not in node.steady:
+                if not jobs or power_w is None or r.index not in node.steady:
                     continue  # no job, no power, or a lock that changed during the interval
                 if r.sm_clock_mhz is None or r.memory_clock_mhz is None:
                     continue
-                if not shadow and r.job_id != job_id:
+                if not shadow and r.job_id not in jobs:
                     continue  # the agent does not hold this job's setpoint (yet, or refused)
-                out.setdefault(job_id, []).append(
-                    GpuSample(ref, power_w, r.sm_clock_mhz, r.memory_clock_mhz, r.throttle or 0)
+                sample = GpuSample(
+                    ref, power_w, r.sm_clock_mhz, r.memory_clock_mhz, r.throttle or 0
                 )
+                for job_id in jobs:
+                    out.setdefault(job_id, []).append(sample)
         return out
 
     def power_by_gpu(self) -> dict[GpuRef, float]:

@@ -66,14 +66,15 @@ class Roster:
         """The interval a controlled job joined the controller (None: not controlled)."""
         return self._added_at.get(job_id)
 
-    def owners(self, before: int) -> dict[GpuRef, str]:
-        """The GPUs of controlled jobs that joined before interval ``before``, and their job."""
-        return {
-            g: j.job_id
-            for j in self._running.jobs
-            if self._added_at.get(j.job_id, before) < before
-            for g in j.gpus
-        }
+    def owners(self, before: int) -> dict[GpuRef, tuple[str, ...]]:
+        """The GPUs of controlled jobs that joined before interval ``before``, and their jobs
+        (its tenants, where jobs share a GPU)."""
+        out: dict[GpuRef, tuple[str, ...]] = {}
+        for j in self._running.jobs:
+            if self._added_at.get(j.job_id, before) < before:
+                for g in j.gpus:
+                    out[g] = (*out.get(g, ()), j.job_id)
+        return out
 
     def queue(self, nodes: NodeBook) -> QueueState:
         """The drain's input while jobs wait in Slurm: the controlled jobs' nodes (rows of

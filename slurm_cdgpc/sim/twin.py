@@ -91,16 +91,17 @@ class ViewTransport:
     (`readings`, per (node, GPU index); GPUs without one read at their type's idle power) and
     the jobs' progress. Each exchange reads every GPU before it applies the request (energy
     counter advanced by the reading's power over the time since the last read), then applies the
-    setpoints and releases, and keeps what it applied per job (`applied`).
+    setpoints and releases, and keeps what it applied per GPU (`applied`): a shared GPU's
+    tenants run at what their GPU holds, whichever tenant its setpoint named.
     """
 
     clock: ManualClock
     gpus: dict[str, list[_Gpu]]
     readings: dict[tuple[str, int], Reading] = field(default_factory=dict)
     progress: dict[str, tuple[ProgressReport, ...]] = field(default_factory=dict)
-    #: per job id, the interval's setpoint (an emergency cut's over the plan's): graphics MHz,
-    #: memory MHz (None: not lockable)
-    applied: dict[str, tuple[int, int | None]] = field(default_factory=dict)
+    #: per (node, GPU index), the interval's setpoint (an emergency cut's over the plan's):
+    #: graphics MHz, memory MHz (None: not lockable)
+    applied: dict[tuple[str, int], tuple[int, int | None]] = field(default_factory=dict)
     exchanges: int = 0
     _lowest_mhz: dict[tuple[str, int | None], int] = field(default_factory=dict)
 
@@ -118,7 +119,7 @@ class ViewTransport:
     ) -> dict[str, ExchangeResponse | NodeFailure]:
         now_s = self.clock()
         self.exchanges += 1
-        applied: dict[str, tuple[int, int | None]] = {}
+        applied: dict[tuple[str, int], tuple[int, int | None]] = {}
         out: dict[str, ExchangeResponse | NodeFailure] = {}
         for name, target in targets.items():
             gpus = self.gpus.get(name)
@@ -134,7 +135,7 @@ class ViewTransport:
                     self._lowest_mhz[key] = min(gpu.spec.clocks.graphics_for(point.memory_mhz))
                 gpu.locked = LockReport(self._lowest_mhz[key], point.graphics_mhz, point.memory_mhz)
                 gpu.job_id = point.job_id
-                applied.setdefault(point.job_id, (point.graphics_mhz, point.memory_mhz))
+                applied.setdefault((name, point.gpu), (point.graphics_mhz, point.memory_mhz))
             for index in request.release:
                 gpus[index].locked = None
                 gpus[index].job_id = None
@@ -250,9 +251,14 @@ class HeadTwin(Policy):
         #: per view row: the GPU indices it holds on each node
         self._held: list[dict[int, tuple[int, ...]]] = []
         self._free: list[set[int]] = [set(range(int(g))) for g in fleet.node_gpus]
+        #: the simulator's shared GPUs (`ClusterView.shared_gpu`): each one's node and index,
+        #: and its tenants
+        self._shared: dict[int, tuple[int, int]] = {}
+        self._tenants: dict[int, int] = {}
         #: per view row: its total iterations as registered (None: it reports none)
         self._totals: list[int | None] = []
         self._rows: list[int] = []  # per view row: the trace's row
+        self._shared_of: list[int] = []  # per view row: its shared GPU, −1: whole GPUs
 
     def close(self) -> None:
         """Dispose of the store and remove its directory (idempotent)."""
@@ -297,20 +303,36 @@ class HeadTwin(Policy):
         the Prolog), keeping each row's GPU indices: a job takes its node's lowest free ones."""
         for gone in np.flatnonzero(~view.kept).tolist():
             head.deregister_job(job_name(self._rows[gone]))
+            gpu = self._shared_of[gone]
+            if gpu >= 0:  # a tenant: its GPU is free once its last tenant has gone
+                self._tenants[gpu] -= 1
+                if self._tenants[gpu]:
+                    continue
+                del self._tenants[gpu]
+                self._shared.pop(gpu)
             for node, indices in self._held[gone].items():
                 self._free[node].update(indices)
         kept = [bool(k) for k in view.kept]
         self._held = [h for h, keep in zip(self._held, kept, strict=True) if keep]
         self._totals = [t for t, keep in zip(self._totals, kept, strict=True) if keep]
+        shared = view.shared_gpu if view.shared_gpu is not None else np.full(len(view), -1)
         for row in range(len(view) - view.started, len(view)):
             held: dict[int, tuple[int, ...]] = {}
             deadline_s = float(view.deadline_s[row])
             limit_s = float(view.time_limit_s[row])
             total = float(view.iterations[row])
             iterations = math.ceil(total) if math.isfinite(total) and total > 0 else None
+            gpu = int(shared[row])
             for n in np.flatnonzero(view.job_nodes[row]).tolist():
-                take = sorted(self._free[n])[: int(view.job_nodes[row, n])]
-                self._free[n].difference_update(take)
+                if gpu >= 0 and gpu in self._shared:  # a tenant: its GPU's index, as Slurm
+                    take = [self._shared[gpu][1]]  # names one shard's GPU in both Prologs
+                else:
+                    take = sorted(self._free[n])[: int(view.job_nodes[row, n])]
+                    self._free[n].difference_update(take)
+                    if gpu >= 0:
+                        self._shared[gpu] = (n, take[0])
+                if gpu >= 0:
+                    self._tenants[gpu] = self._tenants.get(gpu, 0) + 1
                 held[n] = tuple(take)
                 head.register_job(
                     job_name(int(view.job_id[row])),
@@ -326,6 +348,7 @@ class HeadTwin(Policy):
             self._held.append(held)
             self._totals.append(iterations)
         self._rows = [int(j) for j in view.job_id]
+        self._shared_of = [int(g) for g in shared]
 
     def _readings(
         self, view: ClusterView
@@ -364,17 +387,23 @@ class HeadTwin(Policy):
         return readings, {node: tuple(p) for node, p in progress.items()}
 
     def _setpoints(
-        self, view: ClusterView, applied: Mapping[str, tuple[int, int | None]]
+        self, view: ClusterView, applied: Mapping[tuple[str, int], tuple[int, int | None]]
     ) -> Setpoints:
-        """The head's setpoints per view row; a job it sent none (not controlled yet) runs at
-        its top clock (NaN)."""
+        """Per view row, what the head set on its GPUs (the slowest's, which paces it); a job
+        whose GPUs got none (not controlled yet) runs at its top clock (NaN)."""
         n = len(view)
         graphics = np.full(n, np.nan)
         memory = np.array([float(self.specs[int(t)].max_memory_mhz) for t in view.job_type])
-        for row in range(n):
-            point = applied.get(job_name(int(view.job_id[row])))
-            if point is None:
+        for row, held in enumerate(self._held):
+            points = [
+                point
+                for node, indices in held.items()
+                for index in indices
+                if (point := applied.get((node_name(node), index))) is not None
+            ]
+            if not points:
                 continue
+            point = min(points, key=lambda p: p[0])
             graphics[row] = point[0]
             if point[1] is not None:
                 memory[row] = point[1]

@@ -401,17 +401,20 @@ class _ReadAfterApply(NodeAgent):
 
 def _samples_as_they_were(
     head: Coordinator,
-) -> Callable[[Mapping[GpuRef, str], bool], dict[str, list[GpuSample]]]:
+) -> Callable[[Mapping[GpuRef, tuple[str, ...]], bool], dict[str, list[GpuSample]]]:
     """The head as it was: the last snapshot of each GPU holding the job's setpoint (of the
     jobs that held their GPUs since before the exchange, as `NodeBook.samples` is given)."""
 
-    def samples(owners: Mapping[GpuRef, str], shadow: bool) -> dict[str, list[GpuSample]]:
+    def samples(
+        owners: Mapping[GpuRef, tuple[str, ...]], shadow: bool
+    ) -> dict[str, list[GpuSample]]:
         out: dict[str, list[GpuSample]] = {}
         for name, node in head.nodes.items():
             for r in node.reports if node.reachable else ():
-                job_id = owners.get(GpuRef(name, r.index))
-                if job_id is None or r.power_w is None or r.sm_clock_mhz is None:
+                jobs = owners.get(GpuRef(name, r.index), ())
+                if len(jobs) != 1 or r.power_w is None or r.sm_clock_mhz is None:
                     continue
+                job_id = jobs[0]
                 if r.job_id == job_id and r.memory_clock_mhz is not None:
                     ref = GpuRef(name, r.index)
                     sample = GpuSample(ref, r.power_w, r.sm_clock_mhz, r.memory_clock_mhz)
