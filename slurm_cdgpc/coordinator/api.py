@@ -333,6 +333,7 @@ def job_dict(job: Job, views: Mapping[str, JobView]) -> dict[str, object]:
         "left_top_s": None if view is None else view.left_top_s,
         "finish_s": None if view is None else view.finish_s,
         "shares_with": [] if view is None else list(view.shares_with),
+        "model_readings": 0 if view is None else view.model_readings,
         "slo": None
         if job.slo_percentile is None
         else {"percentile": job.slo_percentile, "latency_s": job.slo_latency_s},

@@ -48,6 +48,8 @@ class JobView:
     finish_s: float | None = None
     #: the other active jobs on its GPUs (shards, MPS, MIG instances): one clock for all
     shares_with: tuple[str, ...] = ()
+    #: the readings its power model has learnt from (0: counted at its power limit)
+    model_readings: int = 0
     #: a serving job: its latency objective, the latency it last reported, its clock floor
     #: (`slurm_cdgpc.control.serving`) and its state: ``met`` (the last report within the
     #: objective), ``missed``, ``unmet`` (missed at the top clock), ``gave-way`` (its floor
@@ -198,6 +200,7 @@ def job_views(
             left_top_s=finite_or_none(float(outlook.left_top_s[i])),
             finish_s=finite_or_none(float(outlook.finish_s[i])),
             shares_with=shares,
+            model_readings=int(running.estimator.power.count[i]),
         )
         views.append(_served(view, running, decision, i))
     return tuple(views)

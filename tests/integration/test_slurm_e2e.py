@@ -234,10 +234,10 @@ def test_job_registers_gets_clocks_and_is_deregistered(slurm: Cluster) -> None:
 def test_two_shards_of_one_gpu_share_its_clock_until_the_last_job_ends(slurm: Cluster) -> None:
     """``--gres=shard:1`` twice on n1: Slurm puts both jobs on GPU 0 (each GPU has two shards)
     and both Prologs name it. Both jobs are registered and controlled, as the GPU's tenants at
-    one clock; the first job's Epilog leaves the GPU at its clock for the second, and the
-    second's resets it."""
+    one clock, and the GPU's readings teach both models; the first job's Epilog leaves the GPU
+    at its clock for the second, and the second's resets it."""
     first = slurm.sbatch(
-        "-w", "n1", "--gres=shard:1", "--comment=deadline=+2h", "--wrap", "sleep 5"
+        "-w", "n1", "--gres=shard:1", "--comment=deadline=+2h", "--wrap", "sleep 8"
     )
     second = slurm.sbatch(
         "-w", "n1", "--gres=shard:1", "--comment=deadline=+1h", "--wrap", "sleep 14"
@@ -254,6 +254,12 @@ def test_two_shards_of_one_gpu_share_its_clock_until_the_last_job_ends(slurm: Cl
     assert [(g["node"], g["index"]) for g in jobs[second]["gpus"]] == [("n1", 0)]
     assert jobs[first]["shares_with"] == [second] and jobs[second]["shares_with"] == [first]
     assert jobs[first]["graphics_mhz"] == jobs[second]["graphics_mhz"] is not None
+
+    def both_learn() -> bool:
+        jobs = slurm.jobs()
+        return all(jobs.get(j, {}).get("model_readings", 0) > 0 for j in (first, second))
+
+    wait("both tenants' models learn", both_learn, 8, slurm.logs)
     wait("the first job deregistered", lambda: first not in slurm.jobs(), 15, slurm.logs)
     assert _running(slurm, second)
     assert 0 in slurm.locks("n1"), slurm.logs()  # the second job's clock stays
