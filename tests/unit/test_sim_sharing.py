@@ -4,6 +4,7 @@ controller driving them as tenants."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -21,26 +22,15 @@ from slurm_cdgpc.sim.policies import Cdgpc, Oracle, make_policy
 from slurm_cdgpc.sim.sharing import SharedGpus, shared_step
 from slurm_cdgpc.sim.traces import Trace, alibaba2023
 from tests.unit.test_sim_cluster import Recorder
+from tests.unit.test_sim_cluster import _trace as one_gpu_jobs
 
 A100 = catalog_spec("A100-SXM4-80GB")
 
 
 def _trace(submit: list[float], duration: list[float], milli: list[int]) -> Trace:
-    n = len(submit)
-    return Trace(
-        job_id=np.array([f"j{i}" for i in range(n)]),
-        submit_s=np.array(submit, dtype=float),
-        duration_s=np.array(duration, dtype=float),
-        num_gpu=np.ones(n, dtype=np.int64),
-        deadline_s=np.full(n, np.nan),
-        iterations=np.full(n, np.nan),
-        model_name=np.full(n, "resnet50"),
-        gpu_type=np.full(n, ""),
-        job_type=np.full(n, ""),
-        source="cdgpc",
-        time_unit_note="s",
-        gpu_milli=np.array(milli),
-    )
+    """One-GPU jobs asking for ``milli`` thousandths of their GPU each."""
+    whole = one_gpu_jobs(submit, duration, [1] * len(submit))
+    return replace(whole, gpu_milli=np.array(milli))
 
 
 def test_shared_gpus_take_the_oldest_with_room_and_free_with_their_last_tenant() -> None:
@@ -99,7 +89,7 @@ def test_fractional_jobs_pack_onto_one_gpu_which_is_freed_by_its_last_tenant() -
     """j0 and j1 (500 + 400 thousandths) share a GPU; j2 (600) needs another. j3 wants every
     GPU of the node: it starts only when the shared GPUs' last tenants have left."""
     trace = _trace([0, 0, 0, 0], [600, 1200, 300, 60], [500, 400, 600, 1000])
-    trace = Trace(**{**vars(trace), "num_gpu": np.array([1, 1, 1, 2])})
+    trace = replace(trace, num_gpu=np.array([1, 1, 1, 2]))
     fleet = parse_fleet("1x2:A100-SXM4-80GB")
     recorder = Recorder()
     result = Simulator(trace, fleet, fleet.max_power_w).run(recorder)
