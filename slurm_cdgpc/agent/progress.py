@@ -1,8 +1,10 @@
 """Training and serving progress over a local Unix socket: `ProgressServer` in the agent, and
 the ``cdgpc-progress`` client with `report_progress` (a serving job's latency and request rate
-ride on the same line: `ProgressLine`). The client reaches only the standard library and the
-ground floor (`slurm_cdgpc.errors`, `slurm_cdgpc.wire`), because it runs inside jobs, and it
-never fails a job. Tests: `tests/unit/test_agent_progress.py`,
+ride on the same line: `ProgressLine`; ``--scrape`` reads them from the server's Prometheus
+endpoint with `slurm_cdgpc.integrations.prometheus`). The client reaches only the standard
+library and the ground floor (`slurm_cdgpc.errors`, `slurm_cdgpc.wire`, `slurm_cdgpc.units`),
+and the scraper these and the client, because they run inside jobs, and it never fails a job.
+Tests: `tests/unit/test_agent_progress.py`, `tests/unit/test_integrations_prometheus.py`,
 `tests/security/test_progress_spoofing.py`; design: DESIGN.md, "Progress" and "Safety".
 """
 
@@ -13,6 +15,7 @@ import contextlib
 import logging
 import os
 import re
+import signal
 import socket
 import stat
 import struct
@@ -23,8 +26,8 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Final, Protocol
 
-from slurm_cdgpc.errors import CdgpcError, FatalError
-from slurm_cdgpc.units import latency_s
+from slurm_cdgpc.errors import CdgpcError, FatalError, InputError
+from slurm_cdgpc.units import latency_s, parse_duration_s
 from slurm_cdgpc.wire.protocol import MAX_PROGRESS_LINE_BYTES, ProgressLine, ProtocolError
 
 logger = logging.getLogger(__name__)
@@ -136,9 +139,13 @@ def socket_reporter(path: Path) -> Callable[..., bool]:
 def main(argv: Sequence[str] | None = None) -> int:
     """``cdgpc-progress STEP [TOTAL] [--latency DURATION] [--rate FLOAT]``: report progress of
     ``$SLURM_JOB_ID`` to the node agent (a serving job: requests served, latency and rate).
+    ``cdgpc-progress --scrape URL``: report them for a serving job from its server's
+    Prometheus endpoint every ``--every`` until SIGTERM or SIGINT (`Scraper`).
 
-    Exit status 0 whatever the agent does (a warning on stderr when it is down or refuses); 2,
-    with ``Error: <one line>``, only for a usage error (no or bad ``SLURM_JOB_ID``, bad numbers).
+    Exit status 0 whatever the agent does (a warning on stderr when it is down or refuses), and
+    when scraping is off (outside a Slurm job, ``CDGPC_PROGRESS=off``); 2, with ``Error: <one
+    line>``, only for a usage error (no or bad ``SLURM_JOB_ID``, bad numbers, STEP and
+    ``--scrape`` both or neither).
     """
     parser = argparse.ArgumentParser(
         prog="cdgpc-progress",
@@ -146,7 +153,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         "Never fails the job: if the agent is down, warns and exits 0.",
     )
     parser.add_argument(
-        "step", type=_count, help="steps (iterations) done so far, or requests served, >= 0"
+        "step",
+        type=_count,
+        nargs="?",
+        help="steps (iterations) done so far, or requests served, >= 0",
     )
     parser.add_argument("total", type=_count, nargs="?", help="total steps of the job, if known")
     parser.add_argument(
@@ -159,14 +169,100 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--rate", type=float, metavar="FLOAT", help="a serving job's requests per second since then"
     )
+    scrape = parser.add_argument_group(
+        "a serving job's Prometheus endpoint, instead of step",
+        "Runs until SIGTERM or SIGINT; off (exits 0) outside a Slurm job or with "
+        "CDGPC_PROGRESS=off.",
+    )
+    scrape.add_argument(
+        "--scrape",
+        metavar="URL",
+        help="read the server's latency histogram there (vLLM: http://127.0.0.1:8000/metrics) "
+        "and report its count, the percentile since the last scrape and the count per second",
+    )
+    scrape.add_argument(
+        "--metric",
+        action="append",
+        metavar="NAME",
+        help="the histogram, repeatable: the first present is read (default: vLLM's "
+        "time per output token, vllm:time_per_output_token_seconds or "
+        "vllm:inter_token_latency_seconds)",
+    )
+    scrape.add_argument(
+        "--percentile",
+        type=float,
+        metavar="P",
+        help="the objective's percentile, as in --comment=slo=p99:250ms (default: 99)",
+    )
+    scrape.add_argument(
+        "--every", metavar="DURATION", help="scrape period: 5s, 500ms, ... (default: 5s)"
+    )
     args = parser.parse_args(argv)
     if not logging.getLogger().handlers:
         logging.basicConfig(stream=sys.stderr, format="%(message)s", level=logging.WARNING)
+    usage = _usage_error(args)
+    if usage:
+        print(f"Error: {usage}", file=sys.stderr)
+        return 2
+    if args.scrape is not None:
+        return _scrape(args)
     try:
         report_progress(args.step, args.total, latency_s=args.latency, rate=args.rate)
     except ProtocolError as e:
         print(f"Error: {e}", file=sys.stderr)
         return 2
+    return 0
+
+
+def _usage_error(args: argparse.Namespace) -> str:
+    """Why the arguments do not make one mode, else ""."""
+    scraping = args.scrape is not None
+    if scraping and args.step is not None:
+        return "give step or --scrape URL, not both"
+    if not scraping and args.step is None:
+        return "nothing to report: give step or --scrape URL"
+    if scraping and (args.latency is not None or args.rate is not None):
+        return "--latency and --rate go with step, not with --scrape"
+    if not scraping and any(v is not None for v in (args.metric, args.percentile, args.every)):
+        return "--metric, --percentile and --every go with --scrape"
+    return ""
+
+
+def _scrape(args: argparse.Namespace) -> int:
+    """Scrape until SIGTERM or SIGINT: the main thread scrapes, a thread takes the signals."""
+    from slurm_cdgpc.integrations.prometheus import (  # noqa: PLC0415 - it imports this module
+        DEFAULT_METRICS,
+        Scraper,
+    )
+
+    try:
+        every_s = parse_duration_s(args.every or "5s")
+    except InputError as e:
+        print(f"Error: --every: {e}", file=sys.stderr)
+        return 2
+    try:
+        percentile = 99.0 if args.percentile is None else args.percentile
+        scraper = Scraper(args.scrape, percentile, names=args.metric or DEFAULT_METRICS)
+    except InputError as e:
+        print(f"Error: {e}", file=sys.stderr)
+        return 2
+    if not scraper.enabled:
+        print(
+            f"cdgpc-progress: off (outside a Slurm job, or CDGPC_PROGRESS=off): "
+            f"not scraping {args.scrape}",
+            file=sys.stderr,
+        )
+        return 0
+    stop = threading.Event()
+    signals = {signal.SIGINT, signal.SIGTERM}
+    signal.pthread_sigmask(signal.SIG_BLOCK, signals)  # so in the waiter too, which takes them
+
+    def wait_for_signal() -> None:
+        signal.sigwait(signals)
+        stop.set()
+
+    threading.Thread(target=wait_for_signal, name="cdgpc-signals", daemon=True).start()
+    scraper.run(every_s, stop)
     return 0
 
 
