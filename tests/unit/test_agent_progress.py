@@ -186,7 +186,12 @@ def test_cli_exit_codes(
 
 
 @pytest.mark.parametrize(
-    "module", ["slurm_cdgpc.agent.progress", "slurm_cdgpc.integrations.serving"]
+    "module",
+    [
+        "slurm_cdgpc.agent.progress",
+        "slurm_cdgpc.integrations.serving",
+        "slurm_cdgpc.integrations.prometheus",
+    ],
 )
 def test_what_jobs_import_imports_nothing_heavy(module: str) -> None:
     """The progress client and the serving reporter run inside users' jobs."""

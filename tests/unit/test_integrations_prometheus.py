@@ -3,14 +3,12 @@ vLLM-style exposition (made by prometheus_client, as vLLM's is) and a real `Prog
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -31,7 +29,7 @@ from slurm_cdgpc.integrations.prometheus import (
     parse_histogram,
     window_quantile,
 )
-from tests.unit.test_integrations_serving import Agent
+from tests.unit.test_integrations_serving import Agent, running_agent
 
 REPO = Path(__file__).resolve().parents[2]
 TPOT = "vllm:time_per_output_token_seconds"
@@ -96,11 +94,9 @@ def endpoint() -> Iterator[Endpoint]:
 
 @pytest.fixture
 def agent() -> Iterator[Agent]:
-    with tempfile.TemporaryDirectory(prefix="cdgpc-") as d:  # socket paths: 107 bytes at most
-        found = Agent(Path(d) / "p.sock")
-        found.server.start()
+    """A real agent progress socket."""
+    with running_agent() as found:
         yield found
-        found.server.close()
 
 
 def _scraper(url: str, agent: Agent, **kwargs: Any) -> Scraper:
@@ -491,26 +487,3 @@ def test_cli_usage_errors_are_one_line_and_exit_2(
     assert main(args) == 2
     out, err = capsys.readouterr()
     assert out == "" and err.startswith(message) and err.count("\n") == 1
-
-
-def test_what_the_scraper_imports_is_the_standard_library_and_the_progress_client() -> None:
-    code = (
-        "import json, sys\n"
-        "before = set(sys.modules)\n"
-        "import slurm_cdgpc.integrations.prometheus\n"
-        "print(json.dumps(sorted(set(sys.modules) - before)))\n"
-    )
-    done = subprocess.run(
-        [sys.executable, "-c", code],
-        env={"PYTHONPATH": str(REPO)},
-        capture_output=True,
-        text=True,
-        timeout=30,
-        check=True,
-    )
-    ground = ("errors", "units", "wire", "wire.names", "wire.protocol", "agent", "agent.progress")
-    own = ("integrations", "integrations.serving", "integrations.prometheus")
-    imported = {
-        m for m in json.loads(done.stdout) if m.split(".")[0] not in sys.stdlib_module_names
-    }
-    assert imported == {"slurm_cdgpc", *(f"slurm_cdgpc.{name}" for name in ground + own)}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import tempfile
@@ -54,13 +55,22 @@ class Agent:
         return list(self.records)
 
 
-@pytest.fixture
-def agent() -> Iterator[Agent]:
+@contextlib.contextmanager
+def running_agent() -> Iterator[Agent]:
+    """An `Agent` serving its socket until the block ends."""
     with tempfile.TemporaryDirectory(prefix="cdgpc-") as d:  # socket paths: 107 bytes at most
         found = Agent(Path(d) / "p.sock")
         found.server.start()
+        try:
+            yield found
+        finally:
+            found.server.close()
+
+
+@pytest.fixture
+def agent() -> Iterator[Agent]:
+    with running_agent() as found:
         yield found
-        found.server.close()
 
 
 @pytest.fixture
