@@ -9,14 +9,18 @@ objective, and the power it leaves goes to the training job.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
 import pytest
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
 from slurm_cdgpc.gpu.workloads import JOBS_DIR_ENV, LAUNCH_SUFFIX, Launch, write_atomically
 from slurm_cdgpc.localcluster import LocalCluster
@@ -107,3 +111,70 @@ def test_a_serving_job_keeps_its_objective_below_its_top_clock(site: LocalCluste
         [round(r["status"]["measured_power_w"] or 0) for r in rows],
         file=sys.stderr,
     )
+
+
+def test_a_vllm_servers_own_histogram_reaches_the_head_through_the_scraper(
+    site: LocalCluster,
+) -> None:
+    """A server that exports vLLM's time-per-output-token histogram (made by prometheus_client,
+    as vLLM's is) on loopback, and ``cdgpc-progress --scrape`` beside it in the job: the p99 of
+    each window reaches the head through the real agent, and the job's serving state says its
+    objective holds. Every token here takes 120 ms: in the (0.1, 0.15] bucket, so the p99 that
+    Prometheus interpolates is 0.1 + 0.05 × 0.99 = 0.1495 s."""
+    registry = CollectorRegistry()
+    tpot = Histogram(
+        "vllm:time_per_output_token_seconds",
+        "Histogram of time per output token in seconds.",
+        ["model_name"],
+        buckets=(0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5),
+        registry=registry,
+    ).labels("llama")
+
+    class Metrics(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body = generate_latest(registry)
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Metrics)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    site.start_head()
+    client = site.client()
+    site.announce()
+    site.wait_reachable()
+    job = {"job_id": "7", "user": "root", "node": "node1", "gpus": [0]}
+    client.post("/v1/jobs", {**job, "slo_percentile": 99.0, "slo_latency_s": OBJECTIVE_S})
+    url = f"http://127.0.0.1:{server.server_port}/metrics"
+    scraper = subprocess.Popen(
+        [sys.executable, "-m", "slurm_cdgpc.agent.progress", "--scrape", url, "--every", "500ms"],
+        env={
+            **os.environ,
+            "SLURM_JOB_ID": "7",
+            "CDGPC_NODE_PROGRESS_SOCKET": str(site.nodes["node1"].progress_socket),
+        },
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+
+        def served() -> dict[str, Any] | None:
+            for _ in range(20):
+                tpot.observe(0.12)
+            [view] = [j for j in client.get("/v1/jobs")["jobs"] if j["job_id"] == "7"]
+            serving = view["serving"]
+            return serving if serving and serving["latency_s"] is not None else None
+
+        state = _wait("the scraped latency at the head", served, 12 * INTERVAL_S, site.logs)
+    finally:
+        scraper.terminate()
+        _, err = scraper.communicate(timeout=10)
+        server.shutdown()
+        server.server_close()
+    assert state["latency_s"] == pytest.approx(0.1 + 0.05 * 0.99, rel=1e-3), state
+    assert state["state"] == "met", state
+    assert scraper.returncode == 0 and err == "", err
