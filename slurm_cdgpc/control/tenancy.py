@@ -98,6 +98,20 @@ class Tenancy:
         share: FloatArray = self.gpus[u] / (self.tenants()[u] * job_gpus)
         return share
 
+    def gpu_power_w(self, job_power_w: FloatArray) -> FloatArray:
+        """(N,) the power of each of job n's GPUs: its group's (its tenants' shares summed)
+        over the group's GPUs."""
+        per_gpu: FloatArray = (np.bincount(self.group, job_power_w, self.size) / self.gpus)[
+            self.group
+        ]
+        return per_gpu
+
+    def any_tenant(self, flags: BoolArray) -> BoolArray:
+        """(N,) whether any tenant of job n's group is ``flags``: what one tenant does to its
+        GPU (a clock cut, a default limit kept for a serving job) its co-tenants share."""
+        shared: BoolArray = (np.bincount(self.group, flags, self.size) > 0)[self.group]
+        return shared
+
     def job_power_w(self, group_power_w: FloatArray) -> FloatArray:
         """(N,) each job's equal share of its group's power."""
         return group_power_w[self.group] / self.tenants()[self.group]
@@ -120,13 +134,13 @@ class Tenancy:
         # power: the youngest measured tenant's model, or a new tenant's flat limit
         new = seen <= 0
         has_new = np.bincount(u, new.astype(np.float64), size) > 0
-        youngest = -_max_at(u, -np.where(new, np.inf, seen), size)
+        youngest = -group_max(u, -np.where(new, np.inf, seen), size)
         trust = np.where(has_new[u], new, seen == youngest[u]).astype(np.float64)
         trust = trust / np.bincount(u, trust, size)[u]
         power_theta = _sum_rows(u, trust[:, None] * problem.power_theta, size)
         first = self.first()
-        x_lo = _max_at(u, problem.x_lo, size)
-        xm_lo = _max_at(u, problem.xm_lo, size)
+        x_lo = group_max(u, problem.x_lo, size)
+        xm_lo = group_max(u, problem.xm_lo, size)
         x_hi, xm_hi = problem.x_hi, problem.xm_hi
         if pinned is not None and pinned.any():
             free = np.bincount(u, ~pinned, size)[u] > 0
@@ -141,9 +155,9 @@ class Tenancy:
             knee_x=problem.knee_x[first],
             mem_mask=problem.mem_mask[first],
             x_lo=x_lo,
-            x_hi=np.maximum(-_max_at(u, -x_hi, size), x_lo),
+            x_hi=np.maximum(-group_max(u, -x_hi, size), x_lo),
             xm_lo=xm_lo,
-            xm_hi=np.maximum(-_max_at(u, -xm_hi, size), xm_lo),
+            xm_hi=np.maximum(-group_max(u, -xm_hi, size), xm_lo),
         )
 
     def domains(self, domains: DomainLimits) -> DomainLimits:
@@ -167,7 +181,8 @@ def _sum_rows(group: IntArray, rows: FloatArray, size: int) -> FloatArray:
     return out
 
 
-def _max_at(group: IntArray, values: FloatArray, size: int) -> FloatArray:
+def group_max(group: IntArray, values: FloatArray, size: int) -> FloatArray:
+    """(size,) the largest of ``values`` in each group (−inf for a group without one)."""
     out = np.full(size, -np.inf)
     np.maximum.at(out, group, values)
     return out

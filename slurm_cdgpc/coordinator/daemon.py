@@ -708,7 +708,7 @@ class Coordinator:
             self.controller.cut_order(estimator, state, now_s, None),
         )
         if state.tenancy is not None and cut.any():  # a GPU's lowest clock is all its tenants'
-            cut = np.isin(state.tenancy.group, state.tenancy.group[cut])
+            cut = state.tenancy.any_tenant(cut)
         names = (CLUSTER, *self.topology.names)
         over_names = tuple(names[i] for i in np.flatnonzero(over))
         cut_jobs = [jobs[i] for i in np.flatnonzero(cut).tolist()]

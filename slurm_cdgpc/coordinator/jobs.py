@@ -352,9 +352,7 @@ class RunningJobs:
             free = decision.serving.serving.copy()
         tenancy = self.tenancy()
         if tenancy is not None:
-            group = tenancy.group
-            gpu_w = (np.bincount(group, decision.job_power_w) / tenancy.gpus)[group]
-            free = (np.bincount(group, free, tenancy.size) > 0)[group]
+            gpu_w, free = tenancy.gpu_power_w(decision.job_power_w), tenancy.any_tenant(free)
         on = jobs_on((job.job_id, job.gpus) for job in self._jobs)
         refs = list(on)
         first = [self._row[on[ref][0]] for ref in refs]  # each GPU's first tenant's row

@@ -120,8 +120,7 @@ class ClusterView:
         if self.shared_gpu is None:
             return gpus
         shared = self.shared_gpu >= 0
-        ids, where, count = np.unique(self.shared_gpu, return_inverse=True, return_counts=True)
-        del ids
+        _, where, count = np.unique(self.shared_gpu, return_inverse=True, return_counts=True)
         return np.where(shared, 1.0 / count[where.reshape(-1)], gpus)
 
     def node_busy_gpus(self) -> FloatArray:

@@ -355,17 +355,14 @@ class Cdgpc(Policy):
         self.planned_w = d.planned_power_w
         # as the head's setpoints: a shared GPU is planned at its group's power, and keeps
         # its default limit if any tenant serves
-        job_w, gpus = d.job_power_w, view.job_gpus.astype(np.float64)
+        gpu_w = d.job_power_w / view.job_gpus
         free = None if d.serving is None else d.serving.serving
         if tenancy is not None:
-            group = tenancy.group
-            job_w = np.bincount(group, job_w).astype(np.float64)[group]
-            gpus = tenancy.gpus[group]
-            if free is not None:
-                free = (np.bincount(group, free, tenancy.size) > 0)[group]
+            gpu_w = tenancy.gpu_power_w(d.job_power_w)
+            free = None if free is None else tenancy.any_tenant(free)
         limits = power_limits_w(
-            job_w,
-            gpus,
+            gpu_w,
+            np.ones(len(view)),
             self.power_limit_margin,
             np.array([s.power_limit.min_w for s in self.specs])[view.job_type],
             np.array([s.power_limit.default_w for s in self.specs])[view.job_type],

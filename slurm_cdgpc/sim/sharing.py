@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
+from slurm_cdgpc.control.tenancy import group_max
 from slurm_cdgpc.gpu.plant import Plant, PlantState
 
 FloatArray = npt.NDArray[np.float64]
@@ -102,40 +103,36 @@ def shared_step(
     ``gpu[i]`` row i's GPU (0 … G−1), ``factor`` its throughput factor s_i, ``lock_mhz``,
     ``memory_mhz`` and ``limit_w`` its setpoints (limit None: the board's default)."""
     size = int(gpu.max()) + 1 if gpu.size else 0
-    lock = _max_at(gpu, np.minimum(lock_mhz, plant.max_graphics_mhz), size)
-    memory = None if memory_mhz is None else _max_at(gpu, memory_mhz, size)[gpu]
-    limit = _max_at(gpu, plant.default_limit_w if limit_w is None else limit_w, size)
+    lock = group_max(gpu, np.minimum(lock_mhz, plant.max_graphics_mhz), size)
+    memory = None if memory_mhz is None else group_max(gpu, memory_mhz, size)[gpu]
+    limit = group_max(gpu, plant.default_limit_w if limit_w is None else limit_w, size)
     idle = plant.idle_power_w
-    target = _max_at(gpu, plant.cap_target, size) * limit
-    low = _max_at(gpu, plant.min_graphics_mhz, size)
+    gpu_idle = group_max(gpu, idle, size)
+    target = group_max(gpu, plant.cap_target, size) * limit
+    low = group_max(gpu, plant.min_graphics_mhz, size)
 
-    def gpu_power_w(mhz: FloatArray) -> FloatArray:
+    def draw(mhz: FloatArray) -> tuple[FloatArray, FloatArray]:
+        """At each GPU's clock ``mhz``: per tenant row its draw above idle, per GPU its power."""
         dynamic = factor * (plant.true_power_w(mhz[gpu], memory) - idle)
-        return np.bincount(gpu, dynamic, size) + _max_at(gpu, idle, size)
+        return dynamic, np.bincount(gpu, dynamic, size) + gpu_idle
 
     clock = np.maximum(lock, low)
-    over = gpu_power_w(clock) > target
+    dynamic, gpu_w = draw(clock)
+    over = gpu_w > target
     if over.any():
         lo, hi = low.copy(), clock.copy()
         for _ in range(_BISECTIONS):
             mid = 0.5 * (lo + hi)
-            fits = gpu_power_w(mid) <= target
+            fits = draw(mid)[1] <= target
             lo = np.where(fits, mid, lo)
             hi = np.where(fits, hi, mid)
         clock = np.where(over, lo, clock)
+        dynamic, gpu_w = draw(clock)
     applied = clock[gpu]
-    dynamic = factor * (plant.true_power_w(applied, memory) - idle)
-    power = (np.bincount(gpu, dynamic, size) + _max_at(gpu, idle, size))[gpu]
     state = PlantState(
         applied_mhz=applied,
-        power_w=power,
+        power_w=gpu_w[gpu],
         iteration_time_s=plant.iteration_time_s(applied, memory) / factor,
         power_capped=over[gpu],
     )
     return SharedStep(state, dynamic, idle)
-
-
-def _max_at(group: IntArray, values: FloatArray, size: int) -> FloatArray:
-    out = np.full(size, -np.inf)
-    np.maximum.at(out, group, values)
-    return out
