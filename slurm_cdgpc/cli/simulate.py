@@ -376,6 +376,14 @@ def _one_share(text: str) -> float:
         raise InputError(f"progress share {text!r} is not a number") from None
 
 
+def _without_plant_readers(names: list[str], policy: str, why: str) -> list[str]:
+    """``names`` less the policies that read the plant (but max-clock, which only runs it);
+    ``policy`` itself being one of them is refused, ``why`` saying why."""
+    if policy != "max-clock" and policy in READS_PLANT:  # ("all" is none of them)
+        raise InputError(f"--policy {policy} {why}")
+    return [p for p in names if p == "max-clock" or p not in READS_PLANT]
+
+
 def _simulate(
     trace_path: str,
     trace_format: str | None,
@@ -405,11 +413,9 @@ def _simulate(
     if serving is not None:
         if engine == "head":
             raise InputError("--engine head does not replay serving jobs")
-        # a policy that reads the training plant cannot replay serving jobs
-        if policy == "all":
-            names = [p for p in names if p == "max-clock" or p not in READS_PLANT]
-        elif policy != "max-clock" and policy in READS_PLANT:
-            raise InputError(f"--policy {policy} reads the training plant: not with --serving")
+        names = _without_plant_readers(
+            names, policy, "reads the training plant: not with --serving"
+        )
     interval_s = parse_duration_s(interval)
     fleet = parse_fleet(fleet_text) if fleet_text is not None else None
     trace = load_trace(trace_path, trace_format)
@@ -422,12 +428,9 @@ def _simulate(
     if whole_gpus:
         trace = replace(trace, gpu_milli=np.full(len(trace), WHOLE_GPU))
     if np.any(trace.gpu_milli < WHOLE_GPU):  # jobs share GPUs: the plant is per whole GPU
-        if policy == "all":
-            names = [p for p in names if p == "max-clock" or p not in READS_PLANT]
-        elif policy != "max-clock" and policy in READS_PLANT:
-            raise InputError(
-                f"--policy {policy} reads the plant of whole GPUs: not with shared ones"
-            )
+        names = _without_plant_readers(
+            names, policy, "reads the plant of whole GPUs: not with shared ones"
+        )
     fleet = fleet or default_fleet(trace)
     fleet = with_domains(fleet if serving is None else serving.fleet(fleet), racks, topology)
     budget_w = parse_budget_w(budget, fleet)

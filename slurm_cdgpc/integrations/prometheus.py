@@ -27,8 +27,7 @@ from typing import Final
 
 from slurm_cdgpc.agent.progress import JOB_ID_ENV, send_line, socket_path
 from slurm_cdgpc.errors import CdgpcError, InputError, one_line
-from slurm_cdgpc.integrations.serving import MIN_LATENCY_S, OFF_VALUES, SWITCH_ENV
-from slurm_cdgpc.wire.names import JOB_ID
+from slurm_cdgpc.integrations.serving import MIN_LATENCY_S, reports
 from slurm_cdgpc.wire.protocol import MAX_LATENCY_S, MAX_RATE, ProgressLine
 
 logger = logging.getLogger(__name__)
@@ -128,9 +127,7 @@ class Scraper:
         self.names = tuple(names)
         self.job_id = env.get(JOB_ID_ENV, "") if job_id is None else job_id
         self.path = Path(path) if path is not None else socket_path(env)
-        self.enabled = bool(JOB_ID.fullmatch(self.job_id)) and (
-            env.get(SWITCH_ENV, "").strip().lower() not in OFF_VALUES
-        )
+        self.enabled = reports(self.job_id, env)
         self._clock = clock
         self._fetch = http_get if fetch is None else fetch
         self.served = 0.0  # the count, and past a restart of the server the count before it

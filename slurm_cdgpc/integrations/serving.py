@@ -33,6 +33,14 @@ MAX_WINDOW: Final = 100_000
 _STARTING: Final = threading.Lock()
 
 
+def reports(job_id: str, env: Mapping[str, str]) -> bool:
+    """A job-side reporter is on: inside a Slurm job (``job_id``) and not ``CDGPC_PROGRESS=off``
+    in ``env``."""
+    return bool(JOB_ID.fullmatch(job_id)) and (
+        env.get(SWITCH_ENV, "").strip().lower() not in OFF_VALUES
+    )
+
+
 class LatencyReporter:
     """Collects each request's latency (`observe`) and sends, every ``period_s`` from a daemon
     thread, the ``percentile`` (nearest rank) of the latencies observed since the last send as
@@ -64,9 +72,7 @@ class LatencyReporter:
         self.percentile = percentile
         self.period_s = period_s
         self.path = Path(path) if path is not None else socket_path(env)
-        self.enabled = bool(JOB_ID.fullmatch(self.job_id)) and (
-            env.get(SWITCH_ENV, "").strip().lower() not in OFF_VALUES
-        )
+        self.enabled = reports(self.job_id, env)
         self.served = 0
         self._window: list[float] = []  # guarded by _lock, as served is
         self._lock = threading.Lock()
