@@ -97,6 +97,11 @@ class ControllerSettings:
     #: down at most ``serving_step`` of the top clock an interval (`serving_floor`)
     serving_margin: float = _SHIPPED.serving_margin
     serving_step: float = _SHIPPED.serving_step
+    #: a job whose power model has no reading yet is counted at this share of its power limit
+    #: and held there by a power limit (`Decision.held`) instead of at its whole limit; 1: the
+    #: whole limit, nothing held. Serving jobs, and jobs sharing a GPU with one, keep their
+    #: default limits and so are counted at them
+    new_job_power_share: float = _SHIPPED.new_job_power_share
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -120,6 +125,9 @@ class ControllerSettings:
             raise InputError(f"emergency margin must be in [0, 1), got {self.emergency_margin}")
         if not (0.0 <= self.serving_margin < 1.0 and 0.0 < self.serving_step <= 1.0):
             raise InputError("serving margin must be in [0, 1) and serving step in (0, 1]")
+        if not 0.0 < self.new_job_power_share <= 1.0:
+            share = self.new_job_power_share
+            raise InputError(f"a new job's power share must be in (0, 1], got {share}")
         if not self.ramp_w_per_s > 0:
             raise InputError(f"ramp must be a positive rate in W/s, got {self.ramp_w_per_s}")
 
@@ -232,6 +240,9 @@ class Decision:
     #: the serving jobs' floors (snapped to supported clocks), missed and given-way
     #: objectives (`ServingPlan`); None when no job serves
     serving: ServingPlan | None = None
+    #: jobs not yet measured that the plan counts at ``new_job_power_share`` of their limit:
+    #: their GPUs' power limits must hold them at their `job_power_w` (None: no job is held)
+    held: BoolArray | None = None
 
     @property
     def budget_error_pct(self) -> float:
@@ -314,12 +325,13 @@ class EconomicMPC:
                 if planned_w > 0:
                     miss = float(np.sum(drawn[both])) / planned_w - 1.0
                     self.offset = (1 - s.offset_gain) * self.offset + s.offset_gain * miss
+            capped = measured.power_capped
+            if capped is not None and s.new_job_power_share < 1.0:
+                # a job without a reading was held by the plan's own limit (`held`), not its
+                # board's: the clock that limit allowed is no ceiling once it is lifted
+                capped = capped & (estimator.power.count > 0)
             learn = estimator.observe(
-                x_a,
-                xm_a,
-                measured.power_w,
-                measured.iteration_s,
-                power_capped=measured.power_capped,
+                x_a, xm_a, measured.power_w, measured.iteration_s, power_capped=capped
             )
             if self._last_step_s is not None:
                 # the interval just measured; a long gap (a head that was away) counts as one
@@ -398,6 +410,9 @@ class EconomicMPC:
         decision = self._decide(planned, problem, result, plan, learn, t0, budget_w)
         if serving is not None:
             decision = replace(decision, serving=serving)
+        held = self.held(estimator, jobs)
+        if held.any():
+            decision = replace(decision, held=held)
         if domain_planned_w is not None:
             decision = replace(
                 decision, domain_price=result.price[1:], domain_planned_w=domain_planned_w
@@ -449,6 +464,19 @@ class EconomicMPC:
         pressure = self.weights(estimator, jobs, now_s, queue)[0] * _top_iteration_s(estimator)
         pressure = np.where(jobs.serving(), np.inf, pressure)
         return np.argsort(pressure, kind="stable").astype(np.int64)
+
+    def held(self, estimator: JobEstimator, jobs: JobState) -> BoolArray:
+        """(N,) the jobs counted at ``new_job_power_share`` of their limit and held there: no
+        power reading yet, and neither serving nor sharing a GPU with a serving job (those
+        keep their default limits: their draw follows their load)."""
+        share = self.settings.new_job_power_share
+        held: BoolArray = estimator.power.count == 0
+        if share >= 1.0 or not held.any():
+            return np.zeros(len(estimator), dtype=bool)
+        serving = jobs.serving()
+        if jobs.tenancy is not None:
+            serving = jobs.tenancy.any_tenant(serving)
+        return held & ~serving
 
     def lowest_power_w(self, estimator: JobEstimator, jobs: JobState) -> FloatArray:
         """(N,) each job's predicted power at its lowest supported clocks, all its GPUs (its
@@ -659,13 +687,16 @@ class EconomicMPC:
         # B_eff = (B − P_uncontrolled − ε B) / (1 + δ), ε = max(ε₀, c/√N)
         guard = s.guard_for(len(estimator))
         effective = (budget_w - uncontrolled_w - guard * budget_w) / (1.0 + self.offset)
-        # unmeasured jobs: power flat at the power limit (an upper bound at any clock) → top clock
+        # unmeasured jobs: power flat at the power limit (an upper bound at any clock) → top
+        # clock; those held by a power limit at a share of it, flat at that share
         new = estimator.power.count == 0
         power_theta = estimator.power.theta
         if new.any():
+            share = np.where(self.held(estimator, jobs), s.new_job_power_share, 1.0)
+            count_w = share * st.power_limit_w
             power_theta = power_theta.copy()
             power_theta[new] = 0.0
-            power_theta[new, -1] = st.power_limit_w[new]
+            power_theta[new, -1] = count_w[new]
         x_lo = g_lo / st.graphics_max_mhz
         if grid is not self.floor_grid and new.any():
             # below the floor only where a model says what it buys: an unmeasured job is

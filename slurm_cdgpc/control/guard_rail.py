@@ -22,6 +22,7 @@ def power_limits_w(
     min_w: npt.ArrayLike,
     default_w: npt.ArrayLike,
     free: npt.ArrayLike | None = None,
+    held: npt.ArrayLike | None = None,
 ) -> FloatArray | None:
     """Per job, the power limit of each of its GPUs (W); None when the rail is off (margin 0).
 
@@ -34,16 +35,23 @@ def power_limits_w(
 
     Jobs ``free`` of it (serving jobs) keep the board's default: their draw follows their
     load, not the plan, and a limit at a quiet interval's plan would clip the next burst and
-    miss the objective the floor was chosen for."""
+    miss the objective the floor was chosen for.
+
+    Jobs ``held`` (`Decision.held`: not yet measured, counted at a share of their limit) get
+    L_j = P_j / g_j, margin or not, rail on or off: the plan counts them at exactly that."""
     if not margin >= 0:
         raise InputError(f"the power-limit margin must be at least 0, got {margin}")
-    if margin == 0:
+    hold = None if held is None else np.asarray(held, dtype=bool)
+    if margin == 0 and (hold is None or not hold.any()):
         return None
     power = np.asarray(job_power_w, dtype=np.float64)
     lo = np.broadcast_to(np.asarray(min_w, dtype=np.float64), power.shape)
     hi = np.broadcast_to(np.asarray(default_w, dtype=np.float64), power.shape)
-    # L_j = clip(P_j / g_j · (1 + m), L_min, L_default)
-    per_gpu = power / np.maximum(np.asarray(gpus, dtype=np.float64), 1.0) * (1.0 + margin)
+    # L_j = clip(P_j / g_j · (1 + m), L_min, L_default); a held job's without the margin
+    planned = power / np.maximum(np.asarray(gpus, dtype=np.float64), 1.0)
+    per_gpu = planned * (1.0 + margin) if margin > 0 else np.full(power.shape, np.inf)
+    if hold is not None:
+        per_gpu = np.where(hold, planned, per_gpu)
     per_gpu = np.where(np.isfinite(per_gpu), per_gpu, hi)
     if free is not None:
         per_gpu = np.where(np.asarray(free, dtype=bool), hi, per_gpu)

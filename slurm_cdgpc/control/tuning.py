@@ -45,6 +45,7 @@ class Tuning:
                 emergency_margin=control.emergency_margin,
                 serving_margin=control.serving_margin,
                 serving_step=control.serving_step,
+                new_job_power_share=control.new_job_power_share,
             ),
             estimator=EstimatorSettings(
                 family=control.model_family,

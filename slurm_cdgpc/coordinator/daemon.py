@@ -286,6 +286,9 @@ class Coordinator:
         #: the limits (the budget, then each domain's) of the last plan and of the one before:
         #: the answers of an exchange measure the interval the one before planned for
         self._plan_limits: tuple[FloatArray | None, FloatArray | None] = (None, None)
+        #: the GPUs this head set a power limit on in the last two plans (a new job held at its
+        #: share, the guard rail): an answer shows the limit of the plan before the exchange's
+        self._limits_sent: tuple[frozenset[GpuRef], frozenset[GpuRef]] = (frozenset(),) * 2
         self.last_cut: EmergencyCut | None = None
         self.registrations = Registrations(
             store,
@@ -521,6 +524,13 @@ class Coordinator:
         held_out = self._reconcile(k)
         measured = self._measure()
         plan = self._learn_and_solve(now_s, measured, held_out)
+        limited = frozenset(
+            GpuRef(node, p.gpu)
+            for node, points in plan.setpoints.items()
+            for p in points
+            if p.power_limit_w is not None
+        )
+        self._limits_sent = (limited, self._limits_sent[0])
         exchanged = self._exchange(k, now_s, plan.setpoints)
         report = self._persist(k, now_s, plan, exchanged)
         if exchanged.responses:
@@ -930,7 +940,9 @@ class Coordinator:
             nodes_unreachable=unreachable,
             setpoints_sent=sum(len(v) for v in plan.setpoints.values()),
             jobs=views,
-            limited=self.nodes.other_limiters(self.settings.power_limit_margin),
+            limited=self.nodes.other_limiters(
+                self.settings.power_limit_margin, self._limits_sent[0] | self._limits_sent[1]
+            ),
             domains=domains,
         )
 

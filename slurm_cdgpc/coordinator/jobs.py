@@ -339,9 +339,10 @@ class RunningJobs:
     ) -> dict[str, list[NodeSetpoint]]:
         """The decision as per-node setpoints: every GPU of a job gets the job's clocks and,
         with a margin above 0, the guard rail: its planned power per GPU times (1 + margin)
-        (`slurm_cdgpc.control.guard_rail`), to the milliwatt NVML takes. A shared GPU gets one
-        setpoint, its first tenant's (they all have its clocks), naming the others; each GPU
-        of a group of tenants is planned at the group's power over its GPUs."""
+        (`slurm_cdgpc.control.guard_rail`), to the milliwatt NVML takes; a job the plan
+        holds at a share of its limit (`Decision.held`) gets that, rail or not. A shared GPU
+        gets one setpoint, its first tenant's (they all have its clocks), naming the others;
+        each GPU of a group of tenants is planned at the group's power over its GPUs."""
         if decision.graphics_mhz.shape[0] != len(self):
             raise InputError("the decision does not match the running jobs")
         gpus = np.array([len(job.gpus) for job in self._jobs], dtype=np.float64)
@@ -350,9 +351,13 @@ class RunningJobs:
         free = np.zeros(len(self), dtype=bool)
         if decision.serving is not None:
             free = decision.serving.serving.copy()
+        # a job not yet measured, counted at a share of its limit, is held there (its tenants'
+        # GPU with it: the group is counted at the newcomer's share)
+        held = np.zeros(len(self), dtype=bool) if decision.held is None else decision.held
         tenancy = self.tenancy()
         if tenancy is not None:
             gpu_w, free = tenancy.gpu_power_w(decision.job_power_w), tenancy.any_tenant(free)
+            held = tenancy.any_tenant(held)
         on = jobs_on((job.job_id, job.gpus) for job in self._jobs)
         refs = list(on)
         first = [self._row[on[ref][0]] for ref in refs]  # each GPU's first tenant's row
@@ -364,6 +369,7 @@ class RunningJobs:
             [s.power_limit.min_w for s in specs],
             [s.power_limit.default_w for s in specs],
             free[first],
+            held[first],
         )
         out: dict[str, list[NodeSetpoint]] = {}
         for r, (ref, i) in enumerate(zip(refs, first, strict=True)):
@@ -374,7 +380,9 @@ class RunningJobs:
                     self._jobs[i].job_id,
                     int(decision.graphics_mhz[i]),
                     memory,
-                    None if limits is None else round(float(limits[r]), 3),
+                    None
+                    if limits is None or not (power_limit_margin > 0 or held[i])
+                    else round(float(limits[r]), 3),
                     tuple(on[ref][1:]),
                 )
             )

@@ -391,10 +391,13 @@ class NodeBook(Mapping[str, NodeState]):
             sum(1 for n in nodes if n.reachable is False),
         )
 
-    def other_limiters(self, power_limit_margin: float) -> tuple[str, ...]:
+    def other_limiters(
+        self, power_limit_margin: float, ours: Collection[GpuRef] = ()
+    ) -> tuple[str, ...]:
         """The GPUs held by something else than this head, from the last reports: an enforced
-        power limit below the board's default that this head did not ask for, a power brake or
-        a slowdown, or a refusal because another process holds the clocks."""
+        power limit below the board's default that this head did not ask for (the guard rail's,
+        or one it sent to ``ours``), a power brake or a slowdown, or a refusal because another
+        process holds the clocks."""
         out: list[str] = []
         margin = power_limit_margin
         for name, node in sorted(self._nodes.items()):
@@ -408,6 +411,7 @@ class NodeBook(Mapping[str, NodeState]):
                     and enforced is not None
                     and enforced < spec.power_limit.default_w - 1.0
                     and not (margin > 0 and r.job_id is not None)  # our rail's, when it is on
+                    and GpuRef(name, r.index) not in ours
                 ):
                     why.append(
                         f"enforced power limit {enforced:.0f} W, below its default "

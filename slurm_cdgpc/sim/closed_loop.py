@@ -251,6 +251,7 @@ class ClosedLoop:
             self.power_limit_margin,
             np.asarray([s.power_limit.min_w for s in fleet.specs])[fleet.gpu_type],
             plant.default_limit_w,
+            held=d.held,
         )
         limit_w = plant.default_limit_w if limits is None else limits
         truth = plant.step(d.graphics_mhz, d.memory_mhz, limit_w / self.power_scale)

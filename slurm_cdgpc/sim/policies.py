@@ -357,9 +357,11 @@ class Cdgpc(Policy):
         # its default limit if any tenant serves
         gpu_w = d.job_power_w / view.job_gpus
         free = None if d.serving is None else d.serving.serving
+        held = d.held
         if tenancy is not None:
             gpu_w = tenancy.gpu_power_w(d.job_power_w)
             free = None if free is None else tenancy.any_tenant(free)
+            held = None if held is None else tenancy.any_tenant(held)
         limits = power_limits_w(
             gpu_w,
             np.ones(len(view)),
@@ -367,6 +369,7 @@ class Cdgpc(Policy):
             np.array([s.power_limit.min_w for s in self.specs])[view.job_type],
             np.array([s.power_limit.default_w for s in self.specs])[view.job_type],
             free,
+            held,
         )
         return Setpoints(
             graphics_mhz=d.graphics_mhz.astype(np.float64),

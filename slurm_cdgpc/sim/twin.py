@@ -61,6 +61,11 @@ def job_name(row: int) -> str:
     return str(row + 1)
 
 
+#: a GPU's setpoint as applied: graphics MHz, memory MHz (None: not lockable), power limit W
+#: (None: its default)
+_Applied = tuple[int, int | None, float | None]
+
+
 @dataclass(frozen=True)
 class Reading:
     """What a GPU did over the interval that just ended (mean power, applied clocks)."""
@@ -100,8 +105,8 @@ class ViewTransport:
     readings: dict[tuple[str, int], Reading] = field(default_factory=dict)
     progress: dict[str, tuple[ProgressReport, ...]] = field(default_factory=dict)
     #: per (node, GPU index), the interval's setpoint (an emergency cut's over the plan's):
-    #: graphics MHz, memory MHz (None: not lockable)
-    applied: dict[tuple[str, int], tuple[int, int | None]] = field(default_factory=dict)
+    #: graphics MHz, memory MHz (None: not lockable), power limit in W (None: the default)
+    applied: dict[tuple[str, int], _Applied] = field(default_factory=dict)
     exchanges: int = 0
     _lowest_mhz: dict[tuple[str, int | None], int] = field(default_factory=dict)
 
@@ -119,7 +124,7 @@ class ViewTransport:
     ) -> dict[str, ExchangeResponse | NodeFailure]:
         now_s = self.clock()
         self.exchanges += 1
-        applied: dict[tuple[str, int], tuple[int, int | None]] = {}
+        applied: dict[tuple[str, int], _Applied] = {}
         out: dict[str, ExchangeResponse | NodeFailure] = {}
         for name, target in targets.items():
             gpus = self.gpus.get(name)
@@ -135,7 +140,9 @@ class ViewTransport:
                     self._lowest_mhz[key] = min(gpu.spec.clocks.graphics_for(point.memory_mhz))
                 gpu.locked = LockReport(self._lowest_mhz[key], point.graphics_mhz, point.memory_mhz)
                 gpu.job_id = point.job_id
-                applied.setdefault((name, point.gpu), (point.graphics_mhz, point.memory_mhz))
+                applied.setdefault(
+                    (name, point.gpu), (point.graphics_mhz, point.memory_mhz, point.power_limit_w)
+                )
             for index in request.release:
                 gpus[index].locked = None
                 gpus[index].job_id = None
@@ -387,12 +394,14 @@ class HeadTwin(Policy):
         return readings, {node: tuple(p) for node, p in progress.items()}
 
     def _setpoints(
-        self, view: ClusterView, applied: Mapping[tuple[str, int], tuple[int, int | None]]
+        self, view: ClusterView, applied: Mapping[tuple[str, int], _Applied]
     ) -> Setpoints:
-        """Per view row, what the head set on its GPUs (the slowest's, which paces it); a job
-        whose GPUs got none (not controlled yet) runs at its top clock (NaN)."""
+        """Per view row, what the head set on its GPUs (the slowest's, which paces it, and the
+        lowest power limit); a job whose GPUs got none (not controlled yet) runs at its top
+        clock and default limit (NaN)."""
         n = len(view)
         graphics = np.full(n, np.nan)
+        limit = np.full(n, np.nan)
         memory = np.array([float(self.specs[int(t)].max_memory_mhz) for t in view.job_type])
         for row, held in enumerate(self._held):
             points = [
@@ -407,4 +416,11 @@ class HeadTwin(Policy):
             graphics[row] = point[0]
             if point[1] is not None:
                 memory[row] = point[1]
-        return Setpoints(graphics_mhz=graphics, memory_mhz=memory)
+            limits = [p[2] for p in points if p[2] is not None]
+            if limits:
+                limit[row] = min(limits)
+        return Setpoints(
+            graphics_mhz=graphics,
+            memory_mhz=memory,
+            limit_w=limit if np.isfinite(limit).any() else None,
+        )

@@ -122,6 +122,7 @@ def make_cluster(tmp_path: Path) -> Iterator[MakeCluster]:
         topology: Topology | None = None,
         emergency: bool = True,
         ramp_w_per_s: float = ControllerSettings.ramp_w_per_s,
+        new_job_power_share: float = ControllerSettings.new_job_power_share,
     ) -> Cluster:
         clock = ManualClock(T0_S)
         home = tmp_path / f"cluster{len(engines)}"  # one per cluster, and two in one test
@@ -147,7 +148,10 @@ def make_cluster(tmp_path: Path) -> Iterator[MakeCluster]:
             shadow=shadow,
             power_limit_margin=power_limit_margin,
             controller=ControllerSettings(
-                interval_s=INTERVAL_S, emergency=emergency, ramp_w_per_s=ramp_w_per_s
+                interval_s=INTERVAL_S,
+                emergency=emergency,
+                ramp_w_per_s=ramp_w_per_s,
+                new_job_power_share=new_job_power_share,
             ),
         )
         transport = FakeTransport(agents)
@@ -979,6 +983,33 @@ def test_setpoints_carry_the_guard_rail_when_its_margin_is_above_zero(
         assert point.power_limit_w == pytest.approx(expected_w, abs=1e-3)
         assert gpu.power_limit_set_w == pytest.approx(expected_w, abs=1e-3)
         assert gpu.enforced_limit_w < A100_LIMIT_W
+
+
+def test_a_new_job_is_held_at_its_share_of_the_limit_until_measured(
+    make_cluster: MakeCluster,
+) -> None:
+    """With ``new_job_power_share`` 0.6 a new job's GPUs get 240 W (0.6 of an A100's 400 W)
+    with its first setpoints, the agent sets it, the head's status does not take its own limit
+    for another limiter's, and once the job's model has readings the limit goes back to the
+    board's default."""
+    cluster = make_cluster(new_job_power_share=0.6)
+    cluster.gpu("n1", 0).attach("bert")
+    cluster.store.set_budget(900.0, "root")
+    cluster.tick()
+    register_job(cluster, "1", "n1", 0)
+    seen: list[float | None] = []
+    for _ in range(6):
+        report = cluster.tick()
+        [point] = cluster.last_requests()["n1"].setpoints
+        seen.append(point.power_limit_w)
+        assert report.limited == ()
+        if point.power_limit_w is not None:
+            assert cluster.gpu("n1", 0).power_limit_set_w == pytest.approx(240.0)
+    assert seen[0] == pytest.approx(240.0)
+    held = [w for w in seen if w is not None]
+    assert held == pytest.approx([240.0] * len(held)) and len(held) <= 3
+    assert seen[-1] is None and cluster.gpu("n1", 0).power_limit_set_w is None
+    assert cluster.gpu("n1", 0).enforced_limit_w == A100_LIMIT_W
 
 
 def test_status_names_the_gpus_another_limiter_holds(make_cluster: MakeCluster) -> None:

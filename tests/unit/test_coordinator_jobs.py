@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from slurm_cdgpc.control.discrete import ClockGrid
-from slurm_cdgpc.control.empc import EconomicMPC
+from slurm_cdgpc.control.empc import ControllerSettings, EconomicMPC
 from slurm_cdgpc.coordinator.jobs import GpuRef, GpuSample, JobInfo, RunningJobs, jobs_on
 from slurm_cdgpc.errors import InputError
 from slurm_cdgpc.gpu.catalog import CATALOG
@@ -84,6 +84,19 @@ def test_jobs_on_one_gpu_are_its_tenants_with_one_setpoint_per_gpu() -> None:
     gpu_w = (decision.job_power_w[0] + decision.job_power_w[1]) / 2
     assert n1[0].power_limit_w == n1[1].power_limit_w == pytest.approx(gpu_w * 1.1, abs=1e-3)
     assert decision.predicted_power_w == pytest.approx(decision.job_power_w.sum())
+
+
+def test_a_new_job_counted_at_a_share_of_its_limit_gets_that_limit_on_its_gpus() -> None:
+    """Job 1 is measured; job 2 (two GPUs) is new and counted at 0.6 of its 400 W limit:
+    each of its GPUs gets 240 W, job 1's GPU no limit (the rail is off)."""
+    table = _table()
+    table.add([_job("1", ("n1", 0)), _job("2", ("n1", 1), ("n2", 0))])
+    table.estimator.observe(np.ones(2), np.ones(2), np.array([300.0, np.nan]), np.full(2, 0.5))
+    mpc = EconomicMPC(table.grid, ControllerSettings(new_job_power_share=0.6))
+    decision = mpc.step(table.estimator, table.job_state(), now_s=0.0, budget_w=1e6)
+    per_node = table.setpoints(decision)
+    limits = {(node, s.gpu): s.power_limit_w for node, sps in per_node.items() for s in sps}
+    assert limits == {("n1", 0): None, ("n1", 1): 240.0, ("n2", 0): 240.0}
 
 
 def test_measurements_average_power_and_take_the_slowest_clock() -> None:

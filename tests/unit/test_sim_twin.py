@@ -22,6 +22,7 @@ import pytest
 from click.testing import CliRunner
 
 from slurm_cdgpc.cli.main import cli
+from slurm_cdgpc.config import ControlConfig
 from slurm_cdgpc.control.empc import Decision, Measurements
 from slurm_cdgpc.model.estimator import JobEstimator
 from slurm_cdgpc.sim.cluster import ClusterView, Policy, Setpoints, SimulationResult, Simulator
@@ -562,3 +563,51 @@ def test_both_engines_hold_the_budget_alike_with_shared_gpus(
     assert f.over_budget_intervals_pct < 6.0 and h.over_budget_intervals_pct < 8.0
     assert f.max_overshoot_pct < 5.0 and h.max_overshoot_pct < 8.0
     assert h.energy_kwh == pytest.approx(f.energy_kwh, rel=0.05)
+
+
+class _Limits(HeadTwin):
+    """The twin, keeping every interval's per-row power limits."""
+
+    def __init__(self, control: ControlConfig) -> None:
+        super().__init__(control=control)
+        self.limits: list[dict[int, float]] = []
+
+    def decide(self, view: ClusterView) -> Setpoints:
+        sp = super().decide(view)
+        limit = np.full(len(view), np.nan) if sp.limit_w is None else sp.limit_w
+        self.limits.append({int(view.job_id[r]): float(w) for r, w in enumerate(limit)})
+        return sp
+
+
+@pytest.mark.parametrize("engine", ["head", "fast"])
+def test_a_new_job_runs_held_at_its_share_until_measured(engine: str) -> None:
+    """With ``new_job_power_share = 0.6`` each job starts held at 240 W per A100 (0.6 of its
+    400 W), through the head's setpoints as through the fast engine's, and the limit is lifted
+    once its model has readings (the head's start-up interval, then one)."""
+    control = ControlConfig(new_job_power_share=0.6)
+    simulator = _small()
+    limits: list[dict[int, float]]
+    if engine == "head":
+        with _Limits(control) as twin:
+            simulator.run(twin)
+        limits = twin.limits
+    else:
+        policy = make_policy("cdgpc", control)
+        limits = []
+        decide = policy.decide
+
+        def watched(view: ClusterView) -> Setpoints:
+            sp = decide(view)
+            limit = np.full(len(view), np.nan) if sp.limit_w is None else sp.limit_w
+            limits.append({int(view.job_id[r]): float(w) for r, w in enumerate(limit)})
+            return sp
+
+        policy.decide = watched  # type: ignore[method-assign]
+        simulator.run(policy)
+    for job in (0, 1):
+        # NaN or 400 W: the default (the fast engine sends every GPU's limit when any is held)
+        seen = [step[job] for step in limits if job in step]
+        held = [w for w in seen if w < 400.0]
+        assert held and held == pytest.approx([240.0] * len(held)), seen
+        assert len(held) <= (3 if engine == "head" else 1)
+        assert all(not w < 400.0 for w in seen[len(held) :]), seen  # lifted, and for good
