@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import sys
 import time
+import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,8 +23,10 @@ import click
 import numpy as np
 
 from slurm_cdgpc.cli.output import echo_json, format_table
+from slurm_cdgpc.config import load_config
 from slurm_cdgpc.control.dual import StepStatus
 from slurm_cdgpc.control.empc import ControllerSettings
+from slurm_cdgpc.localcluster import TomlValue
 from slurm_cdgpc.sim.closed_loop import ClosedLoop, IntervalRecord, synthetic_fleet
 from slurm_cdgpc.units import format_power, parse_duration_s
 
@@ -106,6 +109,14 @@ def _at_risk(loop: ClosedLoop) -> int:
     "--intervals", type=click.IntRange(min=2), default=None, help="--in-process: intervals [40]."
 )
 @click.option("--seed", type=int, default=None, help="--in-process: seed [0].")
+@click.option(
+    "--config",
+    "config_path",
+    type=click.Path(dir_okay=False, exists=True, path_type=Path),
+    default=None,
+    help="A cdgpc.toml whose [control] section the head runs with (less its interval) "
+    "[default: the shipped settings].",
+)
 @click.option("--json", "as_json", is_flag=True, help="No table: print the summary as JSON.")
 def demo(
     duration: str,
@@ -119,11 +130,15 @@ def demo(
     jobs: int | None,
     intervals: int | None,
     seed: int | None,
+    config_path: Path | None,
     as_json: bool,
 ) -> None:
     """Run a simulated GPU cluster under a power budget and watch the controller hold it."""
     interval_s = None if interval is None else parse_duration_s(interval)
+    control = {} if config_path is None else control_section(config_path)
     if in_process or jobs is not None or intervals is not None or seed is not None:
+        if control:
+            raise click.UsageError("--config is for the live demo, not --in-process")
         _in_process(
             jobs=48 if jobs is None else jobs,
             intervals=40 if intervals is None else intervals,
@@ -146,6 +161,7 @@ def demo(
         drop_to=0.55 if drop_to is None else drop_to,
         out_dir=out_dir,
         keep_run_dir=keep_run_dir,
+        control=control,
     )
     mode = "quiet" if as_json else "tty" if sys.stdout.isatty() else "lines"
     summary = run_demo(settings, Screen(mode, click.echo))
@@ -153,6 +169,15 @@ def demo(
         echo_json(summary)
         return
     _print_summary(summary)
+
+
+def control_section(path: Path) -> dict[str, TomlValue]:
+    """The ``[control]`` keys of the cdgpc.toml at ``path`` as written there, less the
+    interval (the demo's own), once the whole file has loaded as cdgpcd would load it."""
+    load_config(path, env={})  # a bad key or value: one line, nothing started
+    with path.open("rb") as f:
+        section = tomllib.load(f).get("control", {})
+    return {k: v for k, v in section.items() if k != "interval"}
 
 
 def _print_summary(s: dict[str, Any]) -> None:

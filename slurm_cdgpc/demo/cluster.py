@@ -14,7 +14,7 @@ import os
 import pwd
 import shutil
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
@@ -57,8 +57,10 @@ def create_cluster(
     initial_budget_w: float,
     nodes: Sequence[NodeSpec] = DEFAULT_NODES,
     parent: Path | None = None,
+    control: Mapping[str, TomlValue] | None = None,
 ) -> LocalCluster:
-    """The run directory and every daemon's configuration (nothing started yet)."""
+    """The run directory and every daemon's configuration (nothing started yet); ``control``:
+    the head's ``[control]`` keys beyond the shipped ones."""
     run_dir = Path(tempfile.mkdtemp(prefix="cdgpc-demo-", dir=parent))
     if munge_works():
         user = pwd.getpwuid(os.geteuid()).pw_name
@@ -89,7 +91,11 @@ def create_cluster(
     head = cluster.add_head(
         HEAD,
         # the demo's jobs are not this machine's Slurm's: no reconcile with squeue
-        extra={"head": {"reconcile": False}, "budget": {"initial": f"{initial_budget_w:.0f}W"}},
+        extra={
+            "head": {"reconcile": False},
+            "budget": {"initial": f"{initial_budget_w:.0f}W"},
+            "control": dict(control or {}),
+        },
     )
     for spec in nodes:
         cluster.add_node(spec.name, gpu_type=spec.gpu_type, gpus=spec.gpus, head_url=head.url)

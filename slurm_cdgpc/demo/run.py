@@ -13,8 +13,8 @@ import logging
 import shutil
 import signal
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
 from typing import Any, Final
@@ -26,7 +26,7 @@ from slurm_cdgpc.demo.report import RunData, summarize, write_plots
 from slurm_cdgpc.demo.trace import load_slice
 from slurm_cdgpc.errors import CdgpcError, InputError
 from slurm_cdgpc.gpu.catalog import catalog_spec
-from slurm_cdgpc.localcluster import LocalCluster
+from slurm_cdgpc.localcluster import LocalCluster, TomlValue
 from slurm_cdgpc.store import Store, make_engine
 from slurm_cdgpc.units import format_power
 
@@ -47,6 +47,9 @@ class DemoSettings:
     out_dir: Path = Path("demo-out")
     keep_run_dir: bool = False
     nodes: tuple[NodeSpec, ...] = DEFAULT_NODES
+    #: ``[control]`` keys for the head on top of the shipped settings (``cdgpc-admin demo
+    #: --config``)
+    control: Mapping[str, TomlValue] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.duration_s > 0:
@@ -90,6 +93,7 @@ def run_demo(settings: DemoSettings, screen: Screen) -> dict[str, Any]:
         lease_s=settings.lease_s,
         initial_budget_w=budget_w,
         nodes=settings.nodes,
+        control=settings.control,
     )
     gpus = sum(n.gpus for n in settings.nodes)
     types = sorted({n.gpu_type for n in settings.nodes})

@@ -93,3 +93,18 @@ def test_bad_input_is_one_line_and_non_zero(args: tuple[str, ...], message: str)
     assert message in out
     assert "Traceback" not in out
     assert len(out.strip().splitlines()) == 1
+
+
+def test_the_live_demo_takes_a_control_section_from_a_config_file(tmp_path: Path) -> None:
+    from slurm_cdgpc.cli.demo import control_section  # noqa: PLC0415
+
+    good = tmp_path / "good.toml"
+    good.write_text('[control]\ninterval = "5s"\nnew_job_power_share = 0.6\nemergency = false\n')
+    assert control_section(good) == {"new_job_power_share": 0.6, "emergency": False}
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[control]\nnew_job_power_share = 1.5\n")
+    code, out = _run("demo", "--config", str(bad), "--duration", "1s")
+    assert code != 0 and "new_job_power_share" in out and "Traceback" not in out
+    assert len(out.strip().splitlines()) == 1
+    code, out = _run("demo", "--config", str(good), "--in-process")
+    assert code != 0 and "--config is for the live demo" in out
