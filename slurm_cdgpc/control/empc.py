@@ -469,10 +469,11 @@ class EconomicMPC:
         """(N,) the jobs counted at ``new_job_power_share`` of their limit and held there: no
         power reading yet, and neither serving nor sharing a GPU with a serving job (those
         keep their default limits: their draw follows their load)."""
-        share = self.settings.new_job_power_share
-        held: BoolArray = estimator.power.count == 0
-        if share >= 1.0 or not held.any():
+        if self.settings.new_job_power_share >= 1.0:
             return np.zeros(len(estimator), dtype=bool)
+        held: BoolArray = estimator.power.count == 0
+        if not held.any():
+            return held
         serving = jobs.serving()
         if jobs.tenancy is not None:
             serving = jobs.tenancy.any_tenant(serving)

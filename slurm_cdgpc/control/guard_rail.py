@@ -24,7 +24,8 @@ def power_limits_w(
     free: npt.ArrayLike | None = None,
     held: npt.ArrayLike | None = None,
 ) -> FloatArray | None:
-    """Per job, the power limit of each of its GPUs (W); None when the rail is off (margin 0).
+    """Per job, the power limit of each of its GPUs (W); None when the rail is off (margin 0)
+    and no job is ``held``.
 
     For job j on g_j GPUs with planned power P_j (all its GPUs, `Decision.job_power_w`) and
     margin m, L_j = clip(P_j / g_j · (1 + m), L_min, L_default): never above the board's default
