@@ -17,7 +17,7 @@ import time
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 import numpy as np
@@ -26,9 +26,11 @@ from slurm_cdgpc.cli.output import echo_json, format_table
 from slurm_cdgpc.config import load_config
 from slurm_cdgpc.control.dual import StepStatus
 from slurm_cdgpc.control.empc import ControllerSettings
-from slurm_cdgpc.localcluster import TomlValue
 from slurm_cdgpc.sim.closed_loop import ClosedLoop, IntervalRecord, synthetic_fleet
 from slurm_cdgpc.units import format_power, parse_duration_s
+
+if TYPE_CHECKING:
+    from slurm_cdgpc.localcluster import TomlValue
 
 COLUMNS = ("time", "budget", "power", "error", "price", "jobs", "at risk", "done", "step ms")
 WIDTHS = (6, 10, 10, 8, 9, 5, 7, 5, 7)
@@ -137,7 +139,7 @@ def demo(
     interval_s = None if interval is None else parse_duration_s(interval)
     control = {} if config_path is None else control_section(config_path)
     if in_process or jobs is not None or intervals is not None or seed is not None:
-        if control:
+        if config_path is not None:
             raise click.UsageError("--config is for the live demo, not --in-process")
         _in_process(
             jobs=48 if jobs is None else jobs,
