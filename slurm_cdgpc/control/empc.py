@@ -28,7 +28,7 @@ from slurm_cdgpc.control.dual import (
     solve_domain_prices,
     solve_price,
 )
-from slurm_cdgpc.control.limits import LimitShare
+from slurm_cdgpc.control.limits import LimitShare, NewJobShare
 from slurm_cdgpc.control.ramp import Ramp
 from slurm_cdgpc.control.serving import ServingPlan, give_way, serving_floor
 from slurm_cdgpc.control.tenancy import Tenancy
@@ -102,6 +102,9 @@ class ControllerSettings:
     #: whole limit, nothing held. Serving jobs, and jobs sharing a GPU with one, keep their
     #: default limits and so are counted at them
     new_job_power_share: float = _SHIPPED.new_job_power_share
+    #: ... learned per GPU type as this quantile of new jobs' first readings (`NewJobShare`),
+    #: starting from ``new_job_power_share``; 1: not learned
+    new_job_power_quantile: float = _SHIPPED.new_job_power_quantile
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -128,6 +131,9 @@ class ControllerSettings:
         if not 0.0 < self.new_job_power_share <= 1.0:
             share = self.new_job_power_share
             raise InputError(f"a new job's power share must be in (0, 1], got {share}")
+        if not 0.0 < self.new_job_power_quantile <= 1.0:
+            q = self.new_job_power_quantile
+            raise InputError(f"the new-job power quantile must be in (0, 1], got {q}")
         if not self.ramp_w_per_s > 0:
             raise InputError(f"ramp must be a positive rate in W/s, got {self.ramp_w_per_s}")
 
@@ -240,7 +246,7 @@ class Decision:
     #: the serving jobs' floors (snapped to supported clocks), missed and given-way
     #: objectives (`ServingPlan`); None when no job serves
     serving: ServingPlan | None = None
-    #: jobs not yet measured that the plan counts at ``new_job_power_share`` of their limit:
+    #: jobs not yet measured that the plan counts at a share of their limit (`NewJobShare`):
     #: their GPUs' power limits must hold them at their `job_power_w` (None: no job is held)
     held: BoolArray | None = None
 
@@ -269,6 +275,9 @@ class EconomicMPC:
         #: what the last ramped step put in force, per limit (`_in_force_w`)
         self._ramp_from: FloatArray | None = None
         self.limit_share = LimitShare(self.settings.limit_share_quantile)
+        self.new_share = NewJobShare(
+            self.settings.new_job_power_share, self.settings.new_job_power_quantile
+        )
 
     def use_grid(self, grid: ClockGrid) -> None:
         """A grid with more GPU types (a board an agent described); the types already known
@@ -326,7 +335,9 @@ class EconomicMPC:
                     miss = float(np.sum(drawn[both])) / planned_w - 1.0
                     self.offset = (1 - s.offset_gain) * self.offset + s.offset_gain * miss
             capped = measured.power_capped
-            if capped is not None and s.new_job_power_share < 1.0:
+            if self.new_share.learning:
+                self._learn_new_share(estimator, jobs, x_a, measured)
+            elif self.new_share.holds and capped is not None:
                 # a job without a reading was held by the plan's own limit (`held`), not its
                 # board's: the clock that limit allowed is no ceiling once it is lifted
                 capped = capped & (estimator.power.count > 0)
@@ -465,19 +476,60 @@ class EconomicMPC:
         pressure = np.where(jobs.serving(), np.inf, pressure)
         return np.argsort(pressure, kind="stable").astype(np.int64)
 
-    def held(self, estimator: JobEstimator, jobs: JobState) -> BoolArray:
-        """(N,) the jobs counted at ``new_job_power_share`` of their limit and held there: no
-        power reading yet, and neither serving nor sharing a GPU with a serving job (those
-        keep their default limits: their draw follows their load)."""
-        if self.settings.new_job_power_share >= 1.0:
-            return np.zeros(len(estimator), dtype=bool)
-        held: BoolArray = estimator.power.count == 0
-        if not held.any():
-            return held
+    def _learn_new_share(
+        self,
+        estimator: JobEstimator,
+        jobs: JobState,
+        x_a: FloatArray,
+        measured: Measurements,
+    ) -> None:
+        """Teach `new_share` this step's first readings: jobs without a power reading until
+        now, not serving (a serving job draws what its load asks), that ran at their top
+        clock, or were held down by a power limit (then all their reading says is that they
+        would draw more). Below their top clock they draw less than they will when counted."""
+        first = (estimator.power.count == 0) & np.isfinite(measured.power_w) & ~jobs.serving()
+        if not first.any():
+            return
+        st = estimator.statics
+        x_top = self.grid.top_mhz(jobs.gpu_type)[0] / st.graphics_max_mhz
+        read = measured.power_w / st.power_limit_w
+        capped = (
+            np.zeros(len(estimator), dtype=bool)
+            if measured.power_capped is None
+            else np.asarray(measured.power_capped, dtype=bool)
+        )
+        reached = capped | (read >= self.new_job_share(jobs))
+        rows = np.flatnonzero(first & (capped | (np.nan_to_num(x_a, nan=0.0) >= x_top - 1e-6)))
+        if rows.size:
+            kinds = self._share_kinds(jobs)
+            self.new_share.observe([kinds[r] for r in rows], read[rows], reached[rows])
+
+    def _share_kinds(self, jobs: JobState) -> list[str]:
+        """(N,) what `new_share` learns apart: each job's GPU type, and whether it joins
+        co-tenants (its GPU's reading is theirs and its own together)."""
+        names = [self.grid.names[t] for t in jobs.gpu_type.tolist()]
+        if jobs.tenancy is None:
+            return names
+        crowded = (jobs.tenancy.tenants()[jobs.tenancy.group] > 1).tolist()
+        return [f"{n} shared" if c else n for n, c in zip(names, crowded, strict=True)]
+
+    def new_job_share(self, jobs: JobState) -> FloatArray:
+        """(N,) the share of its power limit each job is counted at until it is measured (a
+        serving job, and a job sharing a GPU with one, at its whole limit: their draw follows
+        their load)."""
         serving = jobs.serving()
         if jobs.tenancy is not None:
             serving = jobs.tenancy.any_tenant(serving)
-        return held & ~serving
+        return np.where(serving, 1.0, self.new_share.of(self._share_kinds(jobs)))
+
+    def held(self, estimator: JobEstimator, jobs: JobState) -> BoolArray:
+        """(N,) the jobs counted at a fixed share of their limit below 1 and held there by a
+        power limit: no power reading yet, and not counted at their whole limit
+        (`new_job_share`). A learned share is a prior, as a model is, and holds nothing."""
+        held: BoolArray = estimator.power.count == 0
+        if not self.new_share.holds or not held.any():
+            return np.zeros(len(estimator), dtype=bool)
+        return held & (self.new_job_share(jobs) < 1.0)
 
     def lowest_power_w(self, estimator: JobEstimator, jobs: JobState) -> FloatArray:
         """(N,) each job's predicted power at its lowest supported clocks, all its GPUs (its
@@ -693,7 +745,7 @@ class EconomicMPC:
         new = estimator.power.count == 0
         power_theta = estimator.power.theta
         if new.any():
-            share = np.where(self.held(estimator, jobs), s.new_job_power_share, 1.0)
+            share = self.new_job_share(jobs)
             count_w = share * st.power_limit_w
             power_theta = power_theta.copy()
             power_theta[new] = 0.0

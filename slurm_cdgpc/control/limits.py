@@ -1,4 +1,5 @@
-"""How much of its Slurm time limit a job's work takes, learned from the jobs that ended.
+"""What the controller learns from jobs as they come and go: how much of its Slurm time limit a
+job's work takes (`LimitShare`), and how much of its power limit a new job draws (`NewJobShare`).
 
 The controller's math: never reaches `store/`, `transport/`, `agent/`, `coordinator/` or `cli/`
 (`tests/unit/test_import_graph.py`). Design: DESIGN.md, "Controller" (1, Weights: work from the
@@ -7,10 +8,14 @@ time limit) and "Progress"; tests: `tests/unit/test_control_empc.py`.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
+
 import numpy as np
 
 from slurm_cdgpc.errors import InputError
 from slurm_cdgpc.model.families import FloatArray
+from slurm_cdgpc.model.rls import BoolArray
 
 
 class LimitShare:
@@ -41,3 +46,71 @@ class LimitShare:
         self._shares = np.concatenate([self._shares, shares])[-self.window :]
         if self.quantile < 1.0 and self._shares.size >= self.min_jobs:
             self.share = float(np.quantile(self._shares, self.quantile))
+
+
+class NewJobShare:
+    """Per kind of job (its GPU type, alone or joining co-tenants), the share of its power
+    limit at which a job not yet measured is counted.
+
+    A new job's power is unknown until its first reading; counted at its whole limit it books
+    power it rarely draws, and on fleets of short jobs that budget goes unused. The share
+    starts at ``initial`` (1: the whole limit). With ``quantile`` q below 1 the share is learned
+    from each job's first reading y (its GPUs' power over their limit, at its top clock):
+    after ``min_jobs`` readings of a kind it is their q quantile, and from then on each reading
+    moves it by ``step`` · (1{y ≥ s} − (1 − q)), the stochastic-approximation quantile
+    tracker, so that it follows a fleet whose jobs change. A reading held down by a power limit
+    (the guard rail's, or the board's) counts as reaching the share: all it says is that the
+    job would draw more. A learned share is a prior, as a power model is: the plan counts a
+    new job at it and the offset, the emergency cut and the next reading correct it; about
+    1 − q of new jobs draw more than they are counted at for their first interval.
+
+    A fixed share below 1 (``quantile`` 1) is instead held (`holds`): the job's GPUs get that
+    power limit until its first reading, so the count is a bound the firmware keeps.
+    """
+
+    def __init__(
+        self, initial: float, quantile: float, min_jobs: int = 20, step: float = 0.02
+    ) -> None:
+        if not 0.0 < initial <= 1.0:
+            raise InputError(f"a new job's power share must be in (0, 1], got {initial}")
+        if not 0.0 < quantile <= 1.0:
+            raise InputError(f"the new-job power quantile must be in (0, 1], got {quantile}")
+        self.initial = initial
+        self.quantile = quantile
+        self.min_jobs = min_jobs
+        self.step = step
+        self._share: dict[str, float] = {}
+        self._first: dict[str, list[float]] = {}
+
+    @property
+    def learning(self) -> bool:
+        return self.quantile < 1.0
+
+    @property
+    def holds(self) -> bool:
+        """Whether a new job is held at its share by a power limit: a fixed share below 1."""
+        return self.initial < 1.0 and not self.learning
+
+    def of(self, names: Sequence[str]) -> FloatArray:
+        """(N,) the share of each job's type (``names``: its GPU type's name)."""
+        return np.array([self._share.get(n, self.initial) for n in names], dtype=np.float64)
+
+    def observe(self, names: Sequence[str], read: FloatArray, reached: BoolArray) -> None:
+        """First readings: per job its kind, its power over its limit and whether it reached
+        the share it was counted at (read at or above it, or held down by a power limit)."""
+        if not self.learning:
+            return
+        q = self.quantile
+        for name, y, hit in zip(names, read.tolist(), reached.tolist(), strict=True):
+            if not math.isfinite(y):
+                continue
+            first = self._first.get(name)
+            if first is not None or name not in self._share:
+                first = self._first.setdefault(name, [])
+                first.append(1.0 if hit else min(y, 1.0))
+                if len(first) >= self.min_jobs:
+                    self._share[name] = float(np.quantile(first, q))
+                    del self._first[name]
+                continue
+            s = self._share[name] + self.step * ((1.0 if hit else 0.0) - (1.0 - q))
+            self._share[name] = min(max(s, self.step), 1.0)

@@ -46,6 +46,7 @@ class Tuning:
                 serving_margin=control.serving_margin,
                 serving_step=control.serving_step,
                 new_job_power_share=control.new_job_power_share,
+                new_job_power_quantile=control.new_job_power_quantile,
             ),
             estimator=EstimatorSettings(
                 family=control.model_family,
@@ -66,7 +67,8 @@ def shipped(interval_s: float | None = None) -> Tuning:
 
 def paper(interval_s: float | None = None) -> Tuning:
     """The method as published: linear power model, fixed guard band, clock floor 0.5 of max,
-    no triage, drain, floor fallback, time-limit work estimate or exploration margin."""
+    new jobs counted at their power limits, no triage, drain, floor fallback, time-limit work
+    estimate or exploration margin."""
     config = ControlConfig(
         model_family="linear",
         guard_per_sqrt_job=0.0,
@@ -76,6 +78,8 @@ def paper(interval_s: float | None = None) -> Tuning:
         drain_pressure=0.0,
         work_from_time_limit=False,
         exploration_sigmas=0.0,
+        new_job_power_share=1.0,
+        new_job_power_quantile=1.0,
     )
     tuning = Tuning.from_config(config)
     return tuning if interval_s is None else tuning.with_interval(interval_s)

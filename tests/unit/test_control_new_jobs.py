@@ -1,5 +1,6 @@
 """A job not yet measured, counted at a share of its power limit and held there
-(`ControllerSettings.new_job_power_share`, `Decision.held`, `guard_rail.power_limits_w`)."""
+(`ControllerSettings.new_job_power_share`, `Decision.held`, `guard_rail.power_limits_w`), the
+share fixed or learned from first readings (`new_job_power_quantile`, `NewJobShare`)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,15 @@ import numpy as np
 import pytest
 
 from slurm_cdgpc.control.discrete import ClockGrid
-from slurm_cdgpc.control.empc import ControllerSettings, EconomicMPC, JobState, Measurements
+from slurm_cdgpc.control.empc import (
+    ControllerSettings,
+    Decision,
+    EconomicMPC,
+    JobState,
+    Measurements,
+)
 from slurm_cdgpc.control.guard_rail import power_limits_w
+from slurm_cdgpc.control.limits import NewJobShare
 from slurm_cdgpc.control.tenancy import Tenancy
 from slurm_cdgpc.errors import InputError
 from slurm_cdgpc.model.estimator import JobEstimator
@@ -127,3 +135,87 @@ def test_the_rail_keeps_its_margin_for_the_others() -> None:
         [200.0, 480.0], [1, 2], 0.1, [100.0] * 2, [400.0] * 2, held=[False, True]
     )
     assert limits is not None and limits.tolist() == pytest.approx([220.0, 240.0])
+
+
+def test_the_learned_share_is_the_quantile_of_first_readings() -> None:
+    """20 first readings give the quantile; then the tracker follows the readings, knowing of a
+    held job only that it reached its share, and settles at the drawn quantile."""
+    share = NewJobShare(1.0, 0.9)
+    share.observe(["A100"] * 19, np.linspace(0.4, 0.6, 19), np.zeros(19, dtype=bool))
+    assert share.of(["A100", "H100"]).tolist() == [1.0, 1.0]  # too few yet: the whole limit
+    share.observe(["A100"], np.array([0.5]), np.array([False]))
+    first = np.quantile(np.append(np.linspace(0.4, 0.6, 19), 0.5), 0.9)
+    assert share.of(["A100", "H100"]).tolist() == pytest.approx([first, 1.0])
+    rng = np.random.default_rng(0)
+    for y in rng.uniform(0.3, 0.7, 4000).tolist():  # true 0.9 quantile: 0.66
+        s = float(share.of(["A100"])[0])
+        reached = y >= s
+        share.observe(["A100"], np.array([min(y, s) if reached else y]), np.array([reached]))
+    assert float(share.of(["A100"])[0]) == pytest.approx(0.66, abs=0.03)
+
+
+def test_a_capped_first_reading_counts_as_the_whole_limit() -> None:
+    share = NewJobShare(1.0, 0.9)
+    share.observe(["A100"] * 20, np.full(20, 0.5), np.array([True] * 3 + [False] * 17))
+    assert share.of(["A100"]).tolist() == [1.0]  # 3 of 20 capped: the 0.9 quantile is above them
+
+
+def test_quantile_one_learns_nothing() -> None:
+    share = NewJobShare(0.6, 1.0)
+    share.observe(["A100"] * 40, np.full(40, 0.2), np.zeros(40, dtype=bool))
+    assert share.of(["A100"]).tolist() == [0.6]
+
+
+def _twenty_new() -> tuple[EconomicMPC, JobEstimator, JobState]:
+    mpc = EconomicMPC(GRID, ControllerSettings(new_job_power_quantile=0.9))
+    est = a100_estimator([1] * 20)
+    jobs = JobState(
+        gpu_type=np.zeros(20, dtype=np.int64),
+        remaining_iterations=np.full(20, 1000.0),
+        deadline_s=np.full(20, 3600.0),
+    )
+    return mpc, est, jobs
+
+
+def _read(d: Decision, mhz: float, power_w: float) -> Measurements:
+    n = d.graphics_mhz.size
+    return Measurements(
+        graphics_mhz=np.full(n, mhz),
+        memory_mhz=np.full(n, 1593.0),
+        power_w=np.full(n, power_w),
+        iteration_s=np.full(n, 0.5),
+        planned_power_w=d.planned_power_w,
+        power_capped=np.zeros(n, dtype=bool),
+    )
+
+
+def test_new_jobs_are_counted_at_what_the_first_ones_drew() -> None:
+    mpc, est, jobs = _twenty_new()
+    d = mpc.step(est, jobs, 0.0, 1e5)
+    assert d.held is None  # nothing learned yet: counted at their limits, nothing held
+    top = float(GRID.top_mhz(np.zeros(1, dtype=np.int64))[0][0])
+    mpc.step(est, jobs, 60.0, 1e5, measured=_read(d, top, 200.0))
+    est.add_jobs(a100_estimator([2]).statics, iteration_s=np.full(1, 0.5))
+    more = JobState(
+        gpu_type=np.zeros(21, dtype=np.int64),
+        remaining_iterations=np.full(21, 1000.0),
+        deadline_s=np.full(21, 3600.0),
+    )
+    after = mpc.step(est, more, 120.0, 1e5)
+    assert after.job_power_w[20] == pytest.approx(2 * 0.5 * 400.0)
+    assert after.held is None  # a learned share is a prior: nothing held
+
+
+def test_a_first_reading_below_the_top_clock_teaches_nothing() -> None:
+    """Planned below its top clock (a budget that does not fit), a job draws less than it
+    would when counted: its reading says nothing of the share."""
+    mpc, est, jobs = _twenty_new()
+    d = mpc.step(est, jobs, 0.0, 1e5)
+    mpc.step(est, jobs, 60.0, 1e5, measured=_read(d, 1005.0, 120.0))
+    assert mpc.new_job_share(jobs).tolist() == [1.0] * 20
+
+
+def test_a_quantile_outside_zero_to_one_is_refused() -> None:
+    for q in (0.0, -0.5, 1.5, float("nan")):
+        with pytest.raises(InputError, match="new-job power quantile"):
+            ControllerSettings(new_job_power_quantile=q)
