@@ -498,13 +498,12 @@ class EconomicMPC:
             if measured.power_capped is None
             else np.asarray(measured.power_capped, dtype=bool)
         )
-        reached = capped | (read >= self.new_job_share(jobs))
         # within 2 % of the top clock: a board's reported clock dithers under its lock
         top = np.nan_to_num(x_a, nan=0.0) >= 0.98 * x_top
         rows = np.flatnonzero(first & (capped | top))
         if rows.size:
             kinds = self._share_kinds(jobs)
-            self.new_share.observe([kinds[r] for r in rows], read[rows], reached[rows])
+            self.new_share.observe([kinds[r] for r in rows], read[rows], capped[rows])
 
     def _share_kinds(self, jobs: JobState) -> list[str]:
         """(N,) what `new_share` learns apart: each job's GPU type, and whether it joins

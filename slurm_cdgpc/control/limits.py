@@ -91,26 +91,28 @@ class NewJobShare:
         """Whether a new job is held at its share by a power limit: a fixed share below 1."""
         return self.initial < 1.0 and not self.learning
 
-    def of(self, names: Sequence[str]) -> FloatArray:
-        """(N,) the share of each job's type (``names``: its GPU type's name)."""
-        return np.array([self._share.get(n, self.initial) for n in names], dtype=np.float64)
+    def of(self, kinds: Sequence[str]) -> FloatArray:
+        """(N,) the share of each job's kind."""
+        return np.array([self._share.get(k, self.initial) for k in kinds], dtype=np.float64)
 
-    def observe(self, names: Sequence[str], read: FloatArray, reached: BoolArray) -> None:
-        """First readings: per job its kind, its power over its limit and whether it reached
-        the share it was counted at (read at or above it, or held down by a power limit)."""
+    def observe(self, kinds: Sequence[str], read: FloatArray, capped: BoolArray) -> None:
+        """First readings: per job its kind, its power over its limit, and whether a power
+        limit held it down (then it would have drawn more than it read)."""
         if not self.learning:
             return
         q = self.quantile
-        for name, y, hit in zip(names, read.tolist(), reached.tolist(), strict=True):
+        for kind, y, held in zip(kinds, read.tolist(), capped.tolist(), strict=True):
             if not math.isfinite(y):
                 continue
-            first = self._first.get(name)
-            if first is not None or name not in self._share:
-                first = self._first.setdefault(name, [])
-                first.append(1.0 if hit else min(y, 1.0))
+            first = self._first.get(kind)
+            if first is not None or kind not in self._share:
+                first = self._first.setdefault(kind, [])
+                first.append(1.0 if held else min(y, 1.0))
                 if len(first) >= self.min_jobs:
-                    self._share[name] = float(np.quantile(first, q))
-                    del self._first[name]
+                    self._share[kind] = float(np.quantile(first, q))
+                    del self._first[kind]
                 continue
-            s = self._share[name] + self.step * ((1.0 if hit else 0.0) - (1.0 - q))
-            self._share[name] = min(max(s, self.step), 1.0)
+            s = self._share[kind]
+            reached = held or y >= s
+            s += self.step * ((1.0 if reached else 0.0) - (1.0 - q))
+            self._share[kind] = min(max(s, self.step), 1.0)
