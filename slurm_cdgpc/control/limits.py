@@ -91,6 +91,10 @@ class NewJobShare:
         """Whether a new job is held at its share by a power limit: a fixed share below 1."""
         return self.initial < 1.0 and not self.learning
 
+    def learned(self) -> dict[str, float]:
+        """The share of each kind learned so far (none before ``min_jobs`` readings)."""
+        return dict(self._share)
+
     def of(self, kinds: Sequence[str]) -> FloatArray:
         """(N,) the share of each job's kind."""
         return np.array([self._share.get(k, self.initial) for k in kinds], dtype=np.float64)

@@ -219,6 +219,17 @@ class _StateCollector(Collector):
         yield _gauge(
             "cdgpc_shadow", "1 when decisions are recorded but not applied", c.settings.shadow
         )
+        learned = c.controller.new_share.learned()
+        if learned:
+            share = GaugeMetricFamily(
+                "cdgpc_new_job_power_share",
+                "share of its power limit at which a new job of each kind (GPU type, alone or "
+                "joining co-tenants) is counted until measured, learned from first readings",
+                labels=["kind"],
+            )
+            for kind, value in sorted(learned.items()):
+                share.add_metric([kind], value)
+            yield share
         yield _gauge(
             "cdgpc_leader_epoch",
             "this head's leader epoch (0: no leader lock); it rises at each takeover",

@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import pytest
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
@@ -22,6 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from slurm_cdgpc.agent.node import NodeAgent
 from slurm_cdgpc.agent.server import AgentHttpServer
 from slurm_cdgpc.config import SafeCap
+from slurm_cdgpc.control.limits import NewJobShare
 from slurm_cdgpc.coordinator.api import HeadHttpServer
 from slurm_cdgpc.coordinator.daemon import Coordinator, CoordinatorSettings
 from slurm_cdgpc.coordinator.metrics import EXCHANGE_FAILURE_KINDS, failure_kind
@@ -199,6 +201,14 @@ def test_the_head_serves_its_families_with_their_types(head: Head) -> None:
         "patchlevel",
         "version",
     }
+
+
+def test_the_learned_new_job_share_is_shown_per_kind(head: Head) -> None:
+    assert "cdgpc_new_job_power_share" not in head.families()  # nothing learned: no series
+    share = head.coordinator.controller.new_share = NewJobShare(1.0, 0.9)  # quantile 0.9
+    share.observe(["A100-SXM4-80GB"] * 20, np.full(20, 0.5), np.zeros(20, dtype=bool))
+    family = head.families()["cdgpc_new_job_power_share"]
+    assert [(s.labels, s.value) for s in family.samples] == [({"kind": "A100-SXM4-80GB"}, 0.5)]
 
 
 def test_a_refused_registration_counts_by_status_and_an_accepted_one_is_timed(
