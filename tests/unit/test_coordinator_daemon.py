@@ -20,6 +20,7 @@ from sqlalchemy import Engine
 from slurm_cdgpc.agent.node import NodeAgent
 from slurm_cdgpc.config import SafeCap
 from slurm_cdgpc.control.empc import ControllerSettings, Decision, QueueState
+from slurm_cdgpc.control.limits import NewJobShare
 from slurm_cdgpc.coordinator.daemon import Coordinator, CoordinatorSettings
 from slurm_cdgpc.coordinator.jobs import GpuRef, GpuSample
 from slurm_cdgpc.coordinator.reconcile import deregister_gone
@@ -123,6 +124,7 @@ def make_cluster(tmp_path: Path) -> Iterator[MakeCluster]:
         emergency: bool = True,
         ramp_w_per_s: float = ControllerSettings.ramp_w_per_s,
         new_job_power_share: float = ControllerSettings.new_job_power_share,
+        new_job_power_quantile: float = ControllerSettings.new_job_power_quantile,
     ) -> Cluster:
         clock = ManualClock(T0_S)
         home = tmp_path / f"cluster{len(engines)}"  # one per cluster, and two in one test
@@ -152,6 +154,7 @@ def make_cluster(tmp_path: Path) -> Iterator[MakeCluster]:
                 emergency=emergency,
                 ramp_w_per_s=ramp_w_per_s,
                 new_job_power_share=new_job_power_share,
+                new_job_power_quantile=new_job_power_quantile,
             ),
         )
         transport = FakeTransport(agents)
@@ -1010,6 +1013,34 @@ def test_a_new_job_is_held_at_its_share_of_the_limit_until_measured(
     assert held == pytest.approx([240.0] * len(held)) and len(held) <= 3
     assert seen[-1] is None and cluster.gpu("n1", 0).power_limit_set_w is None
     assert cluster.gpu("n1", 0).enforced_limit_w == A100_LIMIT_W
+
+
+def test_the_head_learns_a_new_jobs_count_from_its_agents_first_readings(
+    make_cluster: MakeCluster,
+) -> None:
+    """With ``new_job_power_quantile`` the head learns the share from what its agents read
+    (the SM clock at its lock, the GPU's power, no power-cap throttle): the next new job is
+    counted at it, not at 400 W, and no limit holds it."""
+    cluster = make_cluster(new_job_power_quantile=0.9)
+    head = cluster.head
+    head.controller.new_share = NewJobShare(1.0, 0.9, min_jobs=2)  # 20 in production
+    for node in ("n1", "n2"):
+        cluster.gpu(node, 0).attach("ncf")
+    cluster.store.set_budget(5000.0, "root")
+    cluster.tick()
+    register_job(cluster, "1", "n1", 0)
+    register_job(cluster, "2", "n2", 0)
+    for _ in range(5):
+        report = cluster.tick()
+    drew = [_view(report, j).measured_power_w for j in ("1", "2")]
+    assert all(w is not None and 50.0 < w < 0.5 * A100_LIMIT_W for w in drew)  # NCF: ~74 W
+    [share] = head.controller.new_share.learned().values()
+    assert share * A100_LIMIT_W == pytest.approx(max(w for w in drew if w is not None), rel=0.1)
+    cluster.gpu("n1", 1).attach("ncf")
+    register_job(cluster, "3", "n1", 1)
+    report = cluster.tick()
+    assert _view(report, "3").predicted_power_w == pytest.approx(share * A100_LIMIT_W)
+    assert all(p.power_limit_w is None for p in cluster.last_requests()["n1"].setpoints)
 
 
 def test_status_names_the_gpus_another_limiter_holds(make_cluster: MakeCluster) -> None:
