@@ -102,8 +102,9 @@ class ControllerSettings:
     #: whole limit, nothing held. Serving jobs, and jobs sharing a GPU with one, keep their
     #: default limits and so are counted at them
     new_job_power_share: float = _SHIPPED.new_job_power_share
-    #: ... learned per GPU type as this quantile of new jobs' first readings (`NewJobShare`),
-    #: starting from ``new_job_power_share``; 1: not learned
+    #: ... learned per GPU type (and apart for jobs joining co-tenants) as this quantile of
+    #: new jobs' first readings (`NewJobShare`), starting from ``new_job_power_share``, and
+    #: counted without a hold; 1: not learned
     new_job_power_quantile: float = _SHIPPED.new_job_power_quantile
 
     def __post_init__(self) -> None:
