@@ -3,7 +3,8 @@ job's work takes (`LimitShare`), and how much of its power limit a new job draws
 
 The controller's math: never reaches `store/`, `transport/`, `agent/`, `coordinator/` or `cli/`
 (`tests/unit/test_import_graph.py`). Design: DESIGN.md, "Controller" (1, Weights: work from the
-time limit) and "Progress"; tests: `tests/unit/test_control_empc.py`.
+time limit; 2, Budget: a job not yet measured) and "Progress"; tests:
+`tests/unit/test_control_empc.py`, `tests/unit/test_control_new_jobs.py`.
 """
 
 from __future__ import annotations
