@@ -357,12 +357,13 @@ class ControlConfig:
     #: the guard rail: each controlled GPU's power limit at its planned power times (1 + this),
     #: so the firmware clips a model's under-prediction within a second (0: off)
     power_limit_margin: float = _setting(0.0, _non_negative)
-    #: a job not yet measured is counted at this share of its power limit and held there by a
-    #: power limit until its model has a reading (1: counted at its limit, nothing held)
+    #: a job not yet measured is counted at this share of its power limit, and with
+    #: new_job_power_quantile = 1 held there by a power limit until its model has a reading
+    #: (1: counted at its limit, nothing held)
     new_job_power_share: float = _setting(1.0, _in_range(0.0, 1.0, lo_open=True))
     #: ... learned per GPU type as this quantile of new jobs' first readings, starting from
     #: new_job_power_share (1: not learned)
-    new_job_power_quantile: float = _setting(1.0, _in_range(0.0, 1.0, lo_open=True))
+    new_job_power_quantile: float = _setting(0.9, _in_range(0.0, 1.0, lo_open=True))
     #: how fast the cluster's planned power may move up, and toward a lower budget scheduled
     #: ahead (DESIGN.md, "Ramp limits and the emergency cut"): W/s, e.g. "5kW/s"; off: no limit
     ramp: float = _setting(math.inf, _ramp)

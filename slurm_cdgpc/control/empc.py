@@ -98,9 +98,10 @@ class ControllerSettings:
     serving_margin: float = _SHIPPED.serving_margin
     serving_step: float = _SHIPPED.serving_step
     #: a job whose power model has no reading yet is counted at this share of its power limit
-    #: and held there by a power limit (`Decision.held`) instead of at its whole limit; 1: the
-    #: whole limit, nothing held. Serving jobs, and jobs sharing a GPU with one, keep their
-    #: default limits and so are counted at them
+    #: and, when the share is not learned (``new_job_power_quantile`` 1), held there by a power
+    #: limit (`Decision.held`) instead of at its whole limit; 1: the whole limit, nothing held.
+    #: Serving jobs, and jobs sharing a GPU with one, keep their default limits and so are
+    #: counted at them
     new_job_power_share: float = _SHIPPED.new_job_power_share
     #: ... learned per GPU type (and apart for jobs joining co-tenants) as this quantile of
     #: new jobs' first readings (`NewJobShare`), starting from ``new_job_power_share``, and

@@ -995,7 +995,7 @@ def test_a_new_job_is_held_at_its_share_of_the_limit_until_measured(
     with its first setpoints, the agent sets it, the head's status does not take its own limit
     for another limiter's, and once the job's model has readings the limit goes back to the
     board's default."""
-    cluster = make_cluster(new_job_power_share=0.6)
+    cluster = make_cluster(new_job_power_share=0.6, new_job_power_quantile=1.0)
     cluster.gpu("n1", 0).attach("bert")
     cluster.store.set_budget(900.0, "root")
     cluster.tick()

@@ -584,7 +584,7 @@ def test_a_new_job_runs_held_at_its_share_until_measured(engine: str) -> None:
     """With ``new_job_power_share = 0.6`` each job starts held at 240 W per A100 (0.6 of its
     400 W), through the head's setpoints as through the fast engine's, and the limit is lifted
     once its model has readings (the head's start-up interval, then one)."""
-    control = ControlConfig(new_job_power_share=0.6)
+    control = ControlConfig(new_job_power_share=0.6, new_job_power_quantile=1.0)
     simulator = _small()
     limits: list[dict[int, float]]
     if engine == "head":
