@@ -310,7 +310,8 @@ class EconomicMPC:
         3. weights: w_n = R_n / max(D_n − t, Δt), so w_n T_n(f) is the job's deadline pressure,
            then the rules: triage, the drain, the pressure of jobs without a deadline;
         4. budget: B_eff = (B − P_uncontrolled − ε B) / (1 + δ), ε = max(ε₀, c/√N); an
-           unmeasured job runs at its top clock counted at its power limit;
+           unmeasured job runs at its top clock counted at a share of its power limit
+           (`new_job_share`: learned, or its whole limit until learned);
         5. price: `solve_price`, re-solved once with the exploration margin held back;
         6. clocks: floor to supported levels at or above the clock floor (below it when nothing
            above fits, with ``floor_fallback``) and greedy fill (`discretise`).

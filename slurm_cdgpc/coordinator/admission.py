@@ -160,7 +160,7 @@ def judge(coordinator: Coordinator, request: AdmissionRequest) -> Admission:
         JobStatics.of([spec], np.zeros(1, dtype=np.intp), np.array([request.gpus], np.int64))
     )
     # the prior stands for the model the job will have: priced as a measured job, not as an
-    # unmeasured one (counted at its power limit, which the controller keeps at its top clock)
+    # unmeasured one (counted at a share of its power limit, at its top clock)
     estimator.power.count[:] = 1
     nan = np.array([math.nan])
     jobs = JobState(

@@ -113,7 +113,7 @@ class CoordinatorSettings:
     #: a registration re-plans out of cycle, no sooner than this after the last interval began
     replan_gap_s: float = 5.0
     #: a job's first intervals at its setpoint are its start-up: its model does not learn them
-    #: (it stays counted at its power limit meanwhile)
+    #: (it stays counted as a new job meanwhile: at the learned share of its power limit)
     startup_intervals: int = 1
     #: the guard rail: each controlled GPU's power limit at its planned power times (1 + this)
     #: (0: off, the boards keep their default limits)

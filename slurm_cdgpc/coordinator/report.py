@@ -48,7 +48,8 @@ class JobView:
     finish_s: float | None = None
     #: the other active jobs on its GPUs (shards, MPS, MIG instances): one clock for all
     shares_with: tuple[str, ...] = ()
-    #: the readings its power model has learnt from (0: counted at its power limit)
+    #: the readings its power model has learnt from (0: counted as a new job, at a share of its
+    #: power limit)
     model_readings: int = 0
     #: a serving job: its latency objective, the latency it last reported, its clock floor
     #: (`slurm_cdgpc.control.serving`) and its state: ``met`` (the last report within the
