@@ -129,7 +129,7 @@ def test_the_plans_own_hold_sets_no_ceiling_on_the_clock() -> None:
 def test_a_share_outside_zero_to_one_is_refused() -> None:
     for share in (0.0, -0.5, 1.5, float("nan")):
         with pytest.raises(InputError, match="new job's power share"):
-            ControllerSettings(new_job_power_share=share, new_job_power_quantile=1.0)
+            ControllerSettings(new_job_power_share=share)
 
 
 def test_the_rail_keeps_its_margin_for_the_others() -> None:
