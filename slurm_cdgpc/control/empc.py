@@ -29,6 +29,7 @@ from slurm_cdgpc.control.dual import (
     solve_price,
 )
 from slurm_cdgpc.control.limits import LimitShare, NewJobShare
+from slurm_cdgpc.control.overdraw import ClusterDraw, Overdraw
 from slurm_cdgpc.control.ramp import Ramp
 from slurm_cdgpc.control.serving import ServingPlan, give_way, serving_floor
 from slurm_cdgpc.control.tenancy import Tenancy
@@ -55,6 +56,11 @@ class ControllerSettings:
     #: c: the guard band grows to c/√N for N controlled jobs (one job's model error is a large
     #: share of a small cluster's sum); 0 keeps it at ε₀
     guard_per_sqrt_job: float = _SHIPPED.guard_per_sqrt_job
+    #: p: once the whole plan's over-draw is measured (`Overdraw`), the cluster's guard band is
+    #: at most its 1 − p quantile less the emergency margin (never under ε₀): then about p of
+    #: intervals over-draw by more than the margin. c/√N is a guess from the job count, this
+    #: what the plans missed by; 0 keeps c/√N. The power domains keep c/√N
+    guard_tail: float = _SHIPPED.guard_tail
     #: η: gain of the offset estimate
     offset_gain: float = _SHIPPED.offset_gain
     #: deadline pressure of jobs without a deadline (1 = "just on time at top clocks")
@@ -117,6 +123,8 @@ class ControllerSettings:
             raise InputError(f"guard band must be in [0, 0.5), got {self.guard_band}")
         if not 0.0 <= self.guard_per_sqrt_job < 0.5:
             raise InputError(f"guard per √job must be in [0, 0.5), got {self.guard_per_sqrt_job}")
+        if not 0.0 <= self.guard_tail < 1.0:
+            raise InputError(f"guard tail must be in [0, 1), got {self.guard_tail}")
         if not 0.0 <= self.offset_gain <= 1.0:
             raise InputError(f"offset gain must be in [0, 1], got {self.offset_gain}")
         if not 0.0 <= self.min_clock_fraction < 1.0:
@@ -220,6 +228,9 @@ class Measurements:
     #: the firmware held the job's clock below the lock to stay within its power limit
     #: (NVML's SW_POWER_CAP clocks-event reason on any of its GPUs)
     power_capped: BoolArray | None = None
+    #: the whole cluster against the plan in force over the interval: what sizes the guard
+    #: band (`Overdraw`; None: not known, or no budget)
+    cluster: ClusterDraw | None = None
 
 
 @dataclass(frozen=True)
@@ -251,6 +262,10 @@ class Decision:
     #: jobs not yet measured that the plan counts at a share of their limit (`NewJobShare`):
     #: their GPUs' power limits must hold them at their `job_power_w` (None: no job is held)
     held: BoolArray | None = None
+    #: what the cluster should draw under this plan, W: the plan as the offset says plans turn
+    #: out, and the power outside it; hand it back in `Measurements.cluster` (`ClusterDraw`)
+    #: with what the cluster drew while it was in force
+    expected_w: float = math.nan
 
     @property
     def budget_error_pct(self) -> float:
@@ -280,6 +295,9 @@ class EconomicMPC:
         self.new_share = NewJobShare(
             self.settings.new_job_power_share, self.settings.new_job_power_quantile
         )
+        self.overdraw = Overdraw()
+        #: the cluster's guard band the last plan held back
+        self._guard = self.settings.guard_for(0)
 
     def use_grid(self, grid: ClockGrid) -> None:
         """A grid with more GPU types (a board an agent described); the types already known
@@ -322,6 +340,8 @@ class EconomicMPC:
         x_a = xm_a = None
         if measured is not None:
             x_a, xm_a = estimator.normalise(measured.graphics_mhz, measured.memory_mhz)
+            if measured.cluster is not None:
+                self.overdraw.observe(measured.cluster)
             if measured.planned_power_w is not None:
                 # a shared GPU's readings once, split as the plan that was measured split them:
                 # a tenant that came or left since changes today's split, not that reading's
@@ -422,6 +442,9 @@ class EconomicMPC:
         )
         planned = np.where(settled, plan.job_power_w, np.nan)
         decision = self._decide(planned, problem, result, plan, learn, t0, budget_w)
+        # what the cluster should draw if plans turn out as the offset says they do
+        expected_w = decision.predicted_power_w * (1.0 + self.offset) + uncontrolled_w
+        decision = replace(decision, expected_w=expected_w)
         if serving is not None:
             decision = replace(decision, serving=serving)
         held = self.held(estimator, jobs)
@@ -434,6 +457,17 @@ class EconomicMPC:
         if ramp is not None:
             self._ramp_from = self._in_force_w(decision, uncontrolled_w, domains)
         return decision
+
+    def cluster_guard(self, jobs: int) -> float:
+        """The cluster's guard band for ``jobs`` controlled jobs: ε = max(ε₀, c/√N), or
+        max(ε₀, min(c/√N, Q₁₋ₚ − m)) once the whole plan's over-draw is measured (`Overdraw`;
+        Q₁₋ₚ its 1 − p quantile, m the emergency margin)."""
+        s = self.settings
+        guard = s.guard_for(jobs)
+        tail = None if s.guard_tail <= 0 else self.overdraw.quantile(1.0 - s.guard_tail)
+        if tail is not None:
+            guard = max(s.guard_band, min(guard, tail - s.emergency_margin))
+        return guard
 
     def _ramped(
         self, ramp: Ramp, now_s: float, budget_w: float, domains: DomainLimits | None
@@ -461,7 +495,7 @@ class EconomicMPC:
         s = self.settings
         scale = 1.0 + self.offset
         total = decision.predicted_power_w * scale + uncontrolled_w
-        drawn = [min(total / (1.0 - s.guard_for(len(decision.job_power_w))), decision.budget_w)]
+        drawn = [min(total / (1.0 - self._guard), decision.budget_w)]
         if domains is not None:
             guard = np.array([s.guard_for(int(k)) for k in domains.jobs()])
             planned = decision.domain_planned_w * scale + domains.uncontrolled_w
@@ -735,14 +769,13 @@ class EconomicMPC:
         seen: tuple[FloatArray, FloatArray] | None,
         give: bool,
     ) -> tuple[DualProblem, ServingPlan | None]:
-        s = self.settings
         st = estimator.statics
         g_top, m_top = grid.top_mhz(jobs.gpu_type)
         g_lo, m_lo = grid.bottom_mhz(jobs.gpu_type)
         x_hi = g_top / st.graphics_max_mhz
         xm_hi = m_top / st.memory_max_mhz
-        # B_eff = (B − P_uncontrolled − ε B) / (1 + δ), ε = max(ε₀, c/√N)
-        guard = s.guard_for(len(estimator))
+        # B_eff = (B − P_uncontrolled − ε B) / (1 + δ), ε = max(ε₀, min(c/√N, Q₁₋ₚ − m))
+        guard = self._guard = self.cluster_guard(len(estimator))
         effective = (budget_w - uncontrolled_w - guard * budget_w) / (1.0 + self.offset)
         # unmeasured jobs: power flat at the power limit (an upper bound at any clock) → top
         # clock; those held by a power limit at a share of it, flat at that share

@@ -31,6 +31,7 @@ class Tuning:
                 interval_s=control.interval_s,
                 guard_band=control.guard_band,
                 guard_per_sqrt_job=control.guard_per_sqrt_job,
+                guard_tail=control.guard_tail,
                 offset_gain=control.offset_gain,
                 default_pressure=control.default_pressure,
                 exploration_sigmas=control.exploration_sigmas,
@@ -72,6 +73,7 @@ def paper(interval_s: float | None = None) -> Tuning:
     config = ControlConfig(
         model_family="linear",
         guard_per_sqrt_job=0.0,
+        guard_tail=0.0,
         min_clock_fraction=0.5,
         floor_fallback=False,
         triage=False,

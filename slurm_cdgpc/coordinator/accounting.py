@@ -12,6 +12,7 @@ from collections.abc import Collection, Iterable, Mapping, Sequence
 import numpy as np
 
 from slurm_cdgpc.control.empc import Decision
+from slurm_cdgpc.control.overdraw import ClusterDraw
 from slurm_cdgpc.coordinator.jobs import GpuRef, JobInfo, RunningJobs
 from slurm_cdgpc.coordinator.nodes import NodeBook, NodeState, catalog_max_w
 from slurm_cdgpc.model.families import FloatArray
@@ -28,6 +29,10 @@ class PowerLedger:
         #: the plan in force over the interval the node reports describe: the decision before
         #: the last (the agents read before they apply), what their power is judged against
         self._planned_reported_w: dict[str, float] = {}
+        #: the same two decisions' whole-plan expectation and budget (`Decision.expected_w`;
+        #: None: no plan, or one the emergency cut overrode)
+        self._expected: tuple[float, float] | None = None
+        self._expected_reported: tuple[float, float] | None = None
         #: the last recorded decision and its GPUs: what they drew is filled in at the next
         self._last_decision: tuple[int, tuple[GpuRef, ...]] | None = None
 
@@ -77,9 +82,18 @@ class PowerLedger:
         plan = self._planned_reported_w
         return np.array([plan.get(j.job_id, np.nan) for j in jobs])
 
-    def planned(self, decision: Decision | None, jobs: Sequence[JobInfo]) -> None:
-        """The decision just sent: the one before it is what the next reports measure."""
+    def planned(
+        self, decision: Decision | None, jobs: Sequence[JobInfo], *, capped: bool = True
+    ) -> None:
+        """The decision just sent: the one before it is what the next reports measure.
+        ``capped``: planned under a budget (an uncapped plan's over-draw is no share of one)."""
         self._planned_reported_w = self._planned_w
+        self._expected_reported = self._expected
+        self._expected = (
+            (decision.expected_w, decision.budget_w)
+            if decision is not None and capped and not self._shadow
+            else None
+        )
         self._planned_w = (
             {}
             if decision is None
@@ -92,6 +106,15 @@ class PowerLedger:
         for job_id in job_ids:
             if job_id in self._planned_w:
                 self._planned_w[job_id] = math.nan
+                self._expected = None
+
+    def cluster_draw(self, drawn_w: float | None) -> ClusterDraw | None:
+        """What the cluster drew over the interval the reports describe (``drawn_w``: every GPU
+        that answered) against the plan in force over it (`Overdraw`); None without either, or
+        when that plan was uncapped, a shadow's, or overridden by the emergency cut."""
+        if drawn_w is None or self._expected_reported is None:
+            return None
+        return ClusterDraw(drawn_w, *self._expected_reported)
 
     def fill_measured(self, store: Store, power_by_gpu: Mapping[GpuRef, float]) -> None:
         """Fill in what the last recorded decision's GPUs drew (inside the interval's store

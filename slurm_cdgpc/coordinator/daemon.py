@@ -14,7 +14,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Collection, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Final, Protocol
 
 import numpy as np
@@ -560,7 +560,8 @@ class Coordinator:
     def _measure(self) -> Measurements:
         """2. What the models learn from: the last exchange's samples (`_exchange`) of the jobs
         controlled since before it, less each job's start-up (its first ``startup_intervals``
-        under its setpoint: loading and compiling teach nothing)."""
+        under its setpoint: loading and compiling teach nothing); and what every GPU drew in
+        them against the plan in force then (`PowerLedger.cluster_draw`)."""
         sampled_at, samples = self._sampled
         learning_from = sampled_at - self.settings.startup_intervals
         learned = [
@@ -571,7 +572,13 @@ class Coordinator:
             and joined < learning_from
             for s in per_job
         ]
-        return self.running.measurements(learned, self.ledger.planned_reported_w(self.running.jobs))
+        measured = self.running.measurements(
+            learned, self.ledger.planned_reported_w(self.running.jobs)
+        )
+        # the whole cluster against the plan in force then: what sizes the guard band
+        power_by_gpu = self.nodes.power_by_gpu()
+        drawn_w = float(self._measured_w(power_by_gpu)[0]) if power_by_gpu else None
+        return replace(measured, cluster=self.ledger.cluster_draw(drawn_w))
 
     def _learn_and_solve(
         self, now_s: float, measured: Measurements, held_out: Collection[str]
@@ -694,7 +701,9 @@ class Coordinator:
         counts = [len(jobs)] + ([] if domains is None else domains.jobs().tolist())
         if len(counts) != limits_w.size:
             return None  # the topology's domains were not planned for then
-        guard = np.array([settings.guard_for(n) for n in counts])
+        guard = np.array(
+            [self.controller.cluster_guard(counts[0])] + [settings.guard_for(n) for n in counts[1:]]
+        )
         margin = np.maximum(guard, settings.emergency_margin)
         over = (measured_w > limits_w * (1.0 + margin)) & np.isfinite(limits_w)
         if not over.any():
@@ -902,7 +911,7 @@ class Coordinator:
             self.store.checkpoint()
         except CdgpcError as e:
             logger.warning("interval %d: %s", k, e)
-        self.ledger.planned(decision, jobs)
+        self.ledger.planned(decision, jobs, capped=plan.budget_w is not None)
         return self._report(k, now_s, plan, power_by_gpu)
 
     def _report(

@@ -26,6 +26,7 @@ from slurm_cdgpc.control.empc import (
     QueueState,
 )
 from slurm_cdgpc.control.guard_rail import power_limits_w
+from slurm_cdgpc.control.overdraw import ClusterDraw
 from slurm_cdgpc.errors import InputError
 from slurm_cdgpc.gpu.catalog import GpuSpec, catalog_spec
 from slurm_cdgpc.gpu.plant import NoiseModel, Plant, PlantState, WorkloadArrays, draw_workloads
@@ -272,6 +273,7 @@ class ClosedLoop:
             iteration_s=seen.iteration_time_s,
             planned_power_w=d.planned_power_w,
             power_capped=truth.power_capped,
+            cluster=ClusterDraw(float(np.sum(fleet.gpus * seen.power_w)), d.expected_w, d.budget_w),
         )
         fleet.remaining_iterations = fleet.remaining_iterations - self.interval_s / (
             truth.iteration_time_s
@@ -325,6 +327,7 @@ class ClosedLoop:
                 m.iteration_s[running],
                 None if m.planned_power_w is None else m.planned_power_w[running],
                 None if m.power_capped is None else m.power_capped[running],
+                m.cluster,
             )
 
 

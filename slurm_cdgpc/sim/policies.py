@@ -19,8 +19,9 @@ import numpy.typing as npt
 from slurm_cdgpc.config import ControlConfig
 from slurm_cdgpc.control.discrete import ClockGrid
 from slurm_cdgpc.control.domains import DomainLimits
-from slurm_cdgpc.control.empc import EconomicMPC, JobState, Measurements, QueueState
+from slurm_cdgpc.control.empc import Decision, EconomicMPC, JobState, Measurements, QueueState
 from slurm_cdgpc.control.guard_rail import power_limits_w
+from slurm_cdgpc.control.overdraw import ClusterDraw
 from slurm_cdgpc.control.ramp import Ramp
 from slurm_cdgpc.control.tenancy import Tenancy
 from slurm_cdgpc.control.tuning import Tuning, paper, shipped
@@ -260,6 +261,7 @@ class Cdgpc(Policy):
         self.controller = EconomicMPC(grid, tuning.controller)
         self.estimator = JobEstimator(tuning.estimator)
         self.planned_w = np.zeros(0)
+        self.last: Decision | None = None  # the plan in force over the interval each view shows
         self.time_limit_s = np.zeros(0)
         self.topology: Topology | None = fleet.topology
         self.node_names = fleet.node_names
@@ -308,6 +310,13 @@ class Cdgpc(Policy):
             return None
         return Ramp(rate, np.full(rate.size, np.nan))
 
+    def cluster_draw(self, view: ClusterView) -> ClusterDraw | None:
+        """What every GPU drew over the interval the view shows (its nodes' mean power), against
+        the plan in force over it (`Overdraw`)."""
+        if self.last is None or not view.node_power_w.size:
+            return None
+        return ClusterDraw(float(view.node_power_w.sum()), self.last.expected_w, self.last.budget_w)
+
     def decide(self, view: ClusterView) -> Setpoints:
         ended = ~view.kept
         if ended.any():  # as the head does when Slurm ends a job
@@ -327,6 +336,7 @@ class Cdgpc(Policy):
             view.iteration_s,
             planned,
             view.power_capped,
+            cluster=self.cluster_draw(view),
         )
         tenancy = self.tenancy(view)
         jobs = JobState(
@@ -353,6 +363,7 @@ class Cdgpc(Policy):
             ramp=self.ramp(domains is not None),
         )
         self.planned_w = d.planned_power_w
+        self.last = d
         # as the head's setpoints: a shared GPU is planned at its group's power, and keeps
         # its default limit if any tenant serves
         gpu_w = d.job_power_w / view.job_gpus

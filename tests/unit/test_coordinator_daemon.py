@@ -21,6 +21,7 @@ from slurm_cdgpc.agent.node import NodeAgent
 from slurm_cdgpc.config import SafeCap
 from slurm_cdgpc.control.empc import ControllerSettings, Decision, QueueState
 from slurm_cdgpc.control.limits import NewJobShare
+from slurm_cdgpc.control.overdraw import ClusterDraw
 from slurm_cdgpc.coordinator.daemon import Coordinator, CoordinatorSettings
 from slurm_cdgpc.coordinator.jobs import GpuRef, GpuSample
 from slurm_cdgpc.coordinator.reconcile import deregister_gone
@@ -1111,3 +1112,48 @@ def test_a_gpu_two_jobs_share_is_released_only_when_the_last_one_ends(
     cluster.tick()
     assert cluster.last_requests()["n1"].release == (0,)
     assert cluster.cap("n1", 0) is None
+
+
+def test_the_head_hands_the_controller_the_cluster_against_the_plan_in_force(
+    make_cluster: MakeCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What sizes the guard band (`Overdraw`): every GPU's power in the answers just in,
+    against the plan the agents ran while they measured it (the decision before the last),
+    none while uncapped or when the emergency cut overrode that plan."""
+    cluster = make_cluster()
+    head = cluster.head
+    decisions: list[Decision | None] = []
+    draws: list[ClusterDraw | None] = []
+    step = head.controller.step
+
+    def spied(*args: Any, **kwargs: Any) -> Decision:
+        measured = kwargs["measured"]
+        draws.append(None if measured is None else measured.cluster)
+        decision = step(*args, **kwargs)
+        decisions.append(decision)
+        return decision
+
+    monkeypatch.setattr(head.controller, "step", spied)
+    cluster.tick()
+    register_job(cluster, "1", "n1", 0, 1)
+    register_job(cluster, "2", "n2", 0)
+    for _ in range(3):  # uncapped: no over-draw is a share of a budget
+        cluster.tick()
+    assert draws and all(d is None for d in draws)
+    cluster.store.set_budget(900.0, "root")
+    first = len(decisions)
+    for _ in range(4):
+        cluster.tick()
+    capped = draws[first:]
+    assert capped[:2] == [None, None]  # the plan in force over the readings was uncapped
+    for k in range(first + 2, len(draws)):
+        draw, plan = draws[k], decisions[k - 2]
+        assert draw is not None and plan is not None
+        assert (draw.expected_w, draw.budget_w) == (plan.expected_w, plan.budget_w) and (
+            plan.budget_w == 900.0
+        )
+    # what every GPU drew in the answers the last plan was made from (idle ones too)
+    drawn_w = sum(head.nodes.power_by_gpu().values())
+    cluster.tick()
+    assert draws[-1] is not None and draws[-1].drawn_w == pytest.approx(drawn_w)
+    assert head.controller.overdraw.quantile(0.5) is None  # 100 intervals before it counts
