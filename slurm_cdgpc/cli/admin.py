@@ -202,6 +202,8 @@ def status(config_path: Path | None, as_json: bool) -> None:
     click.echo(f"measured:     {_power(last.get('measured_power_w'))}")
     click.echo(f"predicted:    {_power(last.get('predicted_power_w'))}")
     click.echo(f"uncontrolled: {_power(last.get('uncontrolled_w'))}")
+    guard = last.get("guard_band")
+    click.echo(f"guard band:   {'-' if guard is None else f'{100 * guard:.2f} % of the budget'}")
     click.echo(f"price:        {last.get('price', '-')}")
     click.echo(f"status:       {last.get('status', '-')}{' (shadow)' if data['shadow'] else ''}")
     click.echo(

@@ -266,6 +266,8 @@ class Decision:
     #: out, and the power outside it; hand it back in `Measurements.cluster` (`ClusterDraw`)
     #: with what the cluster drew while it was in force
     expected_w: float = math.nan
+    #: ε, the share of the budget the cluster's plan held back (`EconomicMPC.cluster_guard`)
+    guard_band: float = math.nan
 
     @property
     def budget_error_pct(self) -> float:
@@ -444,7 +446,7 @@ class EconomicMPC:
         decision = self._decide(planned, problem, result, plan, learn, t0, budget_w)
         # what the cluster should draw if plans turn out as the offset says they do
         expected_w = decision.predicted_power_w * (1.0 + self.offset) + uncontrolled_w
-        decision = replace(decision, expected_w=expected_w)
+        decision = replace(decision, expected_w=expected_w, guard_band=self._guard)
         if serving is not None:
             decision = replace(decision, serving=serving)
         held = self.held(estimator, jobs)

@@ -182,6 +182,11 @@ class _StateCollector(Collector):
                 "case)",
                 report.uncontrolled_w,
             )
+            yield _gauge(
+                "cdgpc_guard_band_ratio",
+                "share of the budget the last decision held back as its guard band",
+                report.guard_band,
+            )
             yield _gauge("cdgpc_price", "dual price of the last decision", report.price)
             yield _gauge(
                 "cdgpc_solve_seconds", "controller time of the last decision", report.solve_s

@@ -114,6 +114,8 @@ class IntervalReport:
     #: the cluster's limit the plan was made under where a ramp held it below the budget
     #: (`control.ramp`); None where it was the budget
     ramp_budget_w: float | None = None
+    #: the share of the budget the plan held back as its guard band (None: no plan)
+    guard_band: float | None = None
 
     def to_dict(self) -> dict[str, object]:
         return {
@@ -122,6 +124,7 @@ class IntervalReport:
             "budget_w": self.budget_w,
             "effective_budget_w": self.effective_budget_w,
             "ramp_budget_w": self.ramp_budget_w,
+            "guard_band": self.guard_band,
             "uncontrolled_w": self.uncontrolled_w,
             "predicted_power_w": self.predicted_power_w,
             "measured_power_w": self.measured_power_w,

@@ -129,6 +129,8 @@ def test_a_rack_holds_its_limit_under_a_budget_that_does_not_bind(site: LocalClu
     assert any(
         line.startswith("domain rack1: limit 1 kW, planned ") for line in shown.output.split("\n")
     )
+    # two jobs, no over-draw measured yet: c/√2 of the budget held back
+    assert "guard band:   2.12 % of the budget" in shown.output.split("\n"), shown.output
     budget = runner.invoke(admin.budget, ["show", "--json", *config])
     assert budget.exit_code == 0, budget.output
     assert json.loads(budget.output)["domains"] == [

@@ -96,3 +96,13 @@ def test_the_controller_learns_the_over_draw_from_its_measurements_and_plans_wit
     # B_eff = (B − P_u − ε B) / (1 + δ): ε fell from c/√9 = 1 % to ε₀
     gained = (s.guard_for(n) - s.guard_band) * budget_w
     assert d.effective_budget_w - first_effective == pytest.approx(gained, rel=1e-6)
+
+
+def test_the_decision_says_the_guard_band_it_held_back() -> None:
+    n = 4
+    est = a100_estimator([4] * n)
+    one = np.ones(n)
+    est.observe(one, one, np.full(n, 300.0), np.full(n, 0.5))
+    jobs = JobState(np.zeros(n, dtype=np.int64), np.full(n, 1e4), np.full(n, np.nan))
+    d = _mpc().step(est, jobs, now_s=0.0, budget_w=n * 4 * 250.0)
+    assert d.guard_band == pytest.approx(ControllerSettings().guard_for(n)) == pytest.approx(0.015)

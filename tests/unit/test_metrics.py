@@ -168,6 +168,7 @@ def test_the_head_serves_its_families_with_their_types(head: Head) -> None:
         "cdgpc_measured_power_watts": "gauge",
         "cdgpc_predicted_power_watts": "gauge",
         "cdgpc_uncontrolled_power_watts": "gauge",
+        "cdgpc_guard_band_ratio": "gauge",
         "cdgpc_price": "gauge",
         "cdgpc_solve_seconds": "gauge",
         "cdgpc_interval": "gauge",
