@@ -293,6 +293,8 @@ class EconomicMPC:
         self._last_step_s: float | None = None
         #: what the last ramped step put in force, per limit (`_in_force_w`)
         self._ramp_from: FloatArray | None = None
+        #: ... and the cluster's part before the guard band: its plan's expected draw and cap
+        self._ramp_total: tuple[float, float] | None = None
         self.limit_share = LimitShare(self.settings.limit_share_quantile)
         self.new_share = NewJobShare(
             self.settings.new_job_power_share, self.settings.new_job_power_quantile
@@ -375,7 +377,7 @@ class EconomicMPC:
                 estimator.accrue_work(x_a, xm_a, measured.power_w, dt_s)
         self._last_step_s = now_s
         if ramp is not None:
-            budget_w, domains = self._ramped(ramp, now_s, budget_w, domains)
+            budget_w, domains = self._ramped(ramp, now_s, budget_w, domains, len(estimator))
 
         seen = None if measured is None or x_a is None else (x_a, measured.iteration_s)
         problem, grid, nested, serving = self._problem(
@@ -472,15 +474,26 @@ class EconomicMPC:
         return guard
 
     def _ramped(
-        self, ramp: Ramp, now_s: float, budget_w: float, domains: DomainLimits | None
+        self,
+        ramp: Ramp,
+        now_s: float,
+        budget_w: float,
+        domains: DomainLimits | None,
+        jobs: int,
     ) -> tuple[float, DomainLimits | None]:
         """The budget and the domains' limits capped by their ramps (`Ramp.caps_w`), each
         ramp from the power the last plan put in force (`_in_force_w`) where there was one:
         what was measured describes the interval before it, and ramping from that would let
-        every other step jump by the last plan's change as well."""
+        every other step jump by the last plan's change as well. The cluster's is counted at
+        the cap this step's guard band would hold it under (for ``jobs`` jobs): a band that
+        shrank must not add its share of the power to the ramp's step."""
         limits_w = np.concatenate(([budget_w], np.zeros(0) if domains is None else domains.limit_w))
         last = self._ramp_from
         if last is not None and last.shape == ramp.last_w.shape:
+            if self._ramp_total is not None:
+                total_w, cap_w = self._ramp_total
+                last = last.copy()
+                last[0] = min(total_w / (1.0 - self.cluster_guard(jobs)), cap_w)
             ramp = replace(ramp, last_w=np.where(np.isfinite(last), last, ramp.last_w))
         caps_w = ramp.caps_w(limits_w, now_s, self.settings.interval_s)
         if domains is not None:
@@ -497,6 +510,7 @@ class EconomicMPC:
         s = self.settings
         scale = 1.0 + self.offset
         total = decision.predicted_power_w * scale + uncontrolled_w
+        self._ramp_total = (total, decision.budget_w)
         drawn = [min(total / (1.0 - self._guard), decision.budget_w)]
         if domains is not None:
             guard = np.array([s.guard_for(int(k)) for k in domains.jobs()])

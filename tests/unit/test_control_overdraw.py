@@ -10,6 +10,7 @@ import pytest
 from slurm_cdgpc.control.discrete import ClockGrid
 from slurm_cdgpc.control.empc import ControllerSettings, EconomicMPC, JobState, Measurements
 from slurm_cdgpc.control.overdraw import ClusterDraw, Overdraw
+from slurm_cdgpc.control.ramp import Ramp
 from slurm_cdgpc.errors import InputError
 from tests.unit.problems import A100, a100_estimator
 
@@ -106,3 +107,31 @@ def test_the_decision_says_the_guard_band_it_held_back() -> None:
     jobs = JobState(np.zeros(n, dtype=np.int64), np.full(n, 1e4), np.full(n, np.nan))
     d = _mpc().step(est, jobs, now_s=0.0, budget_w=n * 4 * 250.0)
     assert d.guard_band == pytest.approx(ControllerSettings().guard_for(n)) == pytest.approx(0.015)
+
+
+def test_a_guard_band_that_shrinks_does_not_outrun_the_ramp() -> None:
+    """The ramp counts a plan held under its cap by the guard band as at the cap; when the
+    band shrinks (the over-draw is now measured), the step after may still rise by one
+    interval at the rate, not by the band's share of the power as well."""
+    n, rate_w_per_s, interval_s = 8, 1.0, 30.0
+    est = a100_estimator([4] * n)
+    one = np.ones(n)
+    est.observe(one, one, np.full(n, 300.0), np.full(n, 0.5))
+    jobs = JobState(np.zeros(n, dtype=np.int64), np.full(n, 1e4), np.full(n, np.nan))
+    mpc = _mpc(exploration_sigmas=0.0, interval_s=interval_s)
+    free = mpc.step(est, jobs, 0.0, 1e6)  # every job at its top clock
+    first = mpc.step(
+        est,
+        jobs,
+        interval_s,
+        1e6,
+        ramp=Ramp(np.array([rate_w_per_s]), np.array([0.7 * free.predicted_power_w])),
+    )
+    assert first.guard_band == pytest.approx(0.03 / math.sqrt(n))
+    _draws(mpc.overdraw, [0.0] * 100)  # measured now: the band falls to ε₀
+    second = mpc.step(
+        est, jobs, 2 * interval_s, 1e6, ramp=Ramp(np.array([rate_w_per_s]), np.array([np.nan]))
+    )
+    assert second.guard_band == pytest.approx(0.002)
+    rise_w = second.predicted_power_w - first.predicted_power_w
+    assert 0 < rise_w <= rate_w_per_s * interval_s * (1 + 1e-9)
