@@ -333,8 +333,8 @@ class ControlConfig:
     #: c: the guard band is max(ε₀, c/√N) for N controlled jobs
     guard_per_sqrt_job: float = _setting(0.03, _in_range(0.0, 0.5, hi_open=True))
     #: p: ... at most the 1 − p quantile of the whole plan's measured over-draw less the
-    #: emergency margin (0: c/√N)
-    guard_tail: float = _setting(0.005, _in_range(0.0, 1.0, hi_open=True))
+    #: emergency margin (0, the default: c/√N alone)
+    guard_tail: float = _setting(0.0, _in_range(0.0, 1.0, hi_open=True))
     #: η: gain of the model-error offset estimate
     offset_gain: float = _setting(0.3, _in_range(0.0, 1.0))
     model_family: str = _setting("bent", _choice(*MODEL_FAMILIES))

@@ -59,7 +59,8 @@ class ControllerSettings:
     #: p: once the whole plan's over-draw is measured (`Overdraw`), the cluster's guard band is
     #: at most its 1 − p quantile less the emergency margin (never under ε₀): then about p of
     #: intervals over-draw by more than the margin. c/√N is a guess from the job count, this
-    #: what the plans missed by; 0 keeps c/√N. The power domains keep c/√N
+    #: what the plans missed by; 0 (shipped: through the head it let bursts go far over,
+    #: DESIGN.md "Controller") keeps c/√N. The power domains keep c/√N
     guard_tail: float = _SHIPPED.guard_tail
     #: η: gain of the offset estimate
     offset_gain: float = _SHIPPED.offset_gain

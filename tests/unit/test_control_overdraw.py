@@ -12,6 +12,7 @@ from slurm_cdgpc.control.empc import ControllerSettings, EconomicMPC, JobState, 
 from slurm_cdgpc.control.overdraw import ClusterDraw, Overdraw
 from slurm_cdgpc.control.ramp import Ramp
 from slurm_cdgpc.errors import InputError
+from slurm_cdgpc.model.estimator import JobEstimator
 from tests.unit.problems import A100, a100_estimator
 
 BUDGET_W = 10_000.0
@@ -47,12 +48,23 @@ def test_a_reading_that_is_not_a_number_or_no_budget_teaches_nothing() -> None:
 
 
 def _mpc(**settings: float) -> EconomicMPC:
+    """The controller with the tail rule on (`guard_tail` p = 0.005), unless ``settings`` say."""
     grid = ClockGrid.from_tables([("A100", A100)], min_fraction=0.5)
+    settings = {"guard_tail": 0.005, **settings}
     return EconomicMPC(grid, ControllerSettings(**settings))  # type: ignore[arg-type]
+
+
+def _measured_jobs(n: int) -> tuple[JobEstimator, JobState]:
+    """``n`` 4-GPU jobs without deadlines, measured once at the top clock at 300 W a GPU."""
+    est = a100_estimator([4] * n)
+    one = np.ones(n)
+    est.observe(one, one, np.full(n, 300.0), np.full(n, 0.5))
+    return est, JobState(np.zeros(n, dtype=np.int64), np.full(n, 1e4), np.full(n, np.nan))
 
 
 def test_the_guard_band_falls_to_what_the_plans_missed_by_never_above_c_over_root_n() -> None:
     s = ControllerSettings()
+    assert s.guard_tail == 0.0  # shipped off: c/√N whatever is measured
     mpc = _mpc()
     assert mpc.cluster_guard(9) == pytest.approx(s.guard_for(9)) == pytest.approx(0.01)
     # plans that land within 0.4 % of what they expected: ε = max(ε₀, Q − margin) = ε₀
@@ -73,10 +85,7 @@ def test_the_guard_band_falls_to_what_the_plans_missed_by_never_above_c_over_roo
 
 def test_the_controller_learns_the_over_draw_from_its_measurements_and_plans_with_it() -> None:
     n = 9
-    est = a100_estimator([4] * n)
-    one = np.ones(n)
-    est.observe(one, one, np.full(n, 300.0), np.full(n, 0.5))
-    jobs = JobState(np.zeros(n, dtype=np.int64), np.full(n, 1e4), np.full(n, np.nan))
+    est, jobs = _measured_jobs(n)
     mpc = _mpc(exploration_sigmas=0.0)
     budget_w = n * 4 * 250.0
     d = mpc.step(est, jobs, now_s=0.0, budget_w=budget_w, uncontrolled_w=500.0)
@@ -101,10 +110,7 @@ def test_the_controller_learns_the_over_draw_from_its_measurements_and_plans_wit
 
 def test_the_decision_says_the_guard_band_it_held_back() -> None:
     n = 4
-    est = a100_estimator([4] * n)
-    one = np.ones(n)
-    est.observe(one, one, np.full(n, 300.0), np.full(n, 0.5))
-    jobs = JobState(np.zeros(n, dtype=np.int64), np.full(n, 1e4), np.full(n, np.nan))
+    est, jobs = _measured_jobs(n)
     d = _mpc().step(est, jobs, now_s=0.0, budget_w=n * 4 * 250.0)
     assert d.guard_band == pytest.approx(ControllerSettings().guard_for(n)) == pytest.approx(0.015)
 
@@ -114,10 +120,7 @@ def test_a_guard_band_that_shrinks_does_not_outrun_the_ramp() -> None:
     band shrinks (the over-draw is now measured), the step after may still rise by one
     interval at the rate, not by the band's share of the power as well."""
     n, rate_w_per_s, interval_s = 8, 1.0, 30.0
-    est = a100_estimator([4] * n)
-    one = np.ones(n)
-    est.observe(one, one, np.full(n, 300.0), np.full(n, 0.5))
-    jobs = JobState(np.zeros(n, dtype=np.int64), np.full(n, 1e4), np.full(n, np.nan))
+    est, jobs = _measured_jobs(n)
     mpc = _mpc(exploration_sigmas=0.0, interval_s=interval_s)
     free = mpc.step(est, jobs, 0.0, 1e6)  # every job at its top clock
     first = mpc.step(
