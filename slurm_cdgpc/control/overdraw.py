@@ -4,7 +4,9 @@ The plan expects the cluster to draw Σ P_plan (1 + δ) + P_uncontrolled. What i
 differs for every reason the plan could not see: models off, jobs not yet measured, serving
 jobs following their load, tenants that came or went, jobs that started since, the power
 outside the plan moving. The guard band must cover the part that lands over the plan; the
-c/√N rule guesses it from the job count, this measures it.
+c/√N rule guesses it from the job count, this measures it. The controller sizes its band on it
+only with ``guard_tail`` above 0 (`ControllerSettings`): off by default, for what it let the
+head do on bursts of large jobs (DESIGN.md, "Controller", Budget).
 
 The controller's math: never reaches `store/`, `transport/`, `agent/`, `coordinator/` or `cli/`
 (`tests/unit/test_import_graph.py`). Design: DESIGN.md, "Controller" (2, Budget); tests:

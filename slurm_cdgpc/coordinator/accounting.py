@@ -30,7 +30,7 @@ class PowerLedger:
         #: the last (the agents read before they apply), what their power is judged against
         self._planned_reported_w: dict[str, float] = {}
         #: the same two decisions' whole-plan expectation and budget (`Decision.expected_w`;
-        #: None: no plan, or one the emergency cut overrode)
+        #: None: no plan, or one uncapped, a shadow's or overridden by the emergency cut)
         self._expected: tuple[float, float] | None = None
         self._expected_reported: tuple[float, float] | None = None
         #: the last recorded decision and its GPUs: what they drew is filled in at the next
