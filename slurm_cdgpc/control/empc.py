@@ -460,7 +460,7 @@ class EconomicMPC:
                 decision, domain_price=result.price[1:], domain_planned_w=domain_planned_w
             )
         if ramp is not None:
-            self._ramp_from = self._in_force_w(decision, uncontrolled_w, domains)
+            self._ramp_from = self._in_force_w(decision, domains)
         return decision
 
     def cluster_guard(self, jobs: int) -> float:
@@ -501,21 +501,17 @@ class EconomicMPC:
             domains = replace(domains, limit_w=caps_w[1:])
         return float(caps_w[0]), domains
 
-    def _in_force_w(
-        self, decision: Decision, uncontrolled_w: float, domains: DomainLimits | None
-    ) -> FloatArray:
+    def _in_force_w(self, decision: Decision, domains: DomainLimits | None) -> FloatArray:
         """(1+D,) the power the decision puts in force under the cluster and each domain: the
-        plan, as the offset says plans turn out, and the power outside it; a plan held under
-        its cap by the guard band counts as at the cap (else each ramped step would lose the
-        guard band's share of the power)."""
+        plan, as the offset says plans turn out, and the power outside it (the cluster's:
+        `Decision.expected_w`); a plan held under its cap by the guard band counts as at the
+        cap (else each ramped step would lose the guard band's share of the power)."""
         s = self.settings
-        scale = 1.0 + self.offset
-        total = decision.predicted_power_w * scale + uncontrolled_w
-        self._ramp_total = (total, decision.budget_w)
-        drawn = [min(total / (1.0 - self._guard), decision.budget_w)]
+        self._ramp_total = (decision.expected_w, decision.budget_w)
+        drawn = [min(decision.expected_w / (1.0 - self._guard), decision.budget_w)]
         if domains is not None:
             guard = np.array([s.guard_for(int(k)) for k in domains.jobs()])
-            planned = decision.domain_planned_w * scale + domains.uncontrolled_w
+            planned = decision.domain_planned_w * (1.0 + self.offset) + domains.uncontrolled_w
             drawn.extend(np.minimum(planned / (1.0 - guard), domains.limit_w).tolist())
         return np.array(drawn)
 

@@ -577,7 +577,7 @@ class Coordinator:
         )
         # the whole cluster against the plan in force then: what sizes the guard band
         power_by_gpu = self.nodes.power_by_gpu()
-        drawn_w = float(self._measured_w(power_by_gpu)[0]) if power_by_gpu else None
+        drawn_w = float(sum(power_by_gpu.values())) if power_by_gpu else None
         return replace(measured, cluster=self.ledger.cluster_draw(drawn_w))
 
     def _learn_and_solve(
