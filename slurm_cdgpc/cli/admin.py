@@ -204,6 +204,11 @@ def status(config_path: Path | None, as_json: bool) -> None:
     click.echo(f"uncontrolled: {_power(last.get('uncontrolled_w'))}")
     guard = last.get("guard_band")
     click.echo(f"guard band:   {'-' if guard is None else f'{100 * guard:.2f} % of the budget'}")
+    offset = last.get("offset")
+    click.echo(
+        f"plan offset:  {'-' if offset is None else f'{100 * offset:+.2f} %'}"
+        " (what settled jobs drew over their plans; scales the next plan)"
+    )
     click.echo(f"price:        {last.get('price', '-')}")
     click.echo(f"status:       {last.get('status', '-')}{' (shadow)' if data['shadow'] else ''}")
     click.echo(

@@ -939,6 +939,7 @@ class Coordinator:
             effective_budget_w=None if decision is None else decision.effective_budget_w,
             ramp_budget_w=_ramped_w(plan.budget_w, decision),
             guard_band=None if decision is None else decision.guard_band,
+            offset=None if decision is None else decision.offset,
             uncontrolled_w=plan.uncontrolled_w,
             predicted_power_w=None if decision is None else decision.predicted_power_w,
             measured_power_w=float(sum(power_by_gpu.values())),

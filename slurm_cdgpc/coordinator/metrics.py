@@ -187,6 +187,12 @@ class _StateCollector(Collector):
                 "share of the budget the last decision held back as its guard band",
                 report.guard_band,
             )
+            yield _gauge(
+                "cdgpc_plan_offset_ratio",
+                "how far recent plans' settled jobs drew over (+) or under (-) their plans, "
+                "as a share; it scales the next plan",
+                report.offset,
+            )
             yield _gauge("cdgpc_price", "dual price of the last decision", report.price)
             yield _gauge(
                 "cdgpc_solve_seconds", "controller time of the last decision", report.solve_s

@@ -116,6 +116,9 @@ class IntervalReport:
     ramp_budget_w: float | None = None
     #: the share of the budget the plan held back as its guard band (None: no plan)
     guard_band: float | None = None
+    #: δ, how far recent plans' settled jobs drew over (+) or under (−) their plans, as a
+    #: share; it scales the plan (None: no plan)
+    offset: float | None = None
 
     def to_dict(self) -> dict[str, object]:
         return {
@@ -125,6 +128,7 @@ class IntervalReport:
             "effective_budget_w": self.effective_budget_w,
             "ramp_budget_w": self.ramp_budget_w,
             "guard_band": self.guard_band,
+            "offset": self.offset,
             "uncontrolled_w": self.uncontrolled_w,
             "predicted_power_w": self.predicted_power_w,
             "measured_power_w": self.measured_power_w,

@@ -131,6 +131,8 @@ def test_a_rack_holds_its_limit_under_a_budget_that_does_not_bind(site: LocalClu
     )
     # two jobs, no over-draw measured yet: c/√2 of the budget held back
     assert "guard band:   2.12 % of the budget" in shown.output.split("\n"), shown.output
+    offset = [line for line in shown.output.split("\n") if line.startswith("plan offset:  ")]
+    assert len(offset) == 1 and " % (what settled jobs drew" in offset[0], shown.output
     budget = runner.invoke(admin.budget, ["show", "--json", *config])
     assert budget.exit_code == 0, budget.output
     assert json.loads(budget.output)["domains"] == [

@@ -246,6 +246,17 @@ def test_budget_change_is_honoured_within_one_interval(make_cluster: MakeCluster
     assert all(a is not None and b is not None and b < a for a, b in zip(high, low, strict=True))
 
 
+def test_the_report_says_the_offset_that_scaled_the_plan(make_cluster: MakeCluster) -> None:
+    cluster = make_cluster()
+    cluster.store.set_budget(900.0, "root")
+    assert cluster.tick().offset is None  # no job: no plan
+    register_job(cluster, "1", "n1", 0, 1)
+    for _ in range(6):
+        report = cluster.tick()
+    assert report.offset is not None and report.offset == cluster.head.controller.offset
+    assert report.to_dict()["offset"] == report.offset
+
+
 def test_unreachable_node_counts_at_worst_case_and_its_jobs_leave(
     make_cluster: MakeCluster,
 ) -> None:

@@ -169,6 +169,7 @@ def test_the_head_serves_its_families_with_their_types(head: Head) -> None:
         "cdgpc_predicted_power_watts": "gauge",
         "cdgpc_uncontrolled_power_watts": "gauge",
         "cdgpc_guard_band_ratio": "gauge",
+        "cdgpc_plan_offset_ratio": "gauge",
         "cdgpc_price": "gauge",
         "cdgpc_solve_seconds": "gauge",
         "cdgpc_interval": "gauge",
