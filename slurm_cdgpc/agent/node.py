@@ -739,6 +739,21 @@ class NodeAgent:
                 if device is None:
                     refused.append(Refusal(gpu, f"no GPU with index {gpu} on this node"))
                     continue
+                board = self._boards.get(gpu)
+                if board is not None and board.mig_mode:
+                    # its instances' jobs share its clock and power, which the head does not
+                    # control (it counts the GPU at what it draws): capping it would slow them
+                    # all for as long as they run, with no setpoint ever to lift it
+                    refused.append(Refusal(gpu, "MIG mode is on: not capped (counted as drawn)"))
+                    continue
+                if any(b.mig_mode for b in self._boards.values()):
+                    # beside a MIG GPU, Slurm's index is a GRES list position: maybe not this GPU
+                    refused.append(
+                        Refusal(
+                            gpu, "another GPU here is in MIG mode: not capped (counted as drawn)"
+                        )
+                    )
+                    continue
                 if owner == job_id:
                     held.append(gpu)
                     continue
@@ -769,6 +784,12 @@ class NodeAgent:
                     held.append(gpu)
             self._sync_state()
             return sorted(held), refused
+
+    def mig_parents(self, names: Sequence[str]) -> dict[str, int]:
+        """The physical GPU (index) of each MIG instance Slurm names that is on this node: the
+        Prolog registers a job on MIG instances with them (`GpuSet.mig_parents`)."""
+        with self._lock:
+            return self.gpus.mig_parents(names)
 
     def release_job(self, job_id: str) -> tuple[list[int], list[Refusal]]:
         """The job ended (its Epilog says so): reset the GPUs the head gave it, now, without

@@ -1,9 +1,9 @@
-"""The agent's HTTP routes (`_ROUTES`: ``/v1/exchange``, ``/v1/hold``, ``/v1/release``,
-``/v1/health``, ``/metrics``) over the shared `JsonHandler`. Every answer to a request whose
-credential checked out is signed. Like all of `agent/`, it never reaches `control/`
-(`tests/unit/test_import_graph.py`). Tests: `tests/unit/test_transport_exchange.py`,
-`tests/security/test_http_framing.py`, `tests/security/test_reply_auth.py`; design: DESIGN.md,
-"The exchange" (Signed answers).
+"""The agent's HTTP routes (`_ROUTES`: ``/v1/exchange``, ``/v1/hold``, ``/v1/mig``,
+``/v1/release``, ``/v1/health``, ``/metrics``) over the shared `JsonHandler`. Every answer to a
+request whose credential checked out is signed. Like all of `agent/`, it never reaches
+`control/` (`tests/unit/test_import_graph.py`). Tests: `tests/unit/test_transport_exchange.py`,
+`tests/unit/test_agent_release.py`, `tests/security/test_http_framing.py`,
+`tests/security/test_reply_auth.py`; design: DESIGN.md, "The exchange" (Signed answers).
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from slurm_cdgpc.transport.server import JsonHandler
 from slurm_cdgpc.wire.protocol import (
     HOLD_PATH,
     MAX_MESSAGE_BYTES,
+    MIG_PATH,
     RELEASE_PATH,
     ExchangeRequest,
     MessageTooLargeError,
@@ -41,6 +42,7 @@ from slurm_cdgpc.wire.protocol import (
     gpu_indices,
     job_id,
     load_json,
+    mig_names,
 )
 
 logger = logging.getLogger(__name__)
@@ -52,6 +54,7 @@ _ROUTES: Final = {
     EXCHANGE_PATH: "POST",
     RELEASE_PATH: "POST",
     HOLD_PATH: "POST",
+    MIG_PATH: "POST",
     HEALTH_PATH: "GET",
     METRICS_PATH: "GET",
 }
@@ -107,6 +110,9 @@ class _Handler(JsonHandler):
       (loopback), authenticated like an exchange. ``{"job_id": "...", "gpus": [0, 1]}`` holds a
       starting job's GPUs at the safe cap (`NodeAgent.hold_job`); ``{"job_id": "..."}`` resets
       the GPUs the job held.
+    - ``POST /v1/mig`` (the Prolog), likewise: ``{"job_id": "...", "names": ["MIG-..."]}``
+      answers ``{"job_id": "...", "gpus": {"MIG-...": 1}}``, the physical GPU of each named
+      MIG instance on this node (`NodeAgent.mig_parents`); it changes nothing.
     - ``GET /v1/health``: ``{"ok": true}``, no credential needed (signed when one checks out).
     - ``GET /metrics``: Prometheus text (`slurm_cdgpc.agent.metrics`), no credential; it reads,
       and changes nothing.
@@ -144,6 +150,8 @@ class _Handler(JsonHandler):
                 self._release_job()
             elif self.path == HOLD_PATH:
                 self._hold_job()
+            elif self.path == MIG_PATH:
+                self._mig_parents()
             else:
                 self._exchange()
         except (TimeoutError, ConnectionError) as e:
@@ -257,6 +265,21 @@ class _Handler(JsonHandler):
             HTTPStatus.OK,
             {"job_id": job, "held": held, "refused": [r.to_dict() for r in refused]},
         )
+
+    def _mig_parents(self) -> None:
+        request = self._local_request("mig", "Prolog", frozenset({"job_id", "names"}))
+        if request is None:
+            return
+        data, _principal = request
+        try:
+            names = mig_names(data["names"], "mig: names")
+            if not names:
+                raise ProtocolError("mig: names: at least one MIG device name is needed")
+        except ProtocolError as e:
+            self._error(HTTPStatus.BAD_REQUEST, str(e))
+            return
+        gpus = self.server.agent.mig_parents(names)
+        self._send(HTTPStatus.OK, {"job_id": data["job_id"], "gpus": gpus})
 
     def _exchange(self) -> None:
         body = self._body()

@@ -57,6 +57,21 @@ class GpuReading:
     throttle: ThrottleReason = ThrottleReason.NONE
 
 
+@dataclass(frozen=True)
+class MigInstance:
+    """One MIG instance of a physical GPU: its own UUID (``MIG-<uuid>``, drivers from 470.42.01)
+    and its GPU and compute instance IDs. Slurm names an instance in ``CUDA_VISIBLE_DEVICES`` by
+    the UUID, or on older drivers as ``MIG-<parent GPU UUID>/<GI>/<CI>`` (gpu/nvml plugin,
+    ``_handle_mig``); `names` gives both."""
+
+    uuid: str
+    gpu_instance: int
+    compute_instance: int
+
+    def names(self, parent_uuid: str) -> tuple[str, str]:
+        return self.uuid, f"MIG-{parent_uuid}/{self.gpu_instance}/{self.compute_instance}"
+
+
 class GpuDevice(ABC):
     """One physical GPU. Getters never need root; setters do on real hardware.
 
@@ -122,6 +137,10 @@ class GpuDevice(ABC):
     def mig_mode(self) -> bool | None:
         """True when MIG is enabled now; None when the board is not MIG-capable or cannot say."""
         return None
+
+    def mig_instances(self) -> tuple[MigInstance, ...]:
+        """The MIG instances on this GPU now; () when MIG is off or the board has none."""
+        return ()
 
     def describe(self) -> BoardDescription:
         """This board as NVML reports it: what the head builds its clock grid and limits from."""
@@ -196,6 +215,29 @@ class GpuSet:
             return self._by_uuid[uuid]
         except KeyError:
             raise CdgpcError(f"no GPU with UUID {uuid} on this node") from None
+
+    def mig_parents(self, names: Sequence[str]) -> dict[str, int]:
+        """Each of ``names`` that names a MIG instance here (either of `MigInstance.names`) ->
+        the index of its physical GPU; names not found are left out. Clocks and power belong
+        to the physical GPU, so the jobs on its instances are its tenants. A GPU whose
+        instances cannot be read is skipped (logged): its names stay unresolved."""
+        wanted = set(names)
+        found: dict[str, int] = {}
+        for dev in self.devices:
+            if len(found) == len(wanted):
+                break
+            try:
+                if not dev.mig_mode():
+                    continue
+                instances = dev.mig_instances()
+            except GpuError as e:
+                logger.warning("GPU %d: cannot list its MIG instances: %s", dev.index, e)
+                continue
+            for instance in instances:
+                for name in instance.names(dev.uuid):
+                    if name in wanted:
+                        found[name] = dev.index
+        return found
 
     def read_all(self) -> tuple[list[GpuReading], list[tuple[GpuDevice, GpuError]]]:
         """Read every GPU; a GPU that fails is reported, not fatal for the others."""

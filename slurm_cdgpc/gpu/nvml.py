@@ -31,7 +31,14 @@ from slurm_cdgpc.errors import (
     PowerLimitPermissionError,
     UnsupportedPowerLimitError,
 )
-from slurm_cdgpc.gpu.device import GpuDevice, GpuReading, GpuSet, LockedClocks, ThrottleReason
+from slurm_cdgpc.gpu.device import (
+    GpuDevice,
+    GpuReading,
+    GpuSet,
+    LockedClocks,
+    MigInstance,
+    ThrottleReason,
+)
 from slurm_cdgpc.wire.board import ClockTable, PowerLimitRange
 
 logger = logging.getLogger(__name__)
@@ -258,6 +265,27 @@ class NvmlGpu(GpuDevice):
         except GpuNotSupportedError:
             return None
         return bool(int(current) == pynvml.NVML_DEVICE_MIG_ENABLE)
+
+    def mig_instances(self) -> tuple[MigInstance, ...]:
+        """The MIG devices NVML lists on this GPU (slots up to its maximum; an empty slot is
+        NOT_FOUND), with their UUIDs and GPU and compute instance IDs, as Slurm's gpu/nvml
+        plugin reads them."""
+        with _nvml_errors(self._target, "list MIG devices"):
+            slots = int(pynvml.nvmlDeviceGetMaxMigDeviceCount(self._handle))
+            found: list[MigInstance] = []
+            for slot in range(slots):
+                try:
+                    handle = pynvml.nvmlDeviceGetMigDeviceHandleByIndex(self._handle, slot)
+                except pynvml.NVMLError_NotFound:
+                    continue
+                found.append(
+                    MigInstance(
+                        uuid=_text(pynvml.nvmlDeviceGetUUID(handle)),
+                        gpu_instance=int(pynvml.nvmlDeviceGetGpuInstanceId(handle)),
+                        compute_instance=int(pynvml.nvmlDeviceGetComputeInstanceId(handle)),
+                    )
+                )
+        return tuple(found)
 
     # -- setters ------------------------------------------------------------------------------
 

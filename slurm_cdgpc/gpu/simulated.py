@@ -31,7 +31,14 @@ from slurm_cdgpc.errors import (
 )
 from slurm_cdgpc.gpu.board import spec_from_board
 from slurm_cdgpc.gpu.catalog import GpuSpec, catalog_spec
-from slurm_cdgpc.gpu.device import GpuDevice, GpuReading, GpuSet, LockedClocks, ThrottleReason
+from slurm_cdgpc.gpu.device import (
+    GpuDevice,
+    GpuReading,
+    GpuSet,
+    LockedClocks,
+    MigInstance,
+    ThrottleReason,
+)
 from slurm_cdgpc.gpu.plant import (
     NoiseModel,
     Plant,
@@ -57,6 +64,9 @@ FAULT_MODES: Final[Mapping[str, str]] = {
 #: the window over which the firmware holds a power limit [inferred: NVML and nvidia-smi speak
 #: of 1 s averages; the enforcement loop's exact window is not documented]
 LIMIT_WINDOW_S: Final = 1.0
+#: a simulated GPU in MIG mode holds seven 1g instances (the most an A100 or H100 takes), GPU
+#: instance IDs 7-13 as NVML numbers 1g slices, their UUIDs derived from the GPU's
+SIMULATED_MIG_GPU_INSTANCES: Final = tuple(range(7, 14))
 _NO_LIMIT_W: Final = 1e9  # a limit no board reaches: the clock the lock alone allows
 
 
@@ -248,6 +258,14 @@ class SimulatedGpu(GpuDevice):
 
     def mig_mode(self) -> bool | None:
         return self._mig_mode
+
+    def mig_instances(self) -> tuple[MigInstance, ...]:
+        if not self._mig_mode:
+            return ()
+        return tuple(
+            MigInstance(f"MIG-{uuid.uuid5(uuid.NAMESPACE_OID, f'{self.uuid}/{gi}/0')}", gi, 0)
+            for gi in SIMULATED_MIG_GPU_INSTANCES
+        )
 
     @property
     def locked(self) -> LockedClocks | None:

@@ -36,6 +36,9 @@ class HookEnv:
     array_job_id: str | None = None
     array_task_id: str | None = None
     context: str | None = None
+    #: the MIG instances Slurm gave the job here (``CUDA_VISIBLE_DEVICES``); ``gpus`` then
+    #: holds none until the local agent names their physical GPUs (`slurm.hooks.resolve_mig`)
+    mig: tuple[str, ...] = ()
 
     @property
     def display_id(self) -> str:
@@ -95,13 +98,29 @@ def read_hook_env(
     is registered, also for array tasks (each task has its own raw id; ``123_4`` is only a
     display form), so the Epilog, ``scancel``, ``squeue --json`` (``job_id``) and the head's
     reconcile all name a task the same way.
+
+    A job on MIG instances is different (Slurm's source, not measured: no MIG here): Slurm
+    lists each instance as a GRES record of its own and puts the record's position in
+    ``SLURM_JOB_GPUS``, and its UUID (``MIG-…``) in ``CUDA_VISIBLE_DEVICES``, in the Prolog and
+    Epilog too (gres/common ``gres_common_prep_set_env``). Those are taken (``mig``), and no
+    index: the position is no GPU's index.
     """
     job_id = names.job_id(
         environ.get("SLURM_JOB_ID") or environ.get("SLURM_JOBID") or "", "SLURM_JOB_ID"
     )
     node = hook_node(environ, hostname=hostname)
+    visible = environ.get("CUDA_VISIBLE_DEVICES", "")
+    mig = tuple(
+        names.mig_device(item.strip(), "CUDA_VISIBLE_DEVICES")
+        for item in visible.split(",")
+        if item.strip().startswith("MIG-")
+    )
     gpus_text = environ.get("SLURM_JOB_GPUS")
-    if gpus_text is None:
+    if mig:
+        # Slurm numbers its GRES records, one per MIG instance, in SLURM_JOB_GPUS and in the
+        # rest of CUDA_VISIBLE_DEVICES: positions in its list, not NVML's GPU indices
+        gpus_text = ""
+    elif gpus_text is None:
         # older slurmd or a gres plugin that does not set it: CUDA_VISIBLE_DEVICES holds the same
         # indices in the Prolog (no cgroup renumbering happens there)
         gpus_text = environ.get("CUDA_VISIBLE_DEVICES", "")
@@ -116,4 +135,5 @@ def read_hook_env(
         array_job_id=environ.get("SLURM_ARRAY_JOB_ID") or None,
         array_task_id=environ.get("SLURM_ARRAY_TASK_ID") or None,
         context=environ.get("SLURM_SCRIPT_CONTEXT") or None,
+        mig=tuple(dict.fromkeys(mig)),
     )

@@ -29,12 +29,12 @@ from slurm_cdgpc.slurm.comment import (
     effective_deadline,
     parse_comment,
 )
-from slurm_cdgpc.slurm.env import HookEnv, hook_node, read_hook_env
+from slurm_cdgpc.slurm.env import MAX_GPU_INDEX, HookEnv, hook_node, read_hook_env
 from slurm_cdgpc.slurm.scontrol import SCONTROL, JobTimes, job_times
 from slurm_cdgpc.slurm.spool import DEFAULT_SPOOL_DIR, JobsClient, Spool, SpoolError
 from slurm_cdgpc.transport.credentials import signer_from_config
 from slurm_cdgpc.transport.http import HeadClient, HeadRefusedError
-from slurm_cdgpc.wire.protocol import HOLD_PATH, RELEASE_PATH
+from slurm_cdgpc.wire.protocol import HOLD_PATH, MIG_PATH, RELEASE_PATH
 
 logger = logging.getLogger(__name__)
 
@@ -201,6 +201,31 @@ def run_prolog(
     )
 
 
+def resolve_mig(
+    env: HookEnv, resolve: Callable[[str, Sequence[str]], Mapping[str, int]] | None
+) -> tuple[HookEnv, str]:
+    """A job on MIG instances (``env.mig``) gets the physical GPUs they are on, as this node's
+    agent knows them (``resolve``): clocks and power are the GPU's, so the jobs on its instances
+    are its tenants. Names the agent does not know stay out; with none known, or no agent, the
+    job has no GPUs here and is not registered (what its GPUs draw still counts against the
+    budget). The note goes on the Prolog's line; never raises `CdgpcError`."""
+    if not env.mig:
+        return env, ""
+    named = f"MIG instance(s) {','.join(env.mig)}"
+    if resolve is None:
+        return env, f"{named}: no local agent to find their GPUs"
+    try:
+        found = resolve(env.job_id, env.mig)
+    except CdgpcError as e:
+        return env, f"{named}: GPUs not found ({' '.join(str(e).split())})"
+    gpus = tuple(sorted(set(found.values())))
+    missing = [name for name in env.mig if name not in found]
+    note = f"{named} on GPU(s) {','.join(map(str, gpus)) or 'none'}"
+    if missing:
+        note += f" ({len(missing)} not on this node's GPUs: {missing[0]})"
+    return replace(env, gpus=gpus), note
+
+
 def hold_gpus(
     env: HookEnv, outcome: HookOutcome, hold: Callable[[str, Sequence[int]], str]
 ) -> HookOutcome:
@@ -236,7 +261,7 @@ def run_epilog(
     where = f"job {env.display_id} on {env.node}"
     if env.job_id != env.display_id:
         where += f" (id {env.job_id})"
-    if not env.gpus:
+    if not env.gpus and not env.mig:
         return HookOutcome("skipped", f"{where}: no GPUs here, nothing to deregister")
     if release is not None:
         # first, and whatever the head says: the GPUs must not stay capped for the next job
@@ -323,6 +348,28 @@ def make_local_release(settings: HookSettings, environ: Mapping[str, str]) -> Ca
     return release
 
 
+def make_local_mig(
+    settings: HookSettings, environ: Mapping[str, str]
+) -> Callable[[str, Sequence[str]], dict[str, int]]:
+    """Ask this node's agent which physical GPUs the job's MIG instances are on
+    (``POST /v1/mig``); failures, and an answer that is not a map of names to indices, surface
+    as a `CdgpcError`."""
+
+    def resolve(job_id: str, names: Sequence[str]) -> dict[str, int]:
+        reply = _local_agent(settings, environ).post(
+            MIG_PATH, {"job_id": job_id, "names": list(names)}
+        )
+        gpus = reply.get("gpus") if isinstance(reply, dict) else None
+        if not isinstance(gpus, dict) or not all(
+            name in names and type(index) is int and 0 <= index <= MAX_GPU_INDEX
+            for name, index in gpus.items()
+        ):
+            raise InputError("the local agent's MIG answer is not a map of names to GPU indices")
+        return dict(gpus)
+
+    return resolve
+
+
 def make_local_hold(
     settings: HookSettings, environ: Mapping[str, str]
 ) -> Callable[[str, Sequence[int]], str]:
@@ -337,7 +384,10 @@ def make_local_hold(
         refused = reply.get("refused", []) if isinstance(reply, dict) else []
         line = f"GPU(s) {held or 'none'} held here (safe cap, or the head's earlier setpoint)"
         if refused:
-            line += f" ({len(refused)} refused: {' '.join(str(refused[0]).split())[:120]})"
+            first = refused[0]
+            if isinstance(first, dict) and {"gpu", "reason"} <= first.keys():
+                first = f"GPU {first['gpu']}: {first['reason']}"
+            line += f" ({len(refused)} refused: {' '.join(str(first).split())[:120]})"
         return line
 
     return hold
@@ -384,6 +434,10 @@ def run(
     | None = make_local_release,
     hold_factory: Callable[[HookSettings, Mapping[str, str]], Callable[[str, Sequence[int]], str]]
     | None = make_local_hold,
+    mig_factory: Callable[
+        [HookSettings, Mapping[str, str]], Callable[[str, Sequence[str]], Mapping[str, int]]
+    ]
+    | None = make_local_mig,
 ) -> int:
     """One hook run: the exit status (0 unless strict and nothing recorded); one ``emit`` line.
 
@@ -408,6 +462,10 @@ def run(
         client_error = f"no client: {e}"
     spool = Spool(settings.spool_dir)
     if kind == "prolog":
+        mig_note = ""
+        if env.mig:
+            resolve = None if mig_factory is None else mig_factory(settings, environ)
+            env, mig_note = resolve_mig(env, resolve)
         # the hold comes last and may take one request timeout: the spool gets that much less
         hold = None if hold_factory is None else hold_factory(settings, environ)
         outcome = run_prolog(
@@ -423,6 +481,8 @@ def run(
         )
         if hold is not None:
             outcome = hold_gpus(env, outcome, hold)
+        if mig_note:
+            outcome = replace(outcome, line=f"{outcome.line}; {mig_note}")
     else:
         release = None if release_factory is None else release_factory(settings, environ)
         outcome = run_epilog(

@@ -18,6 +18,9 @@ JOB_ID: Final = re.compile(rf"[1-9][0-9]{{0,9}}(?:[_+]{_NUMBER})?")
 NODE_NAME: Final = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9._-]{0,253}[A-Za-z0-9])?")
 #: a user or group name (a Samba machine account ends in ``$``): 1..64 characters
 ACCOUNT: Final = re.compile(r"[A-Za-z0-9_](?:[A-Za-z0-9._-]{0,63}|[A-Za-z0-9._-]{0,62}\$)")
+#: a MIG instance as Slurm names it in ``CUDA_VISIBLE_DEVICES``: ``MIG-<uuid>``, or on drivers
+#: before 470.42.01 ``MIG-<GPU UUID>/<GPU instance>/<compute instance>`` (gpu/nvml plugin)
+MIG_DEVICE: Final = re.compile(r"MIG-[0-9A-Za-z-]{1,96}(?:/[0-9]{1,5}/[0-9]{1,5})?")
 
 
 def _got(value: object) -> str:
@@ -36,6 +39,13 @@ def node_name(value: object, where: str = "node") -> str:
     if isinstance(value, str) and NODE_NAME.fullmatch(value):
         return value
     raise InputError(f"{where}: must be a host name, {_got(value)}")
+
+
+def mig_device(value: object, where: str = "MIG device") -> str:
+    """``value`` if it names a MIG instance (`MIG_DEVICE`), else `InputError` naming ``where``."""
+    if isinstance(value, str) and MIG_DEVICE.fullmatch(value):
+        return value
+    raise InputError(f"{where}: must be a MIG device name like MIG-<uuid>, {_got(value)}")
 
 
 def account(value: object, where: str = "user") -> str:

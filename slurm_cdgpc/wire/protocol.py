@@ -27,6 +27,8 @@ MAX_MESSAGE_BYTES: Final = 1024 * 1024
 RELEASE_PATH: Final = "/v1/release"
 #: the Prolog asks its node's agent to hold a starting job's GPUs at the safe cap (loopback only)
 HOLD_PATH: Final = "/v1/hold"
+#: ... and which physical GPUs the MIG instances Slurm names are on (loopback only)
+MIG_PATH: Final = "/v1/mig"
 MAX_PROGRESS_LINE_BYTES: Final = 1024
 MAX_GPUS: Final = 1024  # entries in setpoints/release/gpus/refused
 MAX_PROGRESS_ENTRIES: Final = 4096
@@ -159,6 +161,15 @@ def gpu_indices(value: object, where: str) -> tuple[int, ...]:
     """A JSON array of GPU indices (at most `MAX_GPUS`), else `ProtocolError` naming the entry."""
     return tuple(
         _int(item, f"{where}[{i}]", 0, MAX_GPU_INDEX)
+        for i, item in enumerate(_list(value, where, MAX_GPUS))
+    )
+
+
+def mig_names(value: object, where: str) -> tuple[str, ...]:
+    """A JSON array of MIG instance names (`slurm_cdgpc.wire.names.MIG_DEVICE`, at most
+    `MAX_GPUS`), else `ProtocolError` naming the entry."""
+    return tuple(
+        _name(names.mig_device, item, f"{where}[{i}]")
         for i, item in enumerate(_list(value, where, MAX_GPUS))
     )
 

@@ -32,7 +32,7 @@ from slurm_cdgpc.agent import server as agent_server
 from slurm_cdgpc.coordinator import api as head_api
 from slurm_cdgpc.localcluster import free_port
 from slurm_cdgpc.transport.auth import HmacKey, HmacSigner
-from slurm_cdgpc.wire.protocol import HOLD_PATH, RELEASE_PATH
+from slurm_cdgpc.wire.protocol import HOLD_PATH, MIG_PATH, RELEASE_PATH
 from tests.evidence import record
 from tests.security.live import (
     Daemon,
@@ -77,9 +77,9 @@ class Endpoint:
         return HEAD_BODY_CAP if self.server == "head" else AGENT_BODY_CAP
 
 
-#: POSTs that answer and record nothing (the admission verdict): refused, an attack on them
-#: gets no answer; accepted, it changes nothing either
-ANSWERS_ONLY = frozenset({"/v1/admission"})
+#: POSTs that answer and record nothing (the admission verdict, where a job's MIG instances
+#: are): refused, an attack on them gets no answer; accepted, it changes nothing either
+ANSWERS_ONLY = frozenset({"/v1/admission", MIG_PATH})
 
 ENDPOINTS = (
     Endpoint("head", "GET", "/v1/health", "none"),
@@ -99,6 +99,7 @@ ENDPOINTS = (
     Endpoint("agent", "POST", "/v1/exchange", "node"),
     Endpoint("agent", "POST", "/v1/release", "node"),
     Endpoint("agent", "POST", "/v1/hold", "node"),
+    Endpoint("agent", "POST", "/v1/mig", "node"),
 )
 AUTHENTICATED = [e for e in ENDPOINTS if e.auth != "none"]
 WITH_BODY = [e for e in AUTHENTICATED if e.has_body]
@@ -207,6 +208,8 @@ def attack_body(endpoint: Endpoint) -> bytes:
             return json.dumps({"job_id": VICTIM_JOB}).encode()
         if endpoint.path == HOLD_PATH:  # the victim's GPU once the victim is released
             return json.dumps({"job_id": "666", "gpus": [0]}).encode()
+        if endpoint.path == MIG_PATH:  # records nothing when accepted, like the admission
+            return json.dumps({"job_id": "666", "names": ["MIG-0a1b"]}).encode()
         return exchange_body([(0, "666", 1410)], [1])
     bodies: dict[str, object] = {
         "/v1/jobs": {"job_id": "666", "user": "root", "node": "ghost", "gpus": [1]},
@@ -295,7 +298,7 @@ def test_the_table_covers_every_route_in_the_code() -> None:
     api = REPO / "slurm_cdgpc" / "coordinator" / "api.py"
     assert _route_literals(api) <= head_paths, "a head route is missing from ENDPOINTS"
     server = REPO / "slurm_cdgpc" / "agent" / "server.py"
-    assert _route_literals(server) | {RELEASE_PATH, HOLD_PATH} <= agent_paths, (
+    assert _route_literals(server) | {RELEASE_PATH, HOLD_PATH, MIG_PATH} <= agent_paths, (
         "an agent route is missing"
     )
 
@@ -494,6 +497,9 @@ def test_replayed(cluster: Cluster, endpoint: Endpoint) -> None:
         cred, body = _signed(d, "POST", path, {"job_id": "103", "gpus": [1]})
         _accept(d, "POST", path, cred, body)
         agent.ok("POST", RELEASE_PATH, {"job_id": "103"})  # the job ended: GPU 1 is free
+    elif endpoint.name == "agent POST /v1/mig":
+        cred, body = _signed(d, "POST", path, {"job_id": "104", "names": ["MIG-0a1b"]})
+        _accept(d, "POST", path, cred, body)
     else:
         assert endpoint.method == "GET", endpoint
         cred, body = _signed(d, "GET", path, None)
@@ -546,6 +552,7 @@ REQUIRED: dict[str, tuple[str, ...]] = {
     "/v1/exchange": ("version", "node", "interval", "lease_expires_s", "setpoints", "release"),
     "/v1/release": ("job_id",),
     "/v1/hold": ("job_id", "gpus"),
+    "/v1/mig": ("job_id", "names"),
 }
 SPECIFIC: dict[str, list[dict[str, object]]] = {
     "/v1/admission": [
@@ -572,6 +579,13 @@ SPECIFIC: dict[str, list[dict[str, object]]] = {
     ],
     "/v1/release": [{"job_id": ""}, {"job_id": 100}],
     "/v1/hold": [{"gpus": []}, {"gpus": [-1]}, {"gpus": [True]}, {"gpus": "0"}, {"job_id": 100}],
+    "/v1/mig": [
+        {"names": []},
+        {"names": ["GPU-0a1b"]},
+        {"names": ["MIG-0a1b/../x"]},
+        {"names": "MIG-0a1b"},
+        {"job_id": 100},
+    ],
 }
 
 
@@ -835,8 +849,9 @@ def test_the_attack_requests_would_change_the_state_if_accepted(cluster: Cluster
             endpoint.method, attack_path(endpoint), attack_body(endpoint)
         )
         assert reply.status == 200, (endpoint.name, reply.status, reply.body[:300])
-        if endpoint.path in ANSWERS_ONLY:  # a verdict, and nothing recorded: the refusals
-            assert json.loads(reply.body)["verdict"], reply.body[:300]  # above are its test
+        if endpoint.path in ANSWERS_ONLY:  # an answer, and nothing recorded: the refusals
+            answer = json.loads(reply.body)  # above are its test
+            assert answer["gpus"] == {} if endpoint.path == MIG_PATH else answer["verdict"]
             assert cluster.state() == before, endpoint.name
             continue
         assert cluster.state() != before, endpoint.name

@@ -70,6 +70,10 @@ FAKE_METHODS = {
     "nvmlDeviceGetCurrentClocksThrottleReasons": "device_get_current_clocks_throttle_reasons",
     "nvmlDeviceGetFieldValues": "device_get_field_values",
     "nvmlDeviceGetMigMode": "device_get_mig_mode",
+    "nvmlDeviceGetMaxMigDeviceCount": "device_get_max_mig_device_count",
+    "nvmlDeviceGetMigDeviceHandleByIndex": "device_get_mig_device_handle_by_index",
+    "nvmlDeviceGetGpuInstanceId": "device_get_gpu_instance_id",
+    "nvmlDeviceGetComputeInstanceId": "device_get_compute_instance_id",
     "nvmlDeviceSetPowerManagementLimit": "device_set_power_management_limit",
     "nvmlDeviceSetGpuLockedClocks": "device_set_gpu_locked_clocks",
     "nvmlDeviceSetMemoryLockedClocks": "device_set_memory_locked_clocks",
@@ -98,6 +102,14 @@ class FakeHandle:
     index: int
 
 
+@dataclass(frozen=True)
+class FakeMigHandle:
+    """A MIG device: the ``slot``-th instance of physical GPU ``index``."""
+
+    index: int
+    slot: int
+
+
 @dataclass
 class FakeDevice:
     """What one fake GPU answers; ``fail`` maps an NVML function name to the error it raises."""
@@ -118,6 +130,9 @@ class FakeDevice:
     memory_clock_mhz: int = 1593
     reasons: int = 0
     mig_mode: tuple[int, int] | None = None  # (current, pending); None: NOT_SUPPORTED
+    #: MIG slot -> (UUID, GPU instance ID, compute instance ID); slots not listed are empty
+    mig_devices: dict[int, tuple[str, int, int]] = field(default_factory=dict)
+    mig_slots: int = 7
     fail: dict[str, int] = field(default_factory=dict)
 
 
@@ -225,8 +240,32 @@ class FakeNvml:
         return b"13.580.82.07"
 
     # -- device getters -----------------------------------------------------------------------
-    def device_get_uuid(self, h: FakeHandle) -> str | bytes:
+    def device_get_uuid(self, h: FakeHandle | FakeMigHandle) -> str | bytes:
+        if isinstance(h, FakeMigHandle):
+            return self._mig("nvmlDeviceGetUUID", h)[0]
         return self._device("nvmlDeviceGetUUID", h).uuid
+
+    def _mig(self, name: str, h: FakeMigHandle) -> tuple[str, int, int]:
+        self.calls.append((name, h.index, h.slot))
+        return self.devices[h.index].mig_devices[h.slot]
+
+    def device_get_max_mig_device_count(self, h: FakeHandle) -> int:
+        device = self._device("nvmlDeviceGetMaxMigDeviceCount", h)
+        if device.mig_mode is None:
+            raise pynvml.NVMLError_NotSupported()
+        return device.mig_slots
+
+    def device_get_mig_device_handle_by_index(self, h: FakeHandle, slot: int) -> FakeMigHandle:
+        device = self._device("nvmlDeviceGetMigDeviceHandleByIndex", h, slot)
+        if slot not in device.mig_devices:
+            raise pynvml.NVMLError_NotFound()
+        return FakeMigHandle(h.index, slot)
+
+    def device_get_gpu_instance_id(self, h: FakeMigHandle) -> int:
+        return self._mig("nvmlDeviceGetGpuInstanceId", h)[1]
+
+    def device_get_compute_instance_id(self, h: FakeMigHandle) -> int:
+        return self._mig("nvmlDeviceGetComputeInstanceId", h)[2]
 
     def device_get_name(self, h: FakeHandle) -> str | bytes:
         return self._device("nvmlDeviceGetName", h).name
@@ -864,6 +903,24 @@ def test_describe_reports_mig_mode_and_the_enforced_limit(open_gpus: OpenGpus) -
     assert nvml.setter_calls() == []
     mig.mig_mode = (pynvml.NVML_DEVICE_MIG_DISABLE, pynvml.NVML_DEVICE_MIG_ENABLE)
     assert gpus[0].mig_mode() is False  # pending is not current
+
+
+def test_mig_instances_name_their_physical_gpu(open_gpus: OpenGpus) -> None:
+    mig, whole = a100_sxm4_80gb("GPU-mig"), a100_sxm4_80gb("GPU-whole")
+    mig.mig_mode = (pynvml.NVML_DEVICE_MIG_ENABLE, pynvml.NVML_DEVICE_MIG_ENABLE)
+    mig.mig_devices = {0: ("MIG-aaaa", 3, 0), 4: (b"MIG-bbbb", 5, 0)}  # slots 1-3, 5, 6 empty
+    whole.mig_mode = (pynvml.NVML_DEVICE_MIG_DISABLE, pynvml.NVML_DEVICE_MIG_DISABLE)
+    nvml, gpus = open_gpus(whole, mig)
+    assert [(i.uuid, i.gpu_instance, i.compute_instance) for i in gpus[1].mig_instances()] == [
+        ("MIG-aaaa", 3, 0),
+        ("MIG-bbbb", 5, 0),
+    ]
+    # both names Slurm may give an instance; a whole GPU's UUID or an unknown name: unresolved
+    names = ["MIG-bbbb", "MIG-GPU-mig/3/0", "GPU-whole", "MIG-cccc"]
+    nvml.calls.clear()
+    assert gpus.mig_parents(names) == {"MIG-bbbb": 1, "MIG-GPU-mig/3/0": 1}
+    assert nvml.count("nvmlDeviceGetMaxMigDeviceCount") == 1  # the whole GPU is not asked
+    assert nvml.setter_calls() == []
 
 
 def test_memory_lock_not_supported_comes_from_the_real_pynvml_class(open_gpus: OpenGpus) -> None:

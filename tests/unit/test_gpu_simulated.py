@@ -438,3 +438,18 @@ def test_a_node_may_mix_gpu_kinds(clock: ManualClock) -> None:
     ]:
         with pytest.raises(InputError, match=message):
             node_gpu_kinds(text, count)
+
+
+def test_a_simulated_gpu_in_mig_mode_lists_stable_instances() -> None:
+    board = (
+        Path(__file__).resolve().parent.parent / "data" / "nvml" / "a100-sxm4-80gb-mig.board.json"
+    )
+    gpus = simulated_gpus(f"A100:1,{board}:1", None, seed=4)
+    assert gpus[0].mig_instances() == ()  # MIG off
+    instances = gpus[1].mig_instances()
+    assert [i.gpu_instance for i in instances] == list(range(7, 14))
+    assert len({i.uuid for i in instances}) == 7 and all(
+        i.uuid.startswith("MIG-") for i in instances
+    )
+    again = simulated_gpus(f"A100:1,{board}:1", None, seed=4)[1].mig_instances()
+    assert again == instances  # the same node names the same instances after a restart

@@ -241,6 +241,60 @@ def test_env_parsing() -> None:
         read_hook_env({"SLURM_JOB_USER": "bob"})
 
 
+def test_a_job_on_mig_instances_is_named_by_them_not_by_slurms_record_positions() -> None:
+    uuid = "MIG-18d45745-671c-5928-80ba-9aa8239d2892"
+    older = "MIG-GPU-1f4ccf84-cd96-4554-aafa-b75ceb36a59c/8/0"
+    env = read_hook_env({**ENV, "SLURM_JOB_GPUS": "3,4", "CUDA_VISIBLE_DEVICES": f"{uuid},{older}"})
+    assert (env.gpus, env.mig) == ((), (uuid, older))  # 3 and 4 are no GPU's indices
+    plain = read_hook_env({**ENV, "CUDA_VISIBLE_DEVICES": "0,1"})
+    assert (plain.gpus, plain.mig) == ((0, 1), ())
+    for bad in ("MIG-", "MIG-abc/1", "MIG-abc/../1/2", f"{uuid};reboot", "MIG-" + "a" * 97):
+        with pytest.raises(InputError, match="CUDA_VISIBLE_DEVICES: must be a MIG device name"):
+            read_hook_env({**ENV, "CUDA_VISIBLE_DEVICES": bad})
+
+
+def test_mig_instances_the_agent_cannot_place_leave_the_job_unregistered(tmp_path: Path) -> None:
+    env = read_hook_env({**ENV, "CUDA_VISIBLE_DEVICES": "MIG-abc,MIG-def"})
+
+    def down(_job: str, _names: Sequence[str]) -> dict[str, int]:
+        raise HeadUnavailableError("cannot reach the local agent at http://127.0.0.1:8464")
+
+    for resolve, note in (
+        (None, "MIG instance(s) MIG-abc,MIG-def: no local agent to find their GPUs"),
+        (down, "MIG instance(s) MIG-abc,MIG-def: GPUs not found (cannot reach the local agent"),
+        (lambda _j, _n: {}, "MIG instance(s) MIG-abc,MIG-def on GPU(s) none (2 not on this"),
+    ):
+        resolved, line = hooks.resolve_mig(env, resolve)
+        assert resolved.gpus == () and line.startswith(note)
+        head = FakeHead()
+        out = run_prolog(resolved, head, Spool(tmp_path), now_s=NOW_S, until_s=1e18, times=_times)
+        assert out.action == "skipped" and head.calls == []
+    resolved, line = hooks.resolve_mig(env, lambda _j, _n: {"MIG-def": 2, "MIG-abc": 2})
+    assert resolved.gpus == (2,) and line == "MIG instance(s) MIG-abc,MIG-def on GPU(s) 2"
+
+
+@pytest.mark.parametrize(
+    "reply",
+    [
+        {"gpus": {"MIG-zzz": 1}},
+        {"gpus": {"MIG-abc": -1}},
+        {"gpus": {"MIG-abc": True}},
+        {"gpus": [1]},
+        [],
+    ],
+)
+def test_a_mig_answer_that_is_not_a_map_of_the_names_asked_is_refused(
+    monkeypatch: pytest.MonkeyPatch, reply: object
+) -> None:
+    class Agent:
+        def post(self, _path: str, _payload: object) -> object:
+            return reply
+
+    monkeypatch.setattr(hooks, "_local_agent", lambda _s, _e: Agent())
+    with pytest.raises(InputError, match="not a map of names to GPU indices"):
+        hooks.make_local_mig(HookSettings(), {})("51", ["MIG-abc"])
+
+
 def test_scontrol_line() -> None:
     times = parse_show_job(
         "JobId=9 JobName=wrap SubmitTime=2026-11-29T10:00:00 TimeLimit=1-01:00:00 "
