@@ -47,13 +47,16 @@ class PowerLedger:
         """Per node, what its GPUs outside the plan may draw over the next interval (the total
         is the sum): GPUs of unreachable nodes at their worst case (never zero), GPUs of jobs
         waiting to be controlled and GPUs being released at their limit, every other GPU
-        outside the plan at its latest reading (at its limit when unreadable)."""
+        outside the plan at its latest reading (at its limit when unreadable). A GPU never
+        controlled (MIG mode) waits for no plan: its jobs count at their limit only until their
+        node has answered since they registered (`NodeBook.read_with_job`)."""
         controlled = {g for j in running.jobs for g in j.gpus}
         waiting = {
-            GpuRef(g.node, g.gpu_index)
+            ref
             for j in known.values()
             if j.job_id not in running and j.job_id not in held_out
             for g in j.gpus
+            if not nodes.read_with_job(ref := GpuRef(g.node, g.gpu_index), j.registered_at_s)
         }
         by_node: dict[str, float] = {}
         named: dict[str, int] | None = None  # node -> GPUs its jobs name, once one is away

@@ -34,6 +34,12 @@ from slurm_cdgpc.wire.protocol import Setpoint as AgentSetpoint
 logger = logging.getLogger(__name__)
 
 _MIG: Final = "MIG mode is on: its clocks cannot be locked (counted at what it draws)"
+#: Slurm lists each MIG instance as a GRES record of its own, and a whole GPU's index in the
+#: Prolog is its record's position: beside a MIG GPU it need not be the GPU's NVML index
+_MIG_NODE: Final = (
+    "another GPU here is in MIG mode: Slurm's GPU indices on this node are positions in its "
+    "GRES list, not NVML's (counted at what it draws)"
+)
 #: throttle reasons that only another limiter (the board, the BMC, the rack) causes
 _LIMITER_REASONS: Final = (
     (ThrottleReason.HW_POWER_BRAKE, "power brake (an external power-brake signal)"),
@@ -301,7 +307,10 @@ class NodeBook(Mapping[str, NodeState]):
                         spec.power_limit.min_w,
                         spec.power_limit.max_w,
                     )
-        mig = {b.uuid: b.mig_mode for b in result.boards}
+        described = {b.uuid: bool(b.mig_mode) for b in result.boards}
+        # a board not described in this answer keeps what the last description said
+        mig = {r.uuid: described.get(r.uuid, node.why.get(r.index) == _MIG) for r in result.gpus}
+        mixed = any(mig.values())
         types: dict[int, str | None] = {}
         why: dict[int, str] = {}
         unknown = False
@@ -318,8 +327,10 @@ class NodeBook(Mapping[str, NodeState]):
                         if r.board is not None
                         else f"board {r.name!r} is not in the catalog and not described"
                     )
-            if mig.get(r.uuid, node.why.get(r.index) == _MIG):
+            if mig[r.uuid]:
                 gpu_type, why[r.index] = None, _MIG
+            elif mixed:
+                gpu_type, why[r.index] = None, _MIG_NODE
             types[r.index] = gpu_type
         if types != node.gpu_types or why != node.why:
             for index, reason in sorted(why.items()):
@@ -368,6 +379,19 @@ class NodeBook(Mapping[str, NodeState]):
             for r in node.reports
             if (power_w := node.mean_w.get(r.index, r.power_w)) is not None
         }
+
+    def read_with_job(self, ref: GpuRef, registered_at_s: float) -> bool:
+        """True when ``ref`` stays outside the plan for good (MIG mode: its clocks are not
+        locked) and its node last answered after a job on it registered: the reading then
+        includes the job, and the GPU is counted at what it draws, not at its limit as a job
+        waiting for its first plan is (`PowerLedger.uncontrolled_by_node_w`)."""
+        node = self._nodes.get(ref.node)
+        return (
+            node is not None
+            and node.why.get(ref.index) in (_MIG, _MIG_NODE)
+            and node.answered_s is not None
+            and node.answered_s > registered_at_s
+        )
 
     def reading_w(self, ref: GpuRef) -> float | None:
         """The GPU's power as its agent read it at the last answer (None: none)."""

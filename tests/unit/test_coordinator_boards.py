@@ -1,12 +1,15 @@
 """The head builds its clock grids from the boards its agents describe, not from the catalog:
-a board the catalog lacks is controlled, a node may hold two kinds, a MIG GPU is left alone."""
+a board the catalog lacks is controlled, a node may hold two kinds, a node with a MIG GPU is
+left alone."""
 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from slurm_cdgpc.gpu.board import spec_from_board
 from slurm_cdgpc.wire.board import BoardDescription
@@ -88,10 +91,37 @@ def test_a_mig_gpu_is_not_controlled_and_says_why(make_cluster: MakeCluster) -> 
     cluster.tick()
     cluster.tick()
     views = {g["index"]: g for g in cluster.head.nodes.gpu_views("n1")}
-    assert views[0]["controlled"] and not views[1]["controlled"]
+    assert not views[0]["controlled"] and not views[1]["controlled"]
     assert "MIG mode is on" in str(views[1]["why"])
+    # beside a MIG GPU, Slurm's index for a whole GPU is a GRES list position: no GPU's for sure
+    assert "another GPU here is in MIG mode" in str(views[0]["why"])
     cluster.head.register_job("61", "alice", "n1", [1])
     report = cluster.tick()
     assert not next(v for v in report.jobs if v.job_id == "61").controlled
     assert all(p.gpu != 1 for p in cluster.last_requests()["n1"].setpoints)
     assert np.isfinite(report.uncontrolled_w) and report.uncontrolled_w > 0
+
+
+def test_jobs_on_instances_of_one_mig_gpu_count_it_once_at_what_it_draws(
+    make_cluster: MakeCluster,
+) -> None:
+    cluster = make_cluster(nodes=("n1",), gpu_type=f"{A100}:1,{MIG}:1")
+    cluster.tick()
+    cluster.tick()
+
+    def read_w() -> float:  # the node's GPUs at their last readings: none is in a plan
+        return sum(r.power_w or math.nan for r in cluster.head.nodes["n1"].reports)
+
+    cluster.head.register_job("61", "alice", "n1", [1])
+    first = cluster.tick()  # planned before a reading with the job on it: at the GPU's limit
+    assert first.uncontrolled_w > 500.0
+    alone = cluster.tick()
+    cluster.head.register_job("62", "bob", "n1", [1])  # the Prolog names the same GPU
+    for _ in range(3):
+        both = cluster.tick()
+    jobs = {v.job_id: v for v in both.jobs}
+    assert set(jobs) == {"61", "62"} and not any(v.controlled for v in jobs.values())
+    # once read with its jobs on it, the GPU counts once, at its reading, not at its 500 W limit
+    assert alone.uncontrolled_w < 200.0
+    assert both.uncontrolled_w == pytest.approx(read_w(), rel=0.05)
+    assert cluster.gpu("n1", 1).locked is None
