@@ -456,12 +456,14 @@ class NodeBook(Mapping[str, NodeState]):
     def persist(
         self, store: Store, responses: Mapping[str, ExchangeResponse | NodeFailure], now_s: float
     ) -> None:
-        """Each exchanged node's reachability, and its GPU type and worst case when they
-        changed."""
+        """Each exchanged node's reachability (one write for the round), and its GPU type and
+        worst case when they changed."""
+        seen: list[str] = []
+        lost: list[str] = []
         for name, result in responses.items():
             node = self._nodes[name]
             if isinstance(result, NodeFailure):
-                store.mark_node(name, False, at_s=now_s)
+                lost.append(name)
                 continue
             gpu_type, worst_w = self._describe(node, result.gpus)
             if gpu_type != node.gpu_type or worst_w != node.worst_case_w:
@@ -483,7 +485,8 @@ class NodeBook(Mapping[str, NodeState]):
                     worst_w,
                 )
             else:
-                store.mark_node(name, True, at_s=now_s)
+                seen.append(name)
+        store.mark_nodes(seen, lost, at_s=now_s)
 
     def _describe(self, node: NodeState, gpus: Sequence[GpuReport]) -> tuple[str | None, float]:
         """A node's GPU type (when all its GPUs share one) and worst-case power: each GPU at

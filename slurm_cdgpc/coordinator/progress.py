@@ -71,11 +71,14 @@ class ProgressGate:
         return allowed
 
     def record(self, store: Store, allowed: Iterable[ProgressReport]) -> None:
-        """Store each job's new steps (``allowed``, as `allowed` returned them)."""
+        """Store each job's new steps (``allowed``, as `allowed` returned them), in one write."""
+        new: dict[str, tuple[str, int, int | None]] = {}
         for p in allowed:
             if self._recorded.get(p.job_id) != p.step:
-                self._recorded[p.job_id] = p.step
-                store.record_progress(p.job_id, p.step, p.total)
+                new[p.job_id] = (p.job_id, p.step, p.total)
+        store.record_progress_many(new.values())
+        for job_id, step, _total in new.values():
+            self._recorded[job_id] = step
 
     def _uid(self, user: str) -> int | None:
         """The uid of ``user`` on this host (None: unknown here; then only root may report)."""

@@ -28,6 +28,7 @@ from slurm_cdgpc.store import (
     Measurement,
     MigrationError,
     ModelSnapshot,
+    Node,
     Setpoint,
     Store,
     StoreBusyError,
@@ -334,16 +335,26 @@ def test_nodes_are_upserted_and_their_reachability_tracked(store: Store, clock: 
         "gpu01", "http://gpu01:9000", gpu_count=8, gpu_type="A100", worst_case_power_w=3300
     )
     clock.advance(30)
-    lost = store.mark_node("gpu02", reachable=False)
+    store.mark_nodes(["gpu99"], ["gpu02"])  # one round: gpu02 failed; gpu99 is not known
 
     nodes = {n.name: n for n in store.nodes()}
     assert list(nodes) == ["gpu01", "gpu02"]
     assert nodes["gpu01"].url == "http://gpu01:9000"
     assert nodes["gpu01"].worst_case_power_w == 3300
     assert nodes["gpu01"].last_seen_s == T0_S + 30
-    assert lost == nodes["gpu02"]
+    lost = nodes["gpu02"]
     assert not lost.reachable and lost.last_seen_s == T0_S  # last seen when it answered
-    assert store.mark_node("gpu99", reachable=True) is None
+    clock.advance(30)
+    store.mark_nodes(["gpu02", "gpu01"], at_s=T0_S + 90)
+    back = store.nodes_named(["gpu01", "gpu02"])
+    assert all(n.reachable and n.last_seen_s == T0_S + 90 for n in back.values())
+    # a round of more nodes than one statement's list (`_chunks`) marks every one of them
+    many = [f"n{i:04d}" for i in range(2500)]
+    store.add_nodes([Node(n, n, "ssh", None, False, 1, "T4", 70.0) for n in many])
+    store.mark_nodes(many[::2], many[1::2], at_s=T0_S + 120)
+    marked = store.nodes_named(many)
+    assert [marked[n].reachable for n in many] == [True, False] * 1250
+    assert {marked[n].last_seen_s for n in many[::2]} == {T0_S + 120}
     with pytest.raises(InputError):
         store.upsert_node("gpu03", "x", transport="ftp", gpu_count=1, gpu_type="T4",
                           worst_case_power_w=70)  # fmt: skip
@@ -832,6 +843,18 @@ def test_time_limits_and_who_said_the_total_are_kept(store: Store) -> None:
     assert (job.iterations_total, job.work_source) == (800, "comment")
     job = store.record_progress("950", 20, iterations_total=500)  # iters= wins from now on
     assert job is not None and (job.iterations_done, job.iterations_total) == (20, 800)
+    # the head's round writes every job's step at once: the same rules, one transaction
+    store.register_job("952", "erin", {"gpu01": [2]})
+    store.record_progress_many([("950", 30, 500), ("952", 7, 70), ("999", 1, None)])
+
+    def counts(job_id: str) -> tuple[int, int | None] | None:
+        job = store.job(job_id)
+        return None if job is None else (job.iterations_done, job.iterations_total)
+
+    assert (counts("950"), counts("952"), counts("999")) == ((30, 800), (7, 70), None)
+    with pytest.raises(InputError, match="iteration counts must be ≥ 0"):
+        store.record_progress_many([("952", 8, None), ("950", -1, None)])
+    assert counts("952") == (7, 70)  # nothing changed
     job = store.record_time_limit("950", 3600.0, None)
     assert job is not None and (job.time_limit_s, job.started_at_s) == (3600.0, T0_S)
     assert store.job("950") == job
