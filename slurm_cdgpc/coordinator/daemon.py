@@ -788,7 +788,14 @@ class Coordinator:
                 self.nodes.lost(name, result.reason)
                 continue
             self.nodes.answered(name, target.request, result, now_s, self.settings.lease_s)
-            self.locks.answered(name, target.request, result, known, self.roster.held_on(name))
+            self.locks.answered(
+                name,
+                target.request,
+                result,
+                known,
+                self.roster.held_on(name),
+                self.nodes.left_alone(name),
+            )
 
     def _queue_state(self) -> QueueState | None:
         """The drain's input (`Roster.queue`) while Slurm's queue, as last read, has jobs
@@ -859,7 +866,9 @@ class Coordinator:
             sent = targets[name].request
             if self.nodes.answered(name, sent, result, now_s, self.settings.lease_s):
                 self.metrics.lease_lapses.inc()  # its last lease ran out before this exchange
-            self.locks.answered(name, sent, result, known, self.roster.held_on(name))
+            self.locks.answered(
+                name, sent, result, known, self.roster.held_on(name), self.nodes.left_alone(name)
+            )
             for p in self.progress.allowed(name, result, known):
                 self.running.record_progress(p.job_id, p.step, p.time_s)
                 if p.latency_s is not None:  # a serving job's (its step counts requests)

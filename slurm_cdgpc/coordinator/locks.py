@@ -150,11 +150,14 @@ class GpuLocks:
         result: ExchangeResponse,
         known: Mapping[str, Job],
         held: Collection[int],
+        left_alone: Collection[int] = (),
     ) -> None:
         """What node ``name`` did of ``sent``: releases done or refused, setpoints refused, and
-        locks held for a finished job (``held``: its GPUs that ``known`` jobs hold)."""
+        locks held for a finished job (``held``: its GPUs that ``known`` jobs hold) or on a GPU
+        the head leaves alone (``left_alone``, `NodeBook.left_alone`)."""
         self._track_refusals(name, sent, result)
         self._release_orphans(name, sent, result, known, held)
+        self._release_left_alone(name, sent, result, left_alone)
         for refusal in result.refused:
             job = next((p.job_id for p in sent.setpoints if p.gpu == refusal.gpu), "-")
             logger.warning(
@@ -189,6 +192,26 @@ class GpuLocks:
                     r.job_id,
                 )
                 self._releases.setdefault(name, set()).add(r.index)
+
+    def _release_left_alone(
+        self,
+        name: str,
+        sent: ExchangeRequest,
+        result: ExchangeResponse,
+        left_alone: Collection[int],
+    ) -> None:
+        """Release a lock on a GPU the head does not control: a Prolog's hold, or a setpoint
+        sent before its board was described as one the head leaves alone (MIG mode). No plan
+        would ever move it, and the GPU is counted at what it draws; held, its jobs would run
+        at that clock for as long as they run."""
+        queued = self._releases.setdefault(name, set())
+        for r in result.gpus:
+            if r.locked is None or r.index not in left_alone:
+                continue
+            if r.index in sent.release or r.index in queued:
+                continue
+            logger.info("node %s: GPU %d is not controlled: its lock is released", name, r.index)
+            queued.add(r.index)
 
     def _track_refusals(self, name: str, sent: ExchangeRequest, result: ExchangeResponse) -> None:
         """Keep refused releases queued (a GPU whose reset failed must not stay locked), and

@@ -40,6 +40,7 @@ _MIG_NODE: Final = (
     "another GPU here is in MIG mode: Slurm's GPU indices on this node are positions in its "
     "GRES list, not NVML's (counted at what it draws)"
 )
+_NOT_DESCRIBED: Final = "board not described yet"
 #: throttle reasons that only another limiter (the board, the BMC, the rack) causes
 _LIMITER_REASONS: Final = (
     (ThrottleReason.HW_POWER_BRAKE, "power brake (an external power-brake signal)"),
@@ -323,7 +324,7 @@ class NodeBook(Mapping[str, NodeState]):
                     gpu_type = catalog_spec(r.name).name
                 except InputError:
                     why[r.index] = (
-                        "board not described yet"
+                        _NOT_DESCRIBED
                         if r.board is not None
                         else f"board {r.name!r} is not in the catalog and not described"
                     )
@@ -379,6 +380,15 @@ class NodeBook(Mapping[str, NodeState]):
             for r in node.reports
             if (power_w := node.mean_w.get(r.index, r.power_w)) is not None
         }
+
+    def left_alone(self, name: str) -> frozenset[int]:
+        """The GPUs of node ``name`` the head will not control while they stay as they are (MIG
+        mode, a node with one, a board neither known nor described), not those it waits to see
+        described: a lock left on one would never be planned again (`GpuLocks.answered`)."""
+        node = self._nodes.get(name)
+        if node is None:
+            return frozenset()
+        return frozenset(i for i, why in node.why.items() if why != _NOT_DESCRIBED)
 
     def read_with_job(self, ref: GpuRef, registered_at_s: float) -> bool:
         """True when ``ref`` stays outside the plan for good (MIG mode: its clocks are not
@@ -466,8 +476,9 @@ class NodeBook(Mapping[str, NodeState]):
                 lost.append(name)
                 continue
             gpu_type, worst_w = self._describe(node, result.gpus)
+            gpu_type = gpu_type or node.gpu_type  # no one type: the node keeps the one it had
             if gpu_type != node.gpu_type or worst_w != node.worst_case_w:
-                node.gpu_type = gpu_type or node.gpu_type
+                node.gpu_type = gpu_type
                 node.worst_case_w = worst_w
                 store.upsert_node(
                     name,
@@ -490,11 +501,14 @@ class NodeBook(Mapping[str, NodeState]):
 
     def _describe(self, node: NodeState, gpus: Sequence[GpuReport]) -> tuple[str | None, float]:
         """A node's GPU type (when all its GPUs share one) and worst-case power: each GPU at
-        its board's largest power limit."""
+        its board's largest power limit (a GPU not controlled: its described board's, else its
+        name's in the catalog)."""
         types = {node.gpu_types.get(r.index) for r in gpus}
         gpu_type = types.pop() if len(types) == 1 else None
         worst_w = 0.0
         for r in gpus:
             t = node.gpu_types.get(r.index)
+            if t is None and r.board is not None:
+                t = self._board_types.get(r.board)
             worst_w += self.specs[t].power_limit.max_w if t in self.specs else self.limit_w(r.name)
         return gpu_type, worst_w

@@ -5,6 +5,7 @@ left alone."""
 from __future__ import annotations
 
 import json
+import logging
 import math
 from pathlib import Path
 
@@ -125,3 +126,21 @@ def test_jobs_on_instances_of_one_mig_gpu_count_it_once_at_what_it_draws(
     assert alone.uncontrolled_w < 200.0
     assert both.uncontrolled_w == pytest.approx(read_w(), rel=0.05)
     assert cluster.gpu("n1", 1).locked is None
+
+
+def test_a_lock_sent_before_the_board_was_described_as_mig_is_released(
+    make_cluster: MakeCluster, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, "slurm_cdgpc.coordinator.locks")
+    cluster = make_cluster(nodes=("n1",), gpu_type=f"{A100}:1,{MIG}:1")
+    cluster.store.set_budget(5000.0, "root")
+    cluster.tick()  # the first reports name the boards: asked for at the next exchange
+    cluster.head.register_job("63", "alice", "n1", [1])
+    cluster.tick()  # typed by its name until described: planned, and its setpoint sent
+    assert cluster.gpu("n1", 1).locked is not None
+    for _ in range(3):  # described as MIG: left alone, and the lock no plan would move released
+        cluster.tick()
+    assert cluster.gpu("n1", 1).locked is None
+    assert "node n1: GPU 1 is not controlled: its lock is released" in caplog.text
+    assert not next(v for v in cluster.tick().jobs if v.job_id == "63").controlled
+    assert cluster.gpu("n1", 1).locked is None  # and it stays so

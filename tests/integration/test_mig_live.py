@@ -1,0 +1,107 @@
+"""Jobs on MIG instances through the real hooks, a real cdgpc-noded and a real cdgpcd (loopback,
+HMAC from the config files, simulated GPUs: one whole A100 and one recorded A100 board in MIG
+mode). What slurmd hands a MIG job's Prolog comes from Slurm's source (`slurm.env`): the GRES
+record's position in ``SLURM_JOB_GPUS`` and the instance's UUID in ``CUDA_VISIBLE_DEVICES``.
+"""
+
+from __future__ import annotations
+
+import time
+import zlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from slurm_cdgpc.gpu.simulated import simulated_gpus
+from slurm_cdgpc.localcluster import LocalCluster
+from slurm_cdgpc.localcluster import wait_for as _wait
+from slurm_cdgpc.slurm import hooks
+
+pytestmark = pytest.mark.live
+
+REPO = Path(__file__).resolve().parents[2]
+MIG_BOARD = REPO / "tests" / "data" / "nvml" / "a100-sxm4-80gb-mig.board.json"
+GPU_TYPE = f"A100-SXM4-80GB:1,{MIG_BOARD}:1"
+
+
+@pytest.fixture
+def site(tmp_path: Path) -> Iterator[LocalCluster]:
+    site = LocalCluster.with_hmac(tmp_path, interval_s=0.5, lease_s=2.0, unavailable=pytest.skip)
+    site.add_head()
+    try:
+        site.add_node("node1", gpu_type=GPU_TYPE, head_url=site.head.url)
+        site.start_agent("node1")
+        site.start_head()
+        site.announce()
+        yield site
+    finally:
+        site.stop(timeout_s=10)
+
+
+def _hook(site: LocalCluster, kind: str, env: dict[str, str], tmp_path: Path) -> str:
+    """The hook as slurmd runs it, with node1's config file: its one line."""
+    lines: list[str] = []
+    settings = hooks.HookSettings(config_path=site.nodes["node1"].config, spool_dir=tmp_path)
+    base = {"SLURM_JOB_USER": "root", "SLURMD_NODENAME": "node1"}
+    status = hooks.run(kind, settings, {**base, **env}, emit=lambda _p, m: lines.append(m))
+    assert status == 0
+    [line] = lines
+    return line
+
+
+def test_jobs_on_mig_instances_share_their_gpu_which_counts_at_what_it_draws(
+    site: LocalCluster, tmp_path: Path
+) -> None:
+    client = site.client()
+    client.post("/v1/budget", {"budget_w": 2000.0, "reason": "mig"})
+    # the agent's simulated MIG GPU names its instances from its UUID, as this does
+    parent = simulated_gpus(GPU_TYPE, None, seed=zlib.crc32(b"node1"))[1]
+    first, second = parent.mig_instances()[:2]
+    older = f"MIG-{parent.uuid}/{second.gpu_instance}/{second.compute_instance}"
+
+    line = _hook(
+        site,
+        "prolog",
+        {"SLURM_JOB_ID": "81", "SLURM_JOB_GPUS": "0", "CUDA_VISIBLE_DEVICES": first.uuid},
+        tmp_path,
+    )
+    assert "registered GPUs 1" in line and f"{first.uuid} on GPU(s) 1" in line, line
+    line = _hook(
+        site,
+        "prolog",
+        {"SLURM_JOB_ID": "82", "SLURM_JOB_GPUS": "1", "CUDA_VISIBLE_DEVICES": older},
+        tmp_path,
+    )
+    assert "registered GPUs 1" in line, line
+
+    def jobs() -> dict[str, dict[str, Any]]:
+        return {j["job_id"]: j for j in client.get("/v1/jobs")["jobs"]}
+
+    seen = jobs()
+    assert all(seen[j]["gpus"] == [{"node": "node1", "index": 1}] for j in ("81", "82"))
+
+    def why() -> dict[int, str] | None:  # once the agent has described its boards
+        gpus = {g["index"]: g["why"] or "" for g in client.get("/v1/nodes")["nodes"][0]["gpus"]}
+        return gpus if "MIG mode is on" in gpus.get(1, "") else None
+
+    assert "another GPU here is in MIG mode" in _wait("boards described", why, 5, site.logs)[0]
+
+    # never capped, and counted at what it draws: the node's two idle boards, not 500 W
+    time.sleep(4 * 0.5)
+    status = _wait(
+        "the MIG GPU counted at its reading",
+        lambda: (s := client.get("/v1/status")["last_interval"])["uncontrolled_w"] < 300.0 and s,
+        5,
+        site.logs,
+    )
+    assert status["uncontrolled_w"] > 0 and site.locks("node1") == {}
+    assert site.logs().count("2 GPU(s) of type") <= 2  # said when it changes, not each interval
+    assert not any(j["controlled"] for j in jobs().values())
+
+    line = _hook(
+        site, "epilog", {"SLURM_JOB_ID": "81", "CUDA_VISIBLE_DEVICES": first.uuid}, tmp_path
+    )
+    assert "deregistered" in line, line
+    assert set(jobs()) == {"82"} and site.locks("node1") == {}
