@@ -295,6 +295,16 @@ def test_a_mig_answer_that_is_not_a_map_of_the_names_asked_is_refused(
         hooks.make_local_mig(HookSettings(), {})("51", ["MIG-abc"])
 
 
+def test_the_holds_refusal_names_the_gpu_and_why(monkeypatch: pytest.MonkeyPatch) -> None:
+    class Agent:
+        def post(self, _path: str, _payload: object) -> object:
+            return {"held": [0], "refused": [{"gpu": 1, "reason": "no GPU with index 1"}]}
+
+    monkeypatch.setattr(hooks, "_local_agent", lambda _s, _e: Agent())
+    line = hooks.make_local_hold(HookSettings(), {})("51", [0, 1])
+    assert line.endswith("(1 refused: GPU 1: no GPU with index 1)")
+
+
 def test_scontrol_line() -> None:
     times = parse_show_job(
         "JobId=9 JobName=wrap SubmitTime=2026-11-29T10:00:00 TimeLimit=1-01:00:00 "
