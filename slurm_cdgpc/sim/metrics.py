@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Final
 
 import numpy as np
@@ -100,6 +100,10 @@ class Metrics:
     #: none does): the mean number of shared GPUs over the intervals, and their mean tenants
     shared_gpus_mean: float | None = None
     tenants_per_shared_gpu: float | None = None
+    #: ... and how far the controller's time models missed each job's iteration time, mean
+    #: |error| in percent, alone, shared and just after co-tenants changed or left
+    #: (`slurm_cdgpc.sim.sharing.TenantTimeErrors`; None: not a cdgpc replay)
+    time_model_error_pct: dict[str, float] | None = None
 
     def as_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -111,6 +115,8 @@ class Metrics:
                 del out[key]
         if self.shared_gpus_mean is None:
             del out["shared_gpus_mean"], out["tenants_per_shared_gpu"]
+        if self.time_model_error_pct is None:
+            del out["time_model_error_pct"]
         return out
 
 
@@ -293,13 +299,19 @@ def run_policies(
     for name in names:
         make_policy(name)  # unknown names fail before any replay
 
-    def replay(name: str) -> SimulationResult:
+    def replay(name: str) -> tuple[SimulationResult, dict[str, float] | None]:
         tick = None if progress is None else (lambda done: progress(name, done))
-        return simulator.run(make_policy(name, control), tick)
+        policy = make_policy(name, control)
+        result = simulator.run(policy, tick)
+        errors = getattr(policy, "time_errors", None)
+        return result, None if errors is None else errors.summary()
 
-    reference = replay("max-clock")
+    reference, _ = replay("max-clock")
     runs: dict[str, PolicyRun] = {}
     for name in names:
-        result = reference if name == "max-clock" else replay(name)
-        runs[name] = PolicyRun(result, compute_metrics(result, reference))
+        result, errors = (reference, None) if name == "max-clock" else replay(name)
+        metrics = compute_metrics(result, reference)
+        if errors is not None:
+            metrics = replace(metrics, time_model_error_pct=errors)
+        runs[name] = PolicyRun(result, metrics)
     return runs

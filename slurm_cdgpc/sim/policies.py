@@ -31,6 +31,7 @@ from slurm_cdgpc.gpu.plant import Plant, WorkloadArrays
 from slurm_cdgpc.model.estimator import EstimatorSettings, JobEstimator, JobStatics
 from slurm_cdgpc.sim.cluster import ClusterView, PlantPolicy, Policy, Setpoints
 from slurm_cdgpc.sim.fleet import FleetSpec
+from slurm_cdgpc.sim.sharing import TenantTimeErrors
 from slurm_cdgpc.topology import Topology
 
 logger = logging.getLogger(__name__)
@@ -265,6 +266,7 @@ class Cdgpc(Policy):
         self.time_limit_s = np.zeros(0)
         self.topology: Topology | None = fleet.topology
         self.node_names = fleet.node_names
+        self.time_errors = TenantTimeErrors()
 
     def domains(self, view: ClusterView) -> DomainLimits | None:
         """The controller's power-domain input: each job's GPUs per node, and per node what
@@ -283,6 +285,22 @@ class Cdgpc(Policy):
         )[view.node_type]
         uncontrolled = {names[i]: w for i, w in enumerate(idle_w.tolist()) if w > 0}
         return self.topology.limits(job_gpus, uncontrolled)
+
+    def _score_time_model(self, view: ClusterView) -> None:
+        """What the time models predicted for the interval the view reports, against what the
+        jobs measured (`TenantTimeErrors`: a replay's figure, no input to any decision), on
+        traces whose jobs share GPUs."""
+        if view.shared_gpu is None:
+            return
+        ran = len(self.estimator)  # the jobs still running from the last view, first in it
+        x, x_m = self.estimator.normalise(view.graphics_mhz[:ran], view.memory_mhz[:ran])
+        predicted = self.estimator.predict_iteration_s(x, x_m)
+        if view.objective_s is not None:  # a serving job's "iteration" is its latency
+            predicted = np.where(np.isfinite(view.objective_s[:ran]), np.nan, predicted)
+        settled = self.estimator.time.count >= TenantTimeErrors.SETTLED_SAMPLES
+        self.time_errors.add(
+            view.job_id, view.shared_gpu, predicted, view.iteration_s[:ran], settled
+        )
 
     @staticmethod
     def tenancy(view: ClusterView) -> Tenancy | None:
@@ -323,6 +341,7 @@ class Cdgpc(Policy):
             self.controller.jobs_ended(self.estimator.work_top_s[ended], self.time_limit_s[ended])
         self.time_limit_s = view.time_limit_s
         self.estimator.keep(view.kept)
+        self._score_time_model(view)
         new = slice(len(view) - view.started, None)
         if view.started:
             self.estimator.add_jobs(

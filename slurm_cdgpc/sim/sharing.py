@@ -136,3 +136,76 @@ def shared_step(
         power_capped=over[gpu],
     )
     return SharedStep(state, dynamic, idle)
+
+
+class TenantTimeErrors:
+    """How far the time model's prediction of each job's last interval was from its measured
+    iteration time, by what its GPU did: alone, shared, and in the first intervals after its
+    co-tenants changed or all left (`Cdgpc` feeds it; `summary` goes to the replay's
+    metrics). What an interference term would have to earn: a tenant's model learns its speed
+    with the co-tenants it has, and forgets at its RLS rate when they change.
+
+    A prediction is the model before it learns from the interval, at the interval's clocks;
+    jobs whose time model has had fewer than `SETTLED_SAMPLES` samples are left out.
+    """
+
+    SETTLED_SAMPLES = 3
+    #: the intervals after a change of co-tenants that count as "after a change"
+    AFTER = 3
+
+    def __init__(self) -> None:
+        self._views = 0
+        self._cotenants: dict[int, frozenset[int]] = {}  # job -> co-tenants in the last view
+        self._changed: dict[int, int] = {}  # job -> the view its co-tenants last changed in
+        self._errors: dict[str, list[float]] = {
+            "alone": [],
+            "shared": [],
+            "shared_after_change": [],
+            "alone_after_leaving": [],
+        }
+
+    def add(
+        self,
+        job_id: IntArray,
+        shared_gpu: IntArray | None,
+        predicted_s: FloatArray,
+        measured_s: FloatArray,
+        settled: BoolArray,
+    ) -> None:
+        """One view: per job row (``job_id``; ``shared_gpu``, its tenancy from now on), the
+        prediction for the interval it reports and its measured iteration time (NaN: none).
+        The jobs that ran the last interval are the first rows, as many as ``predicted_s``."""
+        for n in range(predicted_s.shape[0]):
+            job = int(job_id[n])
+            before = self._cotenants.get(job)
+            if before is None or not (settled[n] and measured_s[n] > 0):
+                continue
+            if not np.isfinite(predicted_s[n]):
+                continue
+            error = abs(predicted_s[n] / measured_s[n] - 1.0) * 100.0
+            recent = self._views - self._changed.get(job, -self.AFTER) <= self.AFTER
+            if before:
+                self._errors["shared"].append(error)
+                if recent:
+                    self._errors["shared_after_change"].append(error)
+            else:
+                self._errors["alone"].append(error)
+                if recent and job in self._changed:
+                    self._errors["alone_after_leaving"].append(error)
+        self._views += 1
+        ids = job_id.tolist()
+        now: dict[int, frozenset[int]] = {}
+        for n, job in enumerate(ids):
+            gpu = -1 if shared_gpu is None else int(shared_gpu[n])
+            mates = np.flatnonzero(shared_gpu == gpu) if gpu >= 0 else ()
+            now[job] = frozenset(ids[k] for k in mates if ids[k] != job)
+            if job in self._cotenants and self._cotenants[job] != now[job]:
+                self._changed[job] = self._views  # a job that was never shared is not marked
+        self._cotenants = now
+
+    def summary(self) -> dict[str, float] | None:
+        """Mean |error| per kind, percent (kinds with no sample left out); None when no job
+        shared a GPU."""
+        if not self._errors["shared"]:
+            return None
+        return {k: float(np.mean(v)) for k, v in self._errors.items() if v}

@@ -18,9 +18,9 @@ from slurm_cdgpc.gpu.catalog import catalog_spec
 from slurm_cdgpc.gpu.plant import Plant, draw_workloads
 from slurm_cdgpc.sim.cluster import ClusterView, Setpoints, Simulator
 from slurm_cdgpc.sim.fleet import default_fleet, parse_fleet
-from slurm_cdgpc.sim.metrics import compute_metrics
+from slurm_cdgpc.sim.metrics import compute_metrics, run_policies
 from slurm_cdgpc.sim.policies import Cdgpc, Oracle, make_policy
-from slurm_cdgpc.sim.sharing import SharedGpus, shared_step
+from slurm_cdgpc.sim.sharing import SharedGpus, TenantTimeErrors, shared_step
 from slurm_cdgpc.sim.traces import Trace, alibaba2023
 from tests.unit.test_sim_cluster import Recorder
 from tests.unit.test_sim_cluster import _trace as one_gpu_jobs
@@ -247,3 +247,43 @@ def test_cli_refuses_what_shared_gpus_cannot_replay(args: tuple[str, ...], messa
     code, out = _cli(*args)
     lines = [line for line in out.splitlines() if line.strip()]
     assert code != 0 and len(lines) == 1 and message in lines[0], out
+
+
+def test_time_model_errors_are_told_apart_by_what_the_gpu_did() -> None:
+    errors = TenantTimeErrors()
+    ids, yes = np.array([1, 2]), np.array([True, True])
+    none = np.zeros(0)
+    errors.add(ids, np.array([0, 0]), none, none, yes[:0])  # 1 and 2 start on GPU 0
+    for _ in range(5):  # they share: 10 % off (a job's start is no change of co-tenants)
+        errors.add(ids, np.array([0, 0]), np.array([1.1, 1.1]), np.array([1.0, 1.0]), yes)
+    errors.add(ids[:1], np.array([-1]), np.array([1.1]), np.array([1.0]), yes[:1])  # 2 left
+    errors.add(ids[:1], np.array([-1]), np.array([2.0]), np.array([1.0]), yes[:1])  # alone
+    for _ in range(4):  # it settles: 0 % off
+        errors.add(ids[:1], np.array([-1]), np.array([1.0]), np.array([1.0]), yes[:1])
+    trio = np.array([1, 3])
+    errors.add(trio, np.array([0, 0]), np.array([1.0]), np.array([1.0]), yes[:1])  # 3 joins
+    errors.add(trio, np.array([0, 0]), np.array([1.3, np.nan]), np.array([1.0, 1.0]), yes)
+    summary = errors.summary()
+    assert summary is not None
+    assert summary["shared"] == pytest.approx((10 * 11 + 30) / 12)
+    assert summary["shared_after_change"] == pytest.approx(30.0)
+    assert summary["alone"] == pytest.approx(100.0 / 6)
+    assert summary["alone_after_leaving"] == pytest.approx(100.0 / 4)  # its first 4 alone
+    # an unsettled model, or a job never shared, is not scored; no sharing at all: no summary
+    quiet = TenantTimeErrors()
+    quiet.add(ids, None, none, none, yes[:0])
+    quiet.add(ids, None, np.array([2.0, 2.0]), np.array([1.0, 1.0]), np.array([False, True]))
+    assert quiet.summary() is None
+
+
+def test_a_cdgpc_replay_of_shared_gpus_reports_its_time_models_errors() -> None:
+    trace = crowded_trace()
+    fleet = parse_fleet("2x4:A100-SXM4-80GB")
+    sim = Simulator(trace, fleet, 0.45 * fleet.max_power_w)
+    runs = run_policies(sim, ["cdgpc", "uniform-clock"])
+    errors = runs["cdgpc"].metrics.time_model_error_pct
+    assert errors is not None and runs["uniform-clock"].metrics.time_model_error_pct is None
+    # a model learns its job's speed with the co-tenants it has: a change costs it most
+    assert errors["shared_after_change"] > errors["shared"]
+    assert errors["alone_after_leaving"] > errors["alone"]
+    assert "time_model_error_pct" in runs["cdgpc"].metrics.as_dict()
