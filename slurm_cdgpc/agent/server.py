@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from http import HTTPStatus
-from typing import Any, Final
+from typing import Any, Final, TypeVar
 
 from slurm_cdgpc.agent.metrics import CONTENT_TYPE, AgentMetrics
 from slurm_cdgpc.agent.node import NodeAgent, StaleEpochError, WrongNodeError
@@ -46,6 +47,7 @@ from slurm_cdgpc.wire.protocol import (
 )
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 EXCHANGE_PATH: Final = "/v1/exchange"
 HEALTH_PATH: Final = "/v1/health"
@@ -241,19 +243,29 @@ class _Handler(JsonHandler):
             {"job_id": job, "released": released, "refused": [r.to_dict() for r in refused]},
         )
 
-    def _hold_job(self) -> None:
-        request = self._local_request("hold", "Prolog", frozenset({"job_id", "gpus"}))
+    def _prolog_list(
+        self, what: str, key: str, parse: Callable[[object, str], tuple[T, ...]]
+    ) -> tuple[str, Principal, tuple[T, ...]] | None:
+        """A Prolog's ``{"job_id": ..., key: [...]}`` (`_local_request`): the job, the sender
+        and the list ``parse`` reads, which must not be empty; None after answering 400."""
+        request = self._local_request(what, "Prolog", frozenset({"job_id", key}))
         if request is None:
-            return
+            return None
         data, principal = request
-        job = data["job_id"]
         try:
-            gpus = gpu_indices(data["gpus"], "hold: gpus")
-            if not gpus:
-                raise ProtocolError("hold: gpus: at least one GPU index is needed")
+            items = parse(data[key], f"{what}: {key}")
+            if not items:
+                raise ProtocolError(f"{what}: {key}: at least one is needed")
         except ProtocolError as e:
             self._error(HTTPStatus.BAD_REQUEST, str(e))
+            return None
+        return data["job_id"], principal, items
+
+    def _hold_job(self) -> None:
+        request = self._prolog_list("hold", "gpus", gpu_indices)
+        if request is None:
             return
+        job, principal, gpus = request
         held, refused = self.server.agent.hold_job(job, gpus)
         logger.info(
             "job %s: Prolog (%s) held GPU(s) %s (safe cap, or the head's earlier setpoint)",
@@ -267,19 +279,11 @@ class _Handler(JsonHandler):
         )
 
     def _mig_parents(self) -> None:
-        request = self._local_request("mig", "Prolog", frozenset({"job_id", "names"}))
+        request = self._prolog_list("mig", "names", mig_names)
         if request is None:
             return
-        data, _principal = request
-        try:
-            names = mig_names(data["names"], "mig: names")
-            if not names:
-                raise ProtocolError("mig: names: at least one MIG device name is needed")
-        except ProtocolError as e:
-            self._error(HTTPStatus.BAD_REQUEST, str(e))
-            return
-        gpus = self.server.agent.mig_parents(names)
-        self._send(HTTPStatus.OK, {"job_id": data["job_id"], "gpus": gpus})
+        job, _principal, names = request
+        self._send(HTTPStatus.OK, {"job_id": job, "gpus": self.server.agent.mig_parents(names)})
 
     def _exchange(self) -> None:
         body = self._body()

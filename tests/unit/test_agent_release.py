@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -28,12 +29,13 @@ from slurm_cdgpc.wire.protocol import (
 SECRET = b"k" * 32
 
 
-@pytest.fixture
-def served(tmp_path: Path) -> Iterator[tuple[AgentHttpServer, NodeAgent]]:
+@contextmanager
+def _serving(gpu_types: str, state_dir: Path) -> Iterator[tuple[AgentHttpServer, NodeAgent]]:
+    """Node n1's agent on simulated GPUs of ``gpu_types``, behind its real HTTP listener."""
     clock = ManualClock(1000.0)
-    gpus = simulated_gpus("A100", 2, seed=1, time_source=clock)
+    gpus = simulated_gpus(gpu_types, None, seed=1, time_source=clock)
     agent = NodeAgent(
-        gpus, SafeCap(clock_fraction=0.6), tmp_path / "state.json", clock, node_name="n1"
+        gpus, SafeCap(clock_fraction=0.6), state_dir / "state.json", clock, node_name="n1"
     )
     key = HmacKey(SECRET, "test")
     server = AgentHttpServer(
@@ -45,19 +47,25 @@ def served(tmp_path: Path) -> Iterator[tuple[AgentHttpServer, NodeAgent]]:
     )
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
-    agent.exchange(
-        ExchangeRequest(
-            interval=1,
-            lease_expires_s=clock() + 60,
-            setpoints=(Setpoint(0, "41", 1200), Setpoint(1, "42", 1200)),
-            node="n1",
-        )
-    )
     try:
         yield server, agent
     finally:
         server.shutdown()
         server.server_close()
+
+
+@pytest.fixture
+def served(tmp_path: Path) -> Iterator[tuple[AgentHttpServer, NodeAgent]]:
+    with _serving("A100:2", tmp_path) as (server, agent):
+        agent.exchange(
+            ExchangeRequest(
+                interval=1,
+                lease_expires_s=agent.lease_expires_s,
+                setpoints=(Setpoint(0, "41", 1200), Setpoint(1, "42", 1200)),
+                node="n1",
+            )
+        )
+        yield server, agent
 
 
 def _client(server: AgentHttpServer, secret: bytes = SECRET) -> HeadClient:
@@ -148,26 +156,8 @@ MIG_BOARD = (
 @pytest.fixture
 def mig_node(tmp_path: Path) -> Iterator[tuple[AgentHttpServer, NodeAgent]]:
     """A node whose GPU 0 is whole and GPU 1 (a recorded A100 board) has MIG on."""
-    clock = ManualClock(1000.0)
-    gpus = simulated_gpus(f"A100:1,{MIG_BOARD}:1", None, seed=1, time_source=clock)
-    agent = NodeAgent(
-        gpus, SafeCap(clock_fraction=0.6), tmp_path / "state.json", clock, node_name="n1"
-    )
-    key = HmacKey(SECRET, "test")
-    server = AgentHttpServer(
-        ("127.0.0.1", 0),
-        agent,
-        HmacVerifier(key),
-        AccessPolicy(node_uids=frozenset({0, os.getuid()})),
-        signer=HmacSigner(key),
-    )
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield server, agent
-    finally:
-        server.shutdown()
-        server.server_close()
+    with _serving(f"A100:1,{MIG_BOARD}:1", tmp_path) as served:
+        yield served
 
 
 class _Head:
