@@ -114,9 +114,6 @@ class ControllerSettings:
     #: new jobs' first readings (`NewJobShare`), starting from ``new_job_power_share``, and
     #: counted without a hold; 1: not learned
     new_job_power_quantile: float = _SHIPPED.new_job_power_quantile
-    #: a tenant whose GPU gains or loses a co-tenant re-anchors its time model's scale on its
-    #: next sample (`Rls.expect_step`) instead of rejecting it as an outlier
-    reanchor_tenants: bool = _SHIPPED.reanchor_tenants
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -430,10 +427,6 @@ class EconomicMPC:
             if tenancy is None
             else tenancy.attribution(estimator.statics.gpus)
         )
-        if s.reanchor_tenants:
-            # a tenant whose co-tenants changed runs at another speed from this interval on:
-            # its model re-anchors on the interval's sample instead of rejecting it
-            estimator.time.expect_step(np.isfinite(estimator.share) & (share != estimator.share))
         estimator.same_share = np.where(share == estimator.share, estimator.same_share + 1, 0)
         estimator.share = share
         if tenancy is not None:  # every tenant at its GPUs' clocks, charged its share

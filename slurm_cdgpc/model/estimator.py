@@ -268,7 +268,7 @@ def _anchor_first(rls: Rls, phi: FloatArray, y: FloatArray, mask: BoolArray | No
     Rescaling on the first sample, before RLS sees it, avoids a large first correction along
     near-collinear directions.
     """
-    first = ((rls.count == 0) | rls.fresh) & np.isfinite(y) & (y > 0)
+    first = (rls.count == 0) & np.isfinite(y) & (y > 0)
     if mask is not None:
         first &= mask
     if not first.any():
