@@ -198,6 +198,23 @@ class NodeAgent:
         self._boards = boards
         self._digests = {index: board.digest() for index, board in boards.items()}
 
+    def _mig_changed(self) -> bool:
+        """True when a GPU's MIG mode now differs from its last description (an admin turned
+        MIG on or off and reset the GPU); a GPU that cannot say is left as described."""
+        for dev in self.gpus:
+            board = self._boards.get(dev.index)
+            if board is None:
+                continue
+            try:
+                mode = dev.mig_mode()
+            except CdgpcError as e:
+                logger.debug("GPU %d: MIG mode unknown: %s", dev.index, e)
+                continue
+            if mode != board.mig_mode:
+                logger.info("GPU %d: MIG mode is now %s", dev.index, "on" if mode else "off")
+                return True
+        return False
+
     def _recover(self) -> bool:
         """Take the leader epoch back from the state file; reset every GPU if it lists locks (a
         crashed agent left it) or cannot be read. True if GPUs had to be reset."""
@@ -279,13 +296,16 @@ class NodeAgent:
             now_s, arrived_s = self._clock(), self._monotonic()
             self._check_node(request)
             self._fence(request)
-            if request.describe:
+            # MIG mode changes only with a GPU reset, and a board's digest leaves it out: say
+            # so unasked, or the head would keep the old mode for as long as it runs
+            describe = request.describe or self._mig_changed()
+            if describe:
                 self._describe()
             reports = tuple(self._report(dev) for dev in self.gpus)
             self._check_overrides()
             refused: list[Refusal] = []
             if request.lease_expires_s <= now_s:
-                return self._expired_on_arrival(request, now_s, reports)
+                return self._expired_on_arrival(request, now_s, reports, describe)
             for gpu in request.release:
                 self._release(gpu, refused)
             wanted: dict[int, LockedClocks] = {}
@@ -326,10 +346,14 @@ class NodeAgent:
             self._sync_state()
             for r in refused:
                 logger.warning("GPU %s: setpoint refused: %s", r.gpu, r.reason)
-            return self._response(now_s, reports, refused, request.describe)
+            return self._response(now_s, reports, refused, describe)
 
     def _expired_on_arrival(
-        self, request: ExchangeRequest, now_s: float, reports: tuple[GpuReport, ...]
+        self,
+        request: ExchangeRequest,
+        now_s: float,
+        reports: tuple[GpuReport, ...],
+        describe: bool,
     ) -> ExchangeResponse:
         """Answer an exchange whose lease was over before it arrived: readings, and every setpoint
         and release refused; the lease and the clocks stay as they are (applying them would only
@@ -344,7 +368,7 @@ class NodeAgent:
         reason = f"lease already expired on arrival ({late_s:.1f} s ago): nothing applied"
         refused = [Refusal(sp.gpu, reason) for sp in request.setpoints]
         refused += [Refusal(gpu, reason) for gpu in request.release]
-        return self._response(now_s, reports, refused, request.describe)
+        return self._response(now_s, reports, refused, describe)
 
     def _response(
         self,

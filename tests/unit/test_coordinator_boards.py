@@ -144,3 +144,18 @@ def test_a_lock_sent_before_the_board_was_described_as_mig_is_released(
     assert "node n1: GPU 1 is not controlled: its lock is released" in caplog.text
     assert not next(v for v in cluster.tick().jobs if v.job_id == "63").controlled
     assert cluster.gpu("n1", 1).locked is None  # and it stays so
+
+
+def test_mig_turned_off_is_seen_without_restarting_the_head(make_cluster: MakeCluster) -> None:
+    cluster = make_cluster(nodes=("n1",), gpu_type=f"{A100}:1,{MIG}:1")
+    cluster.store.set_budget(5000.0, "root")
+    for _ in range(2):
+        cluster.tick()
+    assert not any(g["controlled"] for g in cluster.head.nodes.gpu_views("n1"))
+    cluster.gpu("n1", 1)._mig_mode = False  # an admin turned MIG off and reset the GPU
+    cluster.head.register_job("64", "alice", "n1", [1])
+    for _ in range(3):  # a board's digest leaves MIG mode out: the agent says it unasked
+        report = cluster.tick()
+    assert all(g["controlled"] for g in cluster.head.nodes.gpu_views("n1"))
+    assert next(v for v in report.jobs if v.job_id == "64").controlled
+    assert cluster.gpu("n1", 1).locked is not None
