@@ -384,7 +384,8 @@ class Store:
         """What `record_progress` does for each (job id, iterations done, total or None), in one
         transaction: the head records every job's new step each interval, and a transaction
         per job cost it about a millisecond each on SQLite. Unknown jobs change nothing."""
-        rows = sorted(set(reports))  # one lock order for every writer
+        # one lock order for every writer (by job: a total may be None, which has no order)
+        rows = sorted(set(reports), key=lambda report: report[0])
         for job_id, done, total in rows:
             names.job_id(job_id)
             if done < 0 or (total is not None and total < 0):
