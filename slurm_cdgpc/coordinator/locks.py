@@ -204,14 +204,13 @@ class GpuLocks:
         sent before its board was described as one the head leaves alone (MIG mode). No plan
         would ever move it, and the GPU is counted at what it draws; held, its jobs would run
         at that clock for as long as they run."""
-        queued = self._releases.setdefault(name, set())
         for r in result.gpus:
             if r.locked is None or r.index not in left_alone:
                 continue
-            if r.index in sent.release or r.index in queued:
+            if r.index in sent.release or r.index in self._releases.get(name, set()):
                 continue
             logger.info("node %s: GPU %d is not controlled: its lock is released", name, r.index)
-            queued.add(r.index)
+            self._releases.setdefault(name, set()).add(r.index)
 
     def _track_refusals(self, name: str, sent: ExchangeRequest, result: ExchangeResponse) -> None:
         """Keep refused releases queued (a GPU whose reset failed must not stay locked), and
