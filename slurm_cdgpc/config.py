@@ -348,6 +348,9 @@ class ControlConfig:
     floor_fallback: bool = _setting(True, _boolean)
     #: jobs that cannot make their deadline even at top clocks weigh as jobs without one
     triage: bool = _setting(True, _boolean)
+    #: a tenant whose GPU gains or loses a co-tenant re-anchors its time model on its first
+    #: sample among the new co-tenants instead of rejecting it as an outlier
+    reanchor_tenants: bool = _setting(True, _boolean)
     #: pressure on the node predicted to empty first while jobs wait and GPUs are free (0: off)
     drain_pressure: float = _setting(1.0, _non_negative)
     #: a job that does not say its total work has at most its Slurm time limit of it, at top

@@ -114,6 +114,10 @@ class ControllerSettings:
     #: new jobs' first readings (`NewJobShare`), starting from ``new_job_power_share``, and
     #: counted without a hold; 1: not learned
     new_job_power_quantile: float = _SHIPPED.new_job_power_quantile
+    #: a job whose sample was taken among other co-tenants than its last learned one
+    #: (`Measurements.cotenants`) re-anchors its time model's scale on it (`Rls.expect_step`)
+    #: instead of rejecting it as an outlier
+    reanchor_tenants: bool = _SHIPPED.reanchor_tenants
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -232,6 +236,10 @@ class Measurements:
     #: the whole cluster against the plan in force over the interval: what sizes the guard
     #: band (`Overdraw`; None: not known, or no budget)
     cluster: ClusterDraw | None = None
+    #: per job, which co-tenants shared its GPUs while it was measured: 0 none, any other
+    #: key one set of them (`cotenant_key`), -1 not known; a job's speed steps when they
+    #: change (None: no job is known to share)
+    cotenants: IntArray | None = None
 
 
 @dataclass(frozen=True)
@@ -369,6 +377,8 @@ class EconomicMPC:
                 # a job without a reading was held by the plan's own limit (`held`), not its
                 # board's: the clock that limit allowed is no ceiling once it is lifted
                 capped = capped & (estimator.power.count > 0)
+            if measured.cotenants is not None and s.reanchor_tenants:
+                self._expect_steps(estimator, measured.cotenants)
             learn = estimator.observe(
                 x_a, xm_a, measured.power_w, measured.iteration_s, power_capped=capped
             )
@@ -462,6 +472,19 @@ class EconomicMPC:
         if ramp is not None:
             self._ramp_from = self._in_force_w(decision, domains)
         return decision
+
+    @staticmethod
+    def _expect_steps(estimator: JobEstimator, cotenants: IntArray) -> None:
+        """A job measured among other co-tenants than its time model last learned with runs
+        at another speed: its model re-anchors on the sample (`Rls.expect_step`), which
+        otherwise lies many σ̂ from what it learned and is rejected for several intervals (on
+        Alibaba's pods 31 % off after a change, 85 % after the co-tenants left). Keyed on the
+        sample's own co-tenants, not the plan's: the head learns from readings taken two
+        plans back."""
+        seen = cotenants >= 0
+        known = estimator.cotenants >= 0
+        estimator.time.expect_step(seen & known & (cotenants != estimator.cotenants))
+        estimator.cotenants = np.where(seen, cotenants, estimator.cotenants)
 
     def cluster_guard(self, jobs: int) -> float:
         """The cluster's guard band for ``jobs`` controlled jobs: ε = max(ε₀, c/√N), or

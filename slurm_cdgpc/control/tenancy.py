@@ -6,7 +6,9 @@ pace of its slowest GPU, so a group gets one clock, chosen against the sum of it
 deadline pressures. Both models are linear in their parameters, so the group is one row of the
 same dual problem:
 
-- time: Σ_k w_k T_k(x) = W · (Σ_k w_k b_k / W) · φ_T(x) with W = Σ_k w_k;
+- time: Σ_k w_k T_k(x) = W · (Σ_k w_k b_k / W) · φ_T(x) with W = Σ_k w_k; a tenant's speed
+  steps when its co-tenants change, and its model re-anchors on the first sample taken among
+  the new ones (`cotenant_key`, `Measurements.cotenants`);
 - power: every tenant sees its GPUs' whole readings, so every tenant's model learns the GPUs'
   power; the group's is its youngest measured tenant's (the fewest readings, so all of them
   taken with the present co-tenants; ties averaged), times the group's physical GPUs. An older
@@ -23,6 +25,8 @@ DESIGN.md, "Shared GPUs"; tests: `tests/unit/test_control_tenancy.py`.
 
 from __future__ import annotations
 
+import hashlib
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -35,6 +39,16 @@ from slurm_cdgpc.model.families import FloatArray
 from slurm_cdgpc.model.rls import BoolArray
 
 IntArray = NDArray[np.int64]
+
+
+def cotenant_key(others: Iterable[str]) -> int:
+    """A job's co-tenants as one number: 0 for none, else a 62-bit digest of their ids, the
+    same for the same set (a change of key is a change of co-tenants)."""
+    ids = sorted(set(others))
+    if not ids:
+        return 0
+    digest = hashlib.blake2b("\n".join(ids).encode(), digest_size=8).digest()
+    return (int.from_bytes(digest, "big") >> 2) + 1
 
 
 @dataclass(frozen=True)

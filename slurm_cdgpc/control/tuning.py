@@ -38,6 +38,7 @@ class Tuning:
                 min_clock_fraction=control.min_clock_fraction,
                 floor_fallback=control.floor_fallback,
                 triage=control.triage,
+                reanchor_tenants=control.reanchor_tenants,
                 drain_pressure=control.drain_pressure,
                 work_from_time_limit=control.work_from_time_limit,
                 limit_share_quantile=control.limit_share_quantile,
@@ -69,7 +70,7 @@ def shipped(interval_s: float | None = None) -> Tuning:
 def paper(interval_s: float | None = None) -> Tuning:
     """The method as published: linear power model, fixed guard band, clock floor 0.5 of max,
     new jobs counted at their power limits, no triage, drain, floor fallback, time-limit work
-    estimate or exploration margin."""
+    estimate, exploration margin or re-anchoring of tenants' time models."""
     config = ControlConfig(
         model_family="linear",
         guard_per_sqrt_job=0.0,
@@ -77,6 +78,7 @@ def paper(interval_s: float | None = None) -> Tuning:
         min_clock_fraction=0.5,
         floor_fallback=False,
         triage=False,
+        reanchor_tenants=False,
         drain_pressure=0.0,
         work_from_time_limit=False,
         exploration_sigmas=0.0,

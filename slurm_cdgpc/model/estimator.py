@@ -165,6 +165,9 @@ class JobEstimator:
         #: plans in a row with that share: a GPU whose tenants changed gives readings its
         #: models have not learnt yet, like a new job's
         self.same_share = np.zeros(0, dtype=np.int64)
+        #: the co-tenants the time model last learned among (`Measurements.cotenants`; -1:
+        #: none learned yet)
+        self.cotenants = np.zeros(0, dtype=np.int64)
 
     def __len__(self) -> int:
         return self.power.n
@@ -182,6 +185,7 @@ class JobEstimator:
         self.floor_x = np.concatenate([self.floor_x, np.full(len(statics), np.nan)])
         self.share = np.concatenate([self.share, np.full(len(statics), np.nan)])
         self.same_share = np.concatenate([self.same_share, np.zeros(len(statics), np.int64)])
+        self.cotenants = np.concatenate([self.cotenants, np.full(len(statics), -1, np.int64)])
 
     def restore(self, power: RlsState, time: RlsState, rows: Sequence[int] | None = None) -> None:
         """Put back the models of jobs already added (``rows``; default: every one), as
@@ -199,6 +203,7 @@ class JobEstimator:
         self.floor_x = self.floor_x[mask]
         self.share = self.share[mask]
         self.same_share = self.same_share[mask]
+        self.cotenants = self.cotenants[mask]
 
     def normalise(
         self, graphics_mhz: FloatArray, memory_mhz: FloatArray
@@ -268,7 +273,7 @@ def _anchor_first(rls: Rls, phi: FloatArray, y: FloatArray, mask: BoolArray | No
     Rescaling on the first sample, before RLS sees it, avoids a large first correction along
     near-collinear directions.
     """
-    first = (rls.count == 0) & np.isfinite(y) & (y > 0)
+    first = ((rls.count == 0) | rls.fresh) & np.isfinite(y) & (y > 0)
     if mask is not None:
         first &= mask
     if not first.any():

@@ -99,6 +99,14 @@ class Rls:
         self.nonneg = np.zeros(k, dtype=bool) if nonneg is None else np.asarray(nonneg, bool)
         self.err_var = np.zeros(n)
         self.count = np.zeros(n, dtype=np.int64)
+        #: estimators told to expect a step in what they learn (`expect_step`)
+        self.fresh = np.zeros(n, dtype=bool)
+
+    def expect_step(self, rows: BoolArray) -> None:
+        """The next sample of ``rows`` follows a known change (a tenant's co-tenants changed):
+        it is no outlier, and `JobEstimator` re-anchors the model's scale on it, as on a new
+        job's first sample. Not saved: a restarted head expects nothing."""
+        self.fresh |= rows
 
     @property
     def n(self) -> int:
@@ -123,7 +131,9 @@ class Rls:
 
         # outlier test against the running error scale, floored at a fraction of |y|
         sigma = np.sqrt(np.maximum(self.err_var, (s.min_rel_sigma * y) ** 2))
-        outlier = active & (self.count >= s.warmup) & (np.abs(e) > s.outlier_sigmas * sigma)
+        outlier = (
+            active & (self.count >= s.warmup) & ~self.fresh & (np.abs(e) > s.outlier_sigmas * sigma)
+        )
         learn = active & ~outlier
         # σ̂² tracks every active sample (outliers included, clipped) so a real shift is
         # accepted after a few intervals instead of being rejected forever
@@ -138,6 +148,7 @@ class Rls:
         if idx.size:
             self._update_rows(idx, phi[idx], e[idx])
         self.count[active] += 1
+        self.fresh &= ~active
         with np.errstate(divide="ignore", invalid="ignore"):
             rel = np.abs(e[active]) / np.abs(y[active])
         rel = rel[np.isfinite(rel)]
@@ -199,6 +210,7 @@ class Rls:
         self.cov = np.concatenate([self.cov, cov0])
         self.err_var = np.concatenate([self.err_var, np.zeros(m)])
         self.count = np.concatenate([self.count, np.zeros(m, dtype=np.int64)])
+        self.fresh = np.concatenate([self.fresh, np.zeros(m, dtype=bool)])
 
     def keep(self, mask: BoolArray) -> None:
         """Drop the estimators of jobs where ``mask`` is False (finished jobs)."""
@@ -206,6 +218,7 @@ class Rls:
         self.cov = self.cov[mask]
         self.err_var = self.err_var[mask]
         self.count = self.count[mask]
+        self.fresh = self.fresh[mask]
 
 
 def _project_nonneg(theta: FloatArray, cov: FloatArray, nonneg: BoolArray) -> None:

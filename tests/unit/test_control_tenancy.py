@@ -9,8 +9,8 @@ import pytest
 
 from slurm_cdgpc.control.discrete import ClockGrid
 from slurm_cdgpc.control.domains import DomainLimits
-from slurm_cdgpc.control.empc import EconomicMPC, JobState, Measurements
-from slurm_cdgpc.control.tenancy import Tenancy
+from slurm_cdgpc.control.empc import ControllerSettings, EconomicMPC, JobState, Measurements
+from slurm_cdgpc.control.tenancy import Tenancy, cotenant_key
 from slurm_cdgpc.errors import InputError
 from slurm_cdgpc.model.estimator import JobEstimator
 from tests.unit.problems import A100, a100_estimator
@@ -166,3 +166,62 @@ def test_groups_that_do_not_match_the_jobs_are_refused() -> None:
     bad = Tenancy(np.array([0, 0, 0]), np.ones(1))
     with pytest.raises(InputError, match="GPU groups do not match"):
         _mpc().step(est, _jobs(2, [3600.0, 3600.0], bad), 0.0, 1e4)
+
+
+def test_a_cotenant_key_names_the_set_of_co_tenants() -> None:
+    assert cotenant_key([]) == 0
+    key = cotenant_key(["17", "4"])
+    assert key > 0
+    assert cotenant_key(["4", "17", "4"]) == key  # a set: order and repeats do not matter
+    assert cotenant_key(["4"]) != key
+    assert cotenant_key(["4", "18"]) != key
+
+
+def _slowed(mpc: EconomicMPC, est: JobEstimator, cotenants: list[int], slowdown: float) -> float:
+    """One interval at the top clock, job 0 measured ``slowdown`` times slower than it ran
+    before among ``cotenants`` (one key per job); what its model predicts after learning."""
+    n = len(est)
+    jobs = _jobs(n, [3600.0] * n, None)
+    measured = Measurements(
+        graphics_mhz=np.full(n, 1410.0),
+        memory_mhz=np.full(n, 1593.0),
+        power_w=np.full(n, 300.0),
+        iteration_s=np.full(n, 0.5) * np.array([slowdown] + [1.0] * (n - 1)),
+        cotenants=np.array(cotenants, dtype=np.int64),
+    )
+    mpc.step(est, jobs, 0.0, 1e4, measured=measured)
+    return float(est.predict_iteration_s(np.ones(n), np.ones(n))[0])
+
+
+@pytest.mark.parametrize("reanchor", [True, False])
+def test_a_job_measured_among_new_co_tenants_re_anchors_its_time_model(reanchor: bool) -> None:
+    """Job 0 ran alone (key 0) for eight intervals at 0.5 s an iteration; a co-tenant joins
+    and its iteration takes 0.9 s: with the rule, the first sample among the new co-tenant
+    re-anchors the model; without, RLS takes it for an outlier and keeps 0.5 s."""
+    est = _estimator([1], [300.0], [0.5])
+    mpc = EconomicMPC(
+        ClockGrid.from_tables([("A100", A100)], min_fraction=0.5),
+        ControllerSettings(reanchor_tenants=reanchor),
+    )
+    for _ in range(5):
+        assert _slowed(mpc, est, [0], 1.0) == pytest.approx(0.5, rel=0.02)
+    together = cotenant_key(["2"])
+    after = _slowed(mpc, est, [together], 1.8)
+    if reanchor:
+        assert after == pytest.approx(0.9, rel=0.02)
+        # the same company again teaches as usual: no second anchor
+        assert est.time.fresh.tolist() == [False]
+    else:
+        assert after == pytest.approx(0.5, rel=0.05)
+
+
+def test_a_sample_of_unknown_company_neither_anchors_nor_forgets_the_last() -> None:
+    """-1 (no GPU of the job sampled) leaves the key learned; the change is seen when a
+    sample among the new co-tenants comes."""
+    est = _estimator([1], [300.0], [0.5])
+    mpc = _mpc()
+    for _ in range(5):
+        _slowed(mpc, est, [0], 1.0)
+    assert _slowed(mpc, est, [-1], 1.0) == pytest.approx(0.5, rel=0.02)
+    assert est.cotenants.tolist() == [0]
+    assert _slowed(mpc, est, [cotenant_key(["2"])], 1.8) == pytest.approx(0.9, rel=0.02)
