@@ -298,6 +298,9 @@ class Coordinator:
         )
         #: the last exchange's interval (-1: none yet) and its samples (`_exchange`)
         self._sampled: tuple[int, Mapping[str, list[GpuSample]]] = (-1, {})
+        #: the jobs that ended since the last reconcile, by GPU: they held those GPUs for part
+        #: of the interval the next exchange's readings describe (their co-tenants' company)
+        self._left: dict[GpuRef, tuple[str, ...]] = {}
         #: whether jobs wait for GPUs in Slurm, and when that was read (monotonic); None: unread
         self._queue_seen: tuple[bool, float] | None = None
         self._queue_known = False  # the drain has its input (logged on each change)
@@ -546,10 +549,14 @@ class Coordinator:
         active = self.store.jobs(ACTIVE_STATES)
         self.nodes.load(self.store.nodes())
         named = {(g.node, g.gpu_index) for job in active for g in job.gpus}
+        self._left = {}
         for job in self.roster.refresh(active):  # finished: release its GPUs on every node,
             # but for a GPU another job still runs on (shared: it keeps its clock)
             self.locks.release(g for g in job.gpus if (g.node, g.gpu_index) not in named)
             self.progress.ended(job.job_id)
+            for g in job.gpus:
+                ref = GpuRef(g.node, g.gpu_index)
+                self._left[ref] = (*self._left.get(ref, ()), job.job_id)
         known = self.roster.known
         self.progress.keep(known)
         held_out = self.locks.keep(known)
@@ -874,7 +881,9 @@ class Coordinator:
                 if p.latency_s is not None:  # a serving job's (its step counts requests)
                     self.running.record_latency(p.job_id, p.latency_s, p.time_s)
                 progress.append(p)
-        samples = self.nodes.samples(self.roster.owners(before=k), self.settings.shadow)
+        samples = self.nodes.samples(
+            self.roster.owners(before=k), self.settings.shadow, left=self._left
+        )
         self._sampled = (k, samples)
         return _Exchanged(responses, samples, progress)
 

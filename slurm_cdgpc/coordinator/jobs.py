@@ -17,7 +17,7 @@ import numpy as np
 from slurm_cdgpc.control.discrete import ClockGrid
 from slurm_cdgpc.control.empc import Decision, JobState, Measurements
 from slurm_cdgpc.control.guard_rail import power_limits_w
-from slurm_cdgpc.control.tenancy import Tenancy
+from slurm_cdgpc.control.tenancy import Tenancy, cotenant_key
 from slurm_cdgpc.errors import InputError
 from slurm_cdgpc.gpu.catalog import GpuSpec
 from slurm_cdgpc.gpu.device import ThrottleReason
@@ -95,6 +95,8 @@ class GpuSample:
     sm_clock_mhz: float
     memory_clock_mhz: float
     throttle: int = 0
+    #: the jobs that held the GPU over the interval the reading describes
+    tenants: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -298,8 +300,9 @@ class RunningJobs:
         is the slowest GPU's (it paces the job); iteration time comes from the last two progress
         reports (NaN without them); power-capped if any GPU was held below its lock by a
         limiter (`HELD_BELOW_LOCK`): the plan then does not go above the clock it ran at, and
-        the job counts at what it draws. A serving job's iteration time is the latency it
-        reported since the last measurements (NaN: none).
+        the job counts at what it draws; its co-tenants are the other jobs its sampled GPUs
+        held over the interval (`cotenant_key`; -1: no GPU of it sampled). A serving job's
+        iteration time is the latency it reported since the last measurements (NaN: none).
         """
         by_ref = {s.ref: s for s in samples}
         n = len(self)
@@ -308,8 +311,12 @@ class RunningJobs:
         memory = np.full(n, np.nan)
         iteration = np.full(n, np.nan)
         capped = np.zeros(n, dtype=bool)
+        cotenants = np.full(n, -1, dtype=np.int64)
         for i, job in enumerate(self._jobs):
             seen = [by_ref[g] for g in job.gpus if g in by_ref]
+            if seen:
+                mates = {t for s in seen for t in s.tenants}
+                cotenants[i] = cotenant_key(mates - {job.job_id})
             good = [s for s in seen if math.isfinite(s.power_w) and s.power_w >= 0]
             if good:
                 power[i] = sum(s.power_w for s in good) / len(good)
@@ -332,6 +339,7 @@ class RunningJobs:
             iteration_s=iteration,
             planned_power_w=planned_power_w,
             power_capped=capped,
+            cotenants=cotenants,
         )
 
     def setpoints(

@@ -343,13 +343,18 @@ class NodeBook(Mapping[str, NodeState]):
     # -- what the last answers say -------------------------------------------------------------
 
     def samples(
-        self, owners: Mapping[GpuRef, tuple[str, ...]], shadow: bool
+        self,
+        owners: Mapping[GpuRef, tuple[str, ...]],
+        shadow: bool,
+        left: Mapping[GpuRef, tuple[str, ...]] | None = None,
     ) -> dict[str, list[GpuSample]]:
         """Per job, the samples of the last answers that may teach its model: GPUs of
         ``owners`` (the jobs that held them since before that exchange) that held the job's lock
         (outside ``shadow`` mode: the agent says it holds the job's setpoint) for the whole
         interval the readings describe, with the interval's mean power where known. A shared
-        GPU holds one setpoint, named for one of its tenants: its sample teaches them all."""
+        GPU holds one setpoint, named for one of its tenants: its sample teaches them all, and
+        names as its tenants its owners and the jobs ``left`` since the last exchange (they
+        ran on it for part of the interval)."""
         out: dict[str, list[GpuSample]] = {}
         for name, node in self._nodes.items():
             if node.reachable is not True:
@@ -364,8 +369,9 @@ class NodeBook(Mapping[str, NodeState]):
                     continue
                 if not shadow and r.job_id not in jobs:
                     continue  # the agent does not hold this job's setpoint (yet, or refused)
+                tenants = jobs if left is None else (*jobs, *left.get(ref, ()))
                 sample = GpuSample(
-                    ref, power_w, r.sm_clock_mhz, r.memory_clock_mhz, r.throttle or 0
+                    ref, power_w, r.sm_clock_mhz, r.memory_clock_mhz, r.throttle or 0, tenants
                 )
                 for job_id in jobs:
                     out.setdefault(job_id, []).append(sample)

@@ -5,6 +5,7 @@ import pytest
 
 from slurm_cdgpc.control.discrete import ClockGrid
 from slurm_cdgpc.control.empc import ControllerSettings, EconomicMPC
+from slurm_cdgpc.control.tenancy import cotenant_key
 from slurm_cdgpc.coordinator.jobs import GpuRef, GpuSample, JobInfo, RunningJobs, jobs_on
 from slurm_cdgpc.errors import InputError
 from slurm_cdgpc.gpu.catalog import CATALOG
@@ -114,6 +115,22 @@ def test_measurements_average_power_and_take_the_slowest_clock() -> None:
     assert m.graphics_mhz[0] == 1350
     assert m.power_capped is not None and m.power_capped.tolist() == [True, False]
     assert np.isnan(m.power_w[1]) and np.isnan(m.graphics_mhz[1])
+
+
+def test_a_jobs_co_tenants_are_those_its_sampled_gpus_held() -> None:
+    """Jobs 1 and 2 share n1:0, job 3 is alone on n1:1, job 4's GPU was not sampled (its
+    lock changed within the interval): keys name each job's company over the interval."""
+    table = _table()
+    table.add(
+        [_job("1", ("n1", 0)), _job("2", ("n1", 0)), _job("3", ("n1", 1)), _job("4", ("n1", 2))]
+    )
+    samples = [
+        GpuSample(GpuRef("n1", 0), 300.0, 1410, 1593, tenants=("1", "2")),
+        GpuSample(GpuRef("n1", 1), 250.0, 1410, 1593, tenants=("3",)),
+    ]
+    m = table.measurements(samples)
+    assert m.cotenants is not None
+    assert m.cotenants.tolist() == [cotenant_key(["2"]), cotenant_key(["1"]), 0, -1]
 
 
 def test_iteration_time_and_remaining_work_come_from_progress() -> None:
