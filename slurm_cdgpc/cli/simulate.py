@@ -489,7 +489,11 @@ def _replay_head(
     reference = simulator.run(make_policy("max-clock"), lambda done: tick("max-clock", done))
     with HeadTwin(control=control) as twin:
         result = simulator.run(twin, lambda done: tick(twin.name, done))
-    return {twin.name: PolicyRun(result, compute_metrics(result, reference))}
+    metrics = compute_metrics(result, reference)
+    errors = twin.time_errors.summary()
+    if errors is not None:
+        metrics = replace(metrics, time_model_error_pct=errors)
+    return {twin.name: PolicyRun(result, metrics)}
 
 
 def _intervals_per_s(result: SimulationResult) -> float:

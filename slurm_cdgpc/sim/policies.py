@@ -23,7 +23,7 @@ from slurm_cdgpc.control.empc import Decision, EconomicMPC, JobState, Measuremen
 from slurm_cdgpc.control.guard_rail import power_limits_w
 from slurm_cdgpc.control.overdraw import ClusterDraw
 from slurm_cdgpc.control.ramp import Ramp
-from slurm_cdgpc.control.tenancy import Tenancy
+from slurm_cdgpc.control.tenancy import Tenancy, cotenant_key
 from slurm_cdgpc.control.tuning import Tuning, paper, shipped
 from slurm_cdgpc.errors import InputError
 from slurm_cdgpc.gpu.catalog import GpuSpec
@@ -262,6 +262,8 @@ class Cdgpc(Policy):
         self.controller = EconomicMPC(grid, tuning.controller)
         self.estimator = JobEstimator(tuning.estimator)
         self.planned_w = np.zeros(0)
+        #: per row, its co-tenants in the last view (`_measured_cotenants`)
+        self._cotenants = np.zeros(0, dtype=np.int64)
         self.last: Decision | None = None  # the plan in force over the interval each view shows
         self.time_limit_s = np.zeros(0)
         self.topology: Topology | None = fleet.topology
@@ -301,6 +303,26 @@ class Cdgpc(Policy):
         self.time_errors.add(
             view.job_id, view.shared_gpu, predicted, view.iteration_s[:ran], settled
         )
+
+    def _measured_cotenants(self, view: ClusterView) -> IntArray | None:
+        """Per row, the co-tenants it had over the interval the view reports (those of the
+        last view: a job that ended within the interval was there for part of it; -1 for a
+        job that just started), as the head keys its samples (`cotenant_key`); None on a
+        trace whose jobs never share."""
+        if view.shared_gpu is None:
+            return None
+        before = np.concatenate(
+            [self._cotenants[view.kept], np.full(view.started, -1, dtype=np.int64)]
+        )
+        ids = [str(j) for j in view.job_id.tolist()]
+        now = np.zeros(len(view), dtype=np.int64)
+        shared = view.shared_gpu
+        for gpu in np.unique(shared[shared >= 0]).tolist():
+            rows = np.flatnonzero(shared == gpu).tolist()
+            for r in rows:
+                now[r] = cotenant_key(ids[k] for k in rows if k != r)
+        self._cotenants = now
+        return before
 
     @staticmethod
     def tenancy(view: ClusterView) -> Tenancy | None:
@@ -356,6 +378,7 @@ class Cdgpc(Policy):
             planned,
             view.power_capped,
             cluster=self.cluster_draw(view),
+            cotenants=self._measured_cotenants(view),
         )
         tenancy = self.tenancy(view)
         jobs = JobState(

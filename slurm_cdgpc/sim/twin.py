@@ -30,6 +30,7 @@ from slurm_cdgpc.gpu.simulated import ManualClock
 from slurm_cdgpc.sim.cluster import ClusterView, Policy, Setpoints
 from slurm_cdgpc.sim.fleet import FleetSpec
 from slurm_cdgpc.sim.fleet import node_name as fleet_node_name
+from slurm_cdgpc.sim.sharing import TenantTimeErrors
 from slurm_cdgpc.store import Store, make_engine, upgrade
 from slurm_cdgpc.transport.http import NodeFailure, NodeTarget
 from slurm_cdgpc.wire.protocol import (
@@ -266,6 +267,9 @@ class HeadTwin(Policy):
         self._totals: list[int | None] = []
         self._rows: list[int] = []  # per view row: the trace's row
         self._shared_of: list[int] = []  # per view row: its shared GPU, −1: whole GPUs
+        #: the head's time models against what the jobs measured (`_score_time_model`)
+        self.time_errors = TenantTimeErrors()
+        self._unscored: ClusterView | None = None
 
     def close(self) -> None:
         """Dispose of the store and remove its directory (idempotent)."""
@@ -294,6 +298,7 @@ class HeadTwin(Policy):
         if not self._intervals:
             self.offset_s = EPOCH_S - view.now_s
         self._intervals += 1
+        self._score_time_model(head, view)
         self.clock.advance(view.now_s + self.offset_s - self.clock())
         self._follow_jobs(head, view)
         if view.budget_w != self.budget_w:
@@ -304,6 +309,36 @@ class HeadTwin(Policy):
         transport.applied = {}
         self.report = head.run_interval()
         return self._setpoints(view, transport.applied)
+
+    def _score_time_model(self, head: Coordinator, view: ClusterView) -> None:
+        """What the head's time models predicted for the interval it is about to learn from,
+        against what the jobs measured (`TenantTimeErrors`, as the fast engine scores its
+        own), on traces whose jobs share GPUs. The head learns from the exchange before this
+        one, which carried the last view's measurements: those are scored, one view late."""
+        last = self._unscored
+        self._unscored = view if view.shared_gpu is not None else None
+        if last is None:
+            return
+        estimator, jobs = head.running.estimator, head.running.jobs
+        ran = len(last) - last.started
+        index = {job.job_id: row for row, job in enumerate(jobs)}
+        rows = np.array(
+            [index.get(job_name(int(r)), -1) for r in last.job_id[:ran].tolist()], dtype=np.int64
+        )
+        known = rows >= 0
+        graphics = np.full(len(estimator), np.nan)
+        memory = np.full(len(estimator), np.nan)
+        graphics[rows[known]] = last.graphics_mhz[:ran][known]
+        memory[rows[known]] = last.memory_mhz[:ran][known]
+        x, x_m = estimator.normalise(graphics, memory)
+        at = np.where(known, rows, 0)
+        predicted = np.where(known, estimator.predict_iteration_s(x, x_m)[at], np.nan)
+        if last.objective_s is not None:  # a serving job's "iteration" is its latency
+            predicted = np.where(np.isfinite(last.objective_s[:ran]), np.nan, predicted)
+        settled = known & (estimator.time.count[at] >= TenantTimeErrors.SETTLED_SAMPLES)
+        self.time_errors.add(
+            last.job_id, last.shared_gpu, predicted, last.iteration_s[:ran], settled
+        )
 
     def _follow_jobs(self, head: Coordinator, view: ClusterView) -> None:
         """Deregister the jobs that left and register the ones that started (the Epilog and

@@ -287,3 +287,19 @@ def test_a_cdgpc_replay_of_shared_gpus_reports_its_time_models_errors() -> None:
     assert errors["shared_after_change"] > errors["shared"]
     assert errors["alone_after_leaving"] > errors["alone"]
     assert "time_model_error_pct" in runs["cdgpc"].metrics.as_dict()
+
+
+def test_a_tenant_re_anchored_among_new_co_tenants_is_predicted_better() -> None:
+    """The same crowded replay with `reanchor_tenants` on and off: a time model that takes the
+    first sample among new co-tenants for an outlier stays off for intervals."""
+    trace = crowded_trace()
+    fleet = parse_fleet("2x4:A100-SXM4-80GB")
+    sim = Simulator(trace, fleet, 0.45 * fleet.max_power_w)
+    errors = {}
+    for on in (True, False):
+        runs = run_policies(sim, ["cdgpc"], control=ControlConfig(reanchor_tenants=on))
+        errors[on] = runs["cdgpc"].metrics.time_model_error_pct
+    on, off = errors[True], errors[False]
+    assert on is not None and off is not None
+    assert on["shared_after_change"] < 0.8 * off["shared_after_change"], (on, off)
+    assert on["shared"] < off["shared"], (on, off)
