@@ -315,8 +315,8 @@ class RunningJobs:
         for i, job in enumerate(self._jobs):
             seen = [by_ref[g] for g in job.gpus if g in by_ref]
             if seen:
-                mates = {t for s in seen for t in s.tenants}
-                cotenants[i] = cotenant_key(mates - {job.job_id})
+                mates = [t for s in seen for t in s.tenants if t != job.job_id]
+                cotenants[i] = cotenant_key(mates) if mates else 0
             good = [s for s in seen if math.isfinite(s.power_w) and s.power_w >= 0]
             if good:
                 power[i] = sum(s.power_w for s in good) / len(good)
