@@ -418,14 +418,20 @@ class _ReadAfterApply(NodeAgent):
         return replace(response, gpus=tuple(self._report(dev) for dev in self.gpus))
 
 
-def _samples_as_they_were(
-    head: Coordinator,
-) -> Callable[[Mapping[GpuRef, tuple[str, ...]], bool], dict[str, list[GpuSample]]]:
+_Samples = Callable[
+    [Mapping[GpuRef, tuple[str, ...]], bool, Mapping[GpuRef, tuple[str, ...]] | None],
+    dict[str, list[GpuSample]],
+]
+
+
+def _samples_as_they_were(head: Coordinator) -> _Samples:
     """The head as it was: the last snapshot of each GPU holding the job's setpoint (of the
     jobs that held their GPUs since before the exchange, as `NodeBook.samples` is given)."""
 
     def samples(
-        owners: Mapping[GpuRef, tuple[str, ...]], shadow: bool
+        owners: Mapping[GpuRef, tuple[str, ...]],
+        shadow: bool,
+        left: Mapping[GpuRef, tuple[str, ...]] | None = None,
     ) -> dict[str, list[GpuSample]]:
         out: dict[str, list[GpuSample]] = {}
         for name, node in head.nodes.items():
