@@ -331,11 +331,12 @@ class HeadTwin(Policy):
         graphics[rows[known]] = last.graphics_mhz[:ran][known]
         memory[rows[known]] = last.memory_mhz[:ran][known]
         x, x_m = estimator.normalise(graphics, memory)
-        at = np.where(known, rows, 0)
-        predicted = np.where(known, estimator.predict_iteration_s(x, x_m)[at], np.nan)
+        predicted = np.full(ran, np.nan)  # a job the head does not control is not scored
+        predicted[known] = estimator.predict_iteration_s(x, x_m)[rows[known]]
         if last.objective_s is not None:  # a serving job's "iteration" is its latency
             predicted = np.where(np.isfinite(last.objective_s[:ran]), np.nan, predicted)
-        settled = known & (estimator.time.count[at] >= TenantTimeErrors.SETTLED_SAMPLES)
+        settled = np.zeros(ran, dtype=bool)
+        settled[known] = estimator.time.count[rows[known]] >= TenantTimeErrors.SETTLED_SAMPLES
         self.time_errors.add(
             last.job_id, last.shared_gpu, predicted, last.iteration_s[:ran], settled
         )
