@@ -377,10 +377,13 @@ class EconomicMPC:
                 # a job without a reading was held by the plan's own limit (`held`), not its
                 # board's: the clock that limit allowed is no ceiling once it is lifted
                 capped = capped & (estimator.power.count > 0)
-            if measured.cotenants is not None and s.reanchor_tenants:
-                self._expect_steps(estimator, measured.cotenants)
             learn = estimator.observe(
-                x_a, xm_a, measured.power_w, measured.iteration_s, power_capped=capped
+                x_a,
+                xm_a,
+                measured.power_w,
+                measured.iteration_s,
+                power_capped=capped,
+                cotenants=measured.cotenants if s.reanchor_tenants else None,
             )
             if self._last_step_s is not None:
                 # the interval just measured; a long gap (a head that was away) counts as one
@@ -472,19 +475,6 @@ class EconomicMPC:
         if ramp is not None:
             self._ramp_from = self._in_force_w(decision, domains)
         return decision
-
-    @staticmethod
-    def _expect_steps(estimator: JobEstimator, cotenants: IntArray) -> None:
-        """A job measured among other co-tenants than its time model last learned with runs
-        at another speed: its model re-anchors on the sample (`Rls.expect_step`), which
-        otherwise lies many σ̂ from what it learned and is rejected for several intervals (on
-        Alibaba's pods 31 % off after a change, 85 % after the co-tenants left). Keyed on the
-        sample's own co-tenants, not the plan's: the head learns from readings taken two
-        plans back."""
-        seen = cotenants >= 0
-        known = estimator.cotenants >= 0
-        estimator.time.expect_step(seen & known & (cotenants != estimator.cotenants))
-        estimator.cotenants = np.where(seen, cotenants, estimator.cotenants)
 
     def cluster_guard(self, jobs: int) -> float:
         """The cluster's guard band for ``jobs`` controlled jobs: ε = max(ε₀, c/√N), or

@@ -245,10 +245,23 @@ class JobEstimator:
         iteration_s: FloatArray,
         mask: BoolArray | None = None,
         power_capped: BoolArray | None = None,
+        cotenants: NDArray[np.int64] | None = None,
     ) -> tuple[RlsUpdate, RlsUpdate]:
         """Learn from one interval: applied clocks (normalised), mean per-GPU power and mean
         iteration time. NaN marks "not measured" (e.g. a job that reports no progress).
-        ``power_capped`` marks jobs the firmware held below their lock at the applied clock."""
+        ``power_capped`` marks jobs the firmware held below their lock at the applied clock.
+
+        ``cotenants`` (`Measurements.cotenants`: per job, the co-tenants its sample was taken
+        among, −1 not known): a job measured among others than its time model last learned
+        with runs at another speed, and its model re-anchors on the sample (`Rls.expect_step`),
+        which otherwise lies many σ̂ from what it learned and is rejected for several
+        intervals (on Alibaba's pods 31 % off after a change, 85 % after the co-tenants left).
+        Keyed on the sample's own co-tenants, not the plan's: the head learns from readings
+        taken two plans back."""
+        if cotenants is not None:
+            seen = cotenants >= 0
+            self.time.expect_step(seen & (self.cotenants >= 0) & (cotenants != self.cotenants))
+            self.cotenants = np.where(seen, cotenants, self.cotenants)
         if power_capped is not None:
             seen = np.isfinite(x) & (True if mask is None else mask)
             capped = seen & power_capped

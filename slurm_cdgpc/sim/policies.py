@@ -31,7 +31,7 @@ from slurm_cdgpc.gpu.plant import Plant, WorkloadArrays
 from slurm_cdgpc.model.estimator import EstimatorSettings, JobEstimator, JobStatics
 from slurm_cdgpc.sim.cluster import ClusterView, PlantPolicy, Policy, Setpoints
 from slurm_cdgpc.sim.fleet import FleetSpec
-from slurm_cdgpc.sim.sharing import TenantTimeErrors
+from slurm_cdgpc.sim.sharing import TenantTimeErrors, co_tenants
 from slurm_cdgpc.topology import Topology
 
 logger = logging.getLogger(__name__)
@@ -294,15 +294,8 @@ class Cdgpc(Policy):
         traces whose jobs share GPUs."""
         if view.shared_gpu is None:
             return
-        ran = len(self.estimator)  # the jobs still running from the last view, first in it
-        x, x_m = self.estimator.normalise(view.graphics_mhz[:ran], view.memory_mhz[:ran])
-        predicted = self.estimator.predict_iteration_s(x, x_m)
-        if view.objective_s is not None:  # a serving job's "iteration" is its latency
-            predicted = np.where(np.isfinite(view.objective_s[:ran]), np.nan, predicted)
-        settled = self.estimator.time.count >= TenantTimeErrors.SETTLED_SAMPLES
-        self.time_errors.add(
-            view.job_id, view.shared_gpu, predicted, view.iteration_s[:ran], settled
-        )
+        # the jobs still running from the last view, first in it, in the estimator's rows
+        self.time_errors.score(self.estimator, view, np.arange(len(self.estimator)))
 
     def _measured_cotenants(self, view: ClusterView) -> IntArray | None:
         """Per row, the co-tenants it had over the interval the view reports (those of the
@@ -314,14 +307,8 @@ class Cdgpc(Policy):
         before = np.concatenate(
             [self._cotenants[view.kept], np.full(view.started, -1, dtype=np.int64)]
         )
-        ids = [str(j) for j in view.job_id.tolist()]
-        now = np.zeros(len(view), dtype=np.int64)
-        shared = view.shared_gpu
-        for gpu in np.unique(shared[shared >= 0]).tolist():
-            rows = np.flatnonzero(shared == gpu).tolist()
-            for r in rows:
-                now[r] = cotenant_key(ids[k] for k in rows if k != r)
-        self._cotenants = now
+        mates = co_tenants(view.job_id, view.shared_gpu)
+        self._cotenants = np.array([cotenant_key(map(str, m)) for m in mates], dtype=np.int64)
         return before
 
     @staticmethod

@@ -25,12 +25,17 @@ Design: DESIGN.md, "Simulator" (Shared GPUs); tests: `tests/unit/test_sim_sharin
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import numpy.typing as npt
 
 from slurm_cdgpc.control.tenancy import group_max
 from slurm_cdgpc.gpu.plant import Plant, PlantState
+
+if TYPE_CHECKING:
+    from slurm_cdgpc.model.estimator import JobEstimator
+    from slurm_cdgpc.sim.cluster import ClusterView
 
 FloatArray = npt.NDArray[np.float64]
 IntArray = npt.NDArray[np.int64]
@@ -138,6 +143,20 @@ def shared_step(
     return SharedStep(state, dynamic, idle)
 
 
+def co_tenants(job_id: IntArray, shared_gpu: IntArray | None) -> list[tuple[int, ...]]:
+    """Per row, the job ids of the other rows on its shared GPU (``shared_gpu``, −1: whole
+    GPUs; none alone or without sharing)."""
+    out: list[tuple[int, ...]] = [()] * len(job_id)
+    if shared_gpu is None:
+        return out
+    ids = job_id.tolist()
+    for gpu in np.unique(shared_gpu[shared_gpu >= 0]).tolist():
+        rows = np.flatnonzero(shared_gpu == gpu).tolist()
+        for r in rows:
+            out[r] = tuple(ids[k] for k in rows if k != r)
+    return out
+
+
 class TenantTimeErrors:
     """How far the time model's prediction of each job's last interval was from its measured
     iteration time, by what its GPU did: alone, shared, and in the first intervals after its
@@ -193,15 +212,32 @@ class TenantTimeErrors:
                 if recent and job in self._changed:
                     self._errors["alone_after_leaving"].append(error)
         self._views += 1
-        ids = job_id.tolist()
         now: dict[int, frozenset[int]] = {}
-        for n, job in enumerate(ids):
-            gpu = -1 if shared_gpu is None else int(shared_gpu[n])
-            mates = np.flatnonzero(shared_gpu == gpu) if gpu >= 0 else ()
-            now[job] = frozenset(ids[k] for k in mates if ids[k] != job)
+        for job, mates in zip(job_id.tolist(), co_tenants(job_id, shared_gpu), strict=True):
+            now[job] = frozenset(mates)
             if job in self._cotenants and self._cotenants[job] != now[job]:
                 self._changed[job] = self._views  # a job that was never shared is not marked
         self._cotenants = now
+
+    def score(self, estimator: JobEstimator, view: ClusterView, rows: IntArray) -> None:
+        """`add` the view as ``estimator`` predicted it before learning from it: ``rows``
+        holds, per job that ran the interval the view reports (its first rows), the job's
+        estimator row (−1: the estimator has none, and the job is not scored). Serving jobs,
+        whose "iteration" is their latency, are not scored."""
+        ran = rows.size
+        known = rows >= 0
+        graphics = np.full(len(estimator), np.nan)
+        memory = np.full(len(estimator), np.nan)
+        graphics[rows[known]] = view.graphics_mhz[:ran][known]
+        memory[rows[known]] = view.memory_mhz[:ran][known]
+        x, x_m = estimator.normalise(graphics, memory)
+        predicted = np.full(ran, np.nan)
+        predicted[known] = estimator.predict_iteration_s(x, x_m)[rows[known]]
+        if view.objective_s is not None:
+            predicted = np.where(np.isfinite(view.objective_s[:ran]), np.nan, predicted)
+        settled = np.zeros(ran, dtype=bool)
+        settled[known] = estimator.time.count[rows[known]] >= self.SETTLED_SAMPLES
+        self.add(view.job_id, view.shared_gpu, predicted, view.iteration_s[:ran], settled)
 
     def summary(self) -> dict[str, float] | None:
         """Mean |error| per kind, percent (kinds with no sample left out); None when no job

@@ -319,27 +319,12 @@ class HeadTwin(Policy):
         self._unscored = view if view.shared_gpu is not None else None
         if last is None:
             return
-        estimator, jobs = head.running.estimator, head.running.jobs
         ran = len(last) - last.started
-        index = {job.job_id: row for row, job in enumerate(jobs)}
+        index = {job.job_id: row for row, job in enumerate(head.running.jobs)}
         rows = np.array(
             [index.get(job_name(int(r)), -1) for r in last.job_id[:ran].tolist()], dtype=np.int64
         )
-        known = rows >= 0
-        graphics = np.full(len(estimator), np.nan)
-        memory = np.full(len(estimator), np.nan)
-        graphics[rows[known]] = last.graphics_mhz[:ran][known]
-        memory[rows[known]] = last.memory_mhz[:ran][known]
-        x, x_m = estimator.normalise(graphics, memory)
-        predicted = np.full(ran, np.nan)  # a job the head does not control is not scored
-        predicted[known] = estimator.predict_iteration_s(x, x_m)[rows[known]]
-        if last.objective_s is not None:  # a serving job's "iteration" is its latency
-            predicted = np.where(np.isfinite(last.objective_s[:ran]), np.nan, predicted)
-        settled = np.zeros(ran, dtype=bool)
-        settled[known] = estimator.time.count[rows[known]] >= TenantTimeErrors.SETTLED_SAMPLES
-        self.time_errors.add(
-            last.job_id, last.shared_gpu, predicted, last.iteration_s[:ran], settled
-        )
+        self.time_errors.score(head.running.estimator, last, rows)
 
     def _follow_jobs(self, head: Coordinator, view: ClusterView) -> None:
         """Deregister the jobs that left and register the ones that started (the Epilog and
