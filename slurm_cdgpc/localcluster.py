@@ -567,8 +567,22 @@ class LocalCluster:
             return {}
         out: dict[int, int] = {}
         for lock in document["locks"]:
-            out[lock["index"]] = max(out.get(lock["index"], 0), lock["graphics_max_mhz"])
+            if lock["graphics_max_mhz"] is not None:  # None: a power limit alone (MIG mode)
+                out[lock["index"]] = max(out.get(lock["index"], 0), lock["graphics_max_mhz"])
         return out
+
+    def limits(self, node: str) -> dict[int, float]:
+        """GPU index → the power limit node ``node``'s state file lists for it (the agent set
+        it, or is about to); none: no state file."""
+        try:
+            document = json.loads(self.nodes[node].state_file.read_text())
+        except FileNotFoundError:
+            return {}
+        return {
+            lock["index"]: float(lock["power_limit_w"])
+            for lock in document["locks"]
+            if lock["power_limit_w"] is not None
+        }
 
     def logs(self, chars: int = 3000) -> str:
         """The end of every daemon's log, each under its file name."""

@@ -69,6 +69,9 @@ class LeaseState:
 #: exchanges in a row whose reads show another lock before the agent calls it an override
 OVERRIDE_READS: Final = 2
 _YIELDED: Final = "another process holds its clocks (node.on_override = yield)"
+_NO_LIMIT: Final = (
+    "MIG mode is on: its clocks cannot be locked and the setpoint sets no power limit"
+)
 
 
 def _reason(text: object, limit: int = _MAX_REASON_CHARS) -> str:
@@ -91,6 +94,20 @@ def safe_clock_mhz(device: GpuDevice, safe_cap: SafeCap) -> int:
         if clock_mhz <= target_mhz + 1e-9:
             return clock_mhz
     return allowed[-1]
+
+
+def safe_limit_w(device: GpuDevice, safe_cap: SafeCap) -> float:
+    """The power limit a lapsed lease falls back to on a GPU in MIG mode, whose clocks cannot
+    be locked: ``P_safe`` itself, or, for a clock fraction f, f · the default limit (power falls
+    faster than the clock, so this caps no lower than the clock fraction would), within the
+    board's range."""
+    limits = device.power_limit_range()
+    if safe_cap.power_w is not None:
+        target_w = safe_cap.power_w
+    else:
+        fraction = 1.0 if safe_cap.clock_fraction is None else safe_cap.clock_fraction
+        target_w = fraction * limits.default_w
+    return min(max(target_w, limits.min_w), limits.default_w)
 
 
 class StaleEpochError(InputError):
@@ -309,6 +326,7 @@ class NodeAgent:
             for gpu in request.release:
                 self._release(gpu, refused)
             wanted: dict[int, LockedClocks] = {}
+            limited: dict[int, float] = {}  # MIG GPUs: the power limit is the setpoint
             devices: dict[int, GpuDevice] = {}
             for sp in request.setpoints:
                 device = self._device(sp.gpu)
@@ -325,13 +343,28 @@ class NodeAgent:
                 except CdgpcError as e:
                     refused.append(Refusal(sp.gpu, _reason(e)))
                     continue
+                if self._limit_only(sp.gpu):
+                    if sp.power_limit_w is None:
+                        refused.append(Refusal(sp.gpu, _NO_LIMIT))
+                        continue
+                    devices[sp.gpu] = device
+                    limited[sp.gpu] = sp.power_limit_w
+                    continue
                 devices[sp.gpu] = device
                 wanted[sp.gpu] = LockedClocks(lowest, sp.graphics_mhz, sp.memory_mhz)
-            if wanted.keys() - self._recorded and not self._write_state(intended=wanted):
-                for gpu in wanted:
+            if (wanted.keys() | limited.keys()) - self._recorded and not self._write_state(
+                intended=wanted, limits=limited
+            ):
+                for gpu in wanted.keys() | limited.keys():
                     refused.append(Refusal(gpu, "cannot record the lock in the state file"))
-                wanted = {}
+                wanted, limited = {}, {}
             for sp in request.setpoints:
+                if sp.gpu in limited:
+                    if self._hold_limit(devices[sp.gpu], limited[sp.gpu], refused):
+                        self._jobs[sp.gpu] = sp.job_id
+                        self._share(sp.gpu, self._cotenants.get(sp.gpu, set()) | set(sp.tenants))
+                        self._lapse_capped.discard(sp.gpu)
+                    continue
                 if sp.gpu not in wanted:
                     continue
                 if self._apply(devices[sp.gpu], sp.graphics_mhz, sp.memory_mhz, refused):
@@ -514,13 +547,34 @@ class NodeAgent:
         return False
 
     def _reset(self, device: GpuDevice) -> bool:
-        """Default clocks, and the default power limit if one was set (True: the clocks)."""
+        """Default clocks, and the default power limit if one was set (True: the clocks; on a
+        GPU in MIG mode, whose lever is its limit: the limit)."""
+        if self._limit_only(device.index):
+            return self._reset_limit(device)
         self._reset_limit(device)
         try:
             device.reset_locked_clocks()
             return True
         except CdgpcError as e:
             logger.error("GPU %d: reset to default clocks failed: %s", device.index, e)
+            return False
+
+    def _limit_only(self, gpu: int) -> bool:
+        """True when ``gpu``'s board is in MIG mode (as last described): clock control is not
+        offered on a partitioned GPU, and its power limit, whole-GPU, is what the head sets."""
+        board = self._boards.get(gpu)
+        return board is not None and bool(board.mig_mode)
+
+    def _hold_limit(self, device: GpuDevice, limit_w: float, refused: list[Refusal]) -> bool:
+        """A MIG GPU's setpoint: its power limit at ``limit_w``, clipped into [minimum, default]
+        of the board (the firmware then runs the highest clock within it). A refusal is the
+        setpoint's: the head keeps the GPU out of its plan until one is accepted."""
+        try:
+            limits = device.power_limit_range()
+            device.set_power_limit_w(min(max(limit_w, limits.min_w), limits.default_w))
+            return True
+        except CdgpcError as e:
+            refused.append(Refusal(device.index, _reason(e)))
             return False
 
     def _apply_limit(self, device: GpuDevice, limit_w: float | None) -> None:
@@ -668,7 +722,11 @@ class NodeAgent:
             if self.on_lapse == "keep":
                 return TickResult(lapsed=True)
             if self.on_lapse == "reset":
-                changed = [d.index for d in self.gpus if d.locked is not None and self._reset(d)]
+                changed = [
+                    d.index
+                    for d in self.gpus
+                    if (d.locked is not None or d.power_limit_set_w is not None) and self._reset(d)
+                ]
                 self._sync_state()
                 return TickResult(lapsed=True, changed=tuple(changed))
             return TickResult(lapsed=True, changed=self._apply_safe_cap())
@@ -685,7 +743,12 @@ class NodeAgent:
     def _apply_safe_cap(self) -> tuple[int, ...]:
         wanted: dict[int, LockedClocks] = {}
         limits_reset = False
+        changed: list[int] = []
         for dev in self.gpus:
+            if self._limit_only(dev.index):  # MIG: the safe cap as a power limit
+                if self._safe_cap_limit(dev):
+                    changed.append(dev.index)
+                continue
             # the safe cap is a clock: a rail sized for the head's last plan goes with the head
             if dev.power_limit_set_w is not None:
                 limits_reset = self._reset_limit(dev) or limits_reset
@@ -697,12 +760,11 @@ class NodeAgent:
             if lock is not None:
                 wanted[dev.index] = lock
         if not wanted:
-            if limits_reset:
+            if limits_reset or changed:
                 self._sync_state()
-            return ()
+            return tuple(changed)
         if wanted.keys() - self._recorded and not self._write_state(intended=wanted):
             logger.error("cannot record the safe cap in the state file; applying it anyway")
-        changed: list[int] = []
         for index, lock in wanted.items():
             dev = self.gpus[index]
             try:
@@ -715,6 +777,32 @@ class NodeAgent:
             logger.info("GPU %d: safe cap %d MHz applied", index, lock.graphics_max_mhz)
         self._sync_state()
         return tuple(changed)
+
+    def _safe_cap_limit(self, device: GpuDevice) -> bool:
+        """Put a MIG GPU at the safe cap's power limit (`safe_limit_w`) unless its limit is
+        already at or below it (True: changed). Written down in the state file first."""
+        try:
+            safe_w = safe_limit_w(device, self.safe_cap)
+        except CdgpcError as e:
+            logger.error("GPU %d: cannot compute the safe cap: %s", device.index, e)
+            return False
+        current = device.power_limit_set_w
+        if current is not None and current <= safe_w:
+            return False
+        if device.index not in self._recorded and not self._write_state(
+            limits={device.index: safe_w}
+        ):
+            logger.error("cannot record the safe cap in the state file; applying it anyway")
+        try:
+            device.set_power_limit_w(safe_w)
+        except CdgpcError as e:
+            logger.error("GPU %d: safe cap %g W failed: %s", device.index, safe_w, e)
+            return False
+        self._lapse_capped.add(device.index)
+        logger.info(
+            "GPU %d (MIG mode): safe cap applied as a power limit of %g W", device.index, safe_w
+        )
+        return True
 
     @property
     def lapsed(self) -> bool:
@@ -765,10 +853,9 @@ class NodeAgent:
                     continue
                 board = self._boards.get(gpu)
                 if board is not None and board.mig_mode:
-                    # its instances' jobs share its clock and power, which the head does not
-                    # control (it counts the GPU at what it draws): capping it would slow them
-                    # all for as long as they run, with no setpoint ever to lift it
-                    refused.append(Refusal(gpu, "MIG mode is on: not capped (counted as drawn)"))
+                    # its clocks cannot be locked: the head sets its power limit, whole-GPU, at
+                    # its next plan and counts the job at its limit until then
+                    refused.append(Refusal(gpu, "MIG mode is on: not held (no clock lock)"))
                     continue
                 if any(b.mig_mode for b in self._boards.values()):
                     # beside a MIG GPU, Slurm's index is a GRES list position: maybe not this GPU
@@ -917,11 +1004,19 @@ class NodeAgent:
 
     # -- the state file -------------------------------------------------------------------------
 
-    def _state(self, extra: dict[int, LockedClocks] | None = None) -> list[dict[str, Any]]:
+    def _state(
+        self,
+        extra: dict[int, LockedClocks] | None = None,
+        limits: dict[int, float] | None = None,
+    ) -> list[dict[str, Any]]:
         """One entry per lock that may exist (current and ``extra``, intended), with the power
-        limit set on its GPU; a GPU with a limit and no lock gets one with null clocks."""
+        limit set on its GPU (or, where none is yet, the one intended in ``limits``); a GPU
+        with a limit and no lock gets one with null clocks."""
         locks: list[dict[str, Any]] = []
         for dev in self.gpus:
+            limit_w = dev.power_limit_set_w
+            if limit_w is None and limits:
+                limit_w = limits.get(dev.index)
             entry = {
                 "index": dev.index,
                 "uuid": dev.uuid,
@@ -929,7 +1024,7 @@ class NodeAgent:
                 "graphics_max_mhz": None,
                 "memory_mhz": None,
                 "job_id": self._jobs.get(dev.index),
-                "power_limit_w": dev.power_limit_set_w,
+                "power_limit_w": limit_w,
             }
             entries = [lock for lock in (dev.locked, (extra or {}).get(dev.index)) if lock]
             for lock in entries:
@@ -941,13 +1036,17 @@ class NodeAgent:
                         "memory_mhz": lock.memory_mhz,
                     }
                 )
-            if not entries and dev.power_limit_set_w is not None:
+            if not entries and limit_w is not None:
                 locks.append(entry)  # a limit alone still needs its reset
         return locks
 
-    def _write_state(self, intended: dict[int, LockedClocks] | None = None) -> bool:
-        """Atomically write the state file listing current (and intended) locks."""
-        locks = self._state(intended)
+    def _write_state(
+        self,
+        intended: dict[int, LockedClocks] | None = None,
+        limits: dict[int, float] | None = None,
+    ) -> bool:
+        """Atomically write the state file listing current (and intended) locks and limits."""
+        locks = self._state(intended, limits)
         document = {
             "version": STATE_VERSION,
             "node": self.node_name,

@@ -304,7 +304,8 @@ def _serving(job: dict[str, Any]) -> str:
 @_json_option
 def nodes(config_path: Path | None, as_json: bool) -> None:
     """Known nodes, their agents and whether the head reaches them; each GPU's board, whether
-    it is controlled (if not, why) and its jobs (more than one: its tenants, at one clock)."""
+    it is controlled (through its clocks, or its power limit for a GPU in MIG mode; if not,
+    why) and its jobs (more than one: its tenants, at one setting)."""
     data = _client(_config(config_path)).get("/v1/nodes")
     if as_json:
         echo_json(data)
@@ -329,7 +330,7 @@ def nodes(config_path: Path | None, as_json: bool) -> None:
             g["index"],
             g["board"],
             (g["type"] or "-") + (" (estimated prior)" if g["estimated"] else ""),
-            "yes" if g["controlled"] else f"no: {g['why']}",
+            _controlled(g),
             ",".join(g.get("jobs") or ()) or "-",
         ]
         for n in data["nodes"]
@@ -338,6 +339,13 @@ def nodes(config_path: Path | None, as_json: bool) -> None:
     if gpus:
         click.echo()
         click.echo(format_table(["node", "GPU", "board", "type", "controlled", "jobs"], gpus))
+
+
+def _controlled(gpu: dict[str, Any]) -> str:
+    """A GPU's "controlled" cell: how, or why not (an older head names no lever)."""
+    if not gpu["controlled"]:
+        return f"no: {gpu['why']}"
+    return "yes, by its power limit" if gpu.get("lever") == "power limit" else "yes"
 
 
 @click.group()

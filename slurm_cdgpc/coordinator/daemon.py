@@ -775,7 +775,12 @@ class Coordinator:
         sent: set[GpuRef] = set()
         for job in cut_jobs:
             lowest = lowest_setpoints(
-                job.job_id, job.gpus, self.nodes.gpu_type, self.grid, self.specs
+                job.job_id,
+                job.gpus,
+                self.nodes.gpu_type,
+                self.grid,
+                self.specs,
+                self.nodes.limit_only,
             )
             for ref, point in lowest.items():
                 if ref not in sent:  # a shared GPU once, named for its first cut tenant
@@ -802,6 +807,7 @@ class Coordinator:
                 known,
                 self.roster.held_on(name),
                 self.nodes.left_alone(name),
+                self.nodes.limit_only_on(name),
             )
 
     def _queue_state(self) -> QueueState | None:
@@ -831,12 +837,16 @@ class Coordinator:
         planned = (
             {}
             if decision is None
-            else self.running.setpoints(decision, self.settings.power_limit_margin)
+            else self.running.setpoints(
+                decision, self.settings.power_limit_margin, self.nodes.limit_only
+            )
         )
         lowest: dict[GpuRef, AgentSetpoint] = {}
         if squeeze:
             known, gpu_type = self.roster.known, self.nodes.gpu_type
-            lowest = self.locks.lowest(held_out, known, gpu_type, self.grid, self.specs)
+            lowest = self.locks.lowest(
+                held_out, known, gpu_type, self.grid, self.specs, self.nodes.limit_only
+            )
         return self.locks.setpoints(planned, held_out, lowest)
 
     def _exchange(
@@ -874,7 +884,13 @@ class Coordinator:
             if self.nodes.answered(name, sent, result, now_s, self.settings.lease_s):
                 self.metrics.lease_lapses.inc()  # its last lease ran out before this exchange
             self.locks.answered(
-                name, sent, result, known, self.roster.held_on(name), self.nodes.left_alone(name)
+                name,
+                sent,
+                result,
+                known,
+                self.roster.held_on(name),
+                self.nodes.left_alone(name),
+                self.nodes.limit_only_on(name),
             )
             for p in self.progress.allowed(name, result, known):
                 self.running.record_progress(p.job_id, p.step, p.time_s)

@@ -8,7 +8,7 @@ pace; jobs that share a GPU (shards, MPS, MIG instances) are its tenants and sha
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Final
 
@@ -343,14 +343,22 @@ class RunningJobs:
         )
 
     def setpoints(
-        self, decision: Decision, power_limit_margin: float = 0.0
+        self,
+        decision: Decision,
+        power_limit_margin: float = 0.0,
+        limit_only: Callable[[GpuRef], bool] | None = None,
     ) -> dict[str, list[NodeSetpoint]]:
         """The decision as per-node setpoints: every GPU of a job gets the job's clocks and,
         with a margin above 0, the guard rail: its planned power per GPU times (1 + margin)
         (`slurm_cdgpc.control.guard_rail`), to the milliwatt NVML takes; a job the plan
         holds at a share of its limit (`Decision.held`) gets that, rail or not. A shared GPU
         gets one setpoint, its first tenant's (they all have its clocks), naming the others;
-        each GPU of a group of tenants is planned at the group's power over its GPUs."""
+        each GPU of a group of tenants is planned at the group's power over its GPUs.
+
+        A GPU whose clocks cannot be locked (``limit_only``: MIG mode) is held at its planned
+        power, as a job not yet measured is: the firmware runs the highest clock within that
+        limit, which is the plan's clock where the power model is right; planned at its top
+        clock it keeps its default limit, as a locked GPU at its top clock is free to draw."""
         if decision.graphics_mhz.shape[0] != len(self):
             raise InputError("the decision does not match the running jobs")
         gpus = np.array([len(job.gpus) for job in self._jobs], dtype=np.float64)
@@ -370,15 +378,30 @@ class RunningJobs:
         refs = list(on)
         first = [self._row[on[ref][0]] for ref in refs]  # each GPU's first tenant's row
         specs = [self.specs[self._jobs[i].gpu_type] for i in first]
+        hold = held[first]
+        lever = np.array(
+            [limit_only is not None and limit_only(ref) for ref in refs], dtype=bool
+        )  # GPUs whose setpoint is their power limit
+        top = np.array(
+            [
+                decision.graphics_mhz[i] >= s.max_graphics_mhz
+                for i, s in zip(first, specs, strict=True)
+            ],
+            dtype=bool,
+        )
+        hold = hold | (lever & ~top)
+        default_w = np.array([s.power_limit.default_w for s in specs])
         limits = power_limits_w(
             gpu_w[first],
             np.ones(len(refs)),
             power_limit_margin,
             [s.power_limit.min_w for s in specs],
-            [s.power_limit.default_w for s in specs],
-            free[first],
-            held[first],
+            default_w,
+            free[first] | (lever & ~hold),
+            hold,
         )
+        if limits is None and lever.any():
+            limits = default_w
         out: dict[str, list[NodeSetpoint]] = {}
         for r, (ref, i) in enumerate(zip(refs, first, strict=True)):
             memory = int(decision.memory_mhz[i]) if specs[r].memory_lockable else None
@@ -389,7 +412,7 @@ class RunningJobs:
                     int(decision.graphics_mhz[i]),
                     memory,
                     None
-                    if limits is None or not (power_limit_margin > 0 or held[i])
+                    if limits is None or not (power_limit_margin > 0 or hold[r] or lever[r])
                     else round(float(limits[r]), 3),
                     tuple(on[ref][1:]),
                 )

@@ -91,6 +91,7 @@ class GpuLocks:
         gpu_type: Callable[[GpuRef], str | None],
         grid: ClockGrid,
         specs: Mapping[str, GpuSpec],
+        limit_only: Callable[[GpuRef], bool] | None = None,
     ) -> dict[GpuRef, AgentSetpoint]:
         """Setpoints at the controller's lowest clock for every GPU of ``job_ids``, held out
         while the budget does not fit: the GPUs that accept it shed what the refusing one keeps
@@ -109,7 +110,7 @@ class GpuLocks:
                     job_id,
                 )
             refs = [GpuRef(g.node, g.gpu_index) for g in job.gpus]
-            out.update(lowest_setpoints(job_id, refs, gpu_type, grid, specs))
+            out.update(lowest_setpoints(job_id, refs, gpu_type, grid, specs, limit_only))
         return out
 
     def setpoints(
@@ -151,11 +152,14 @@ class GpuLocks:
         known: Mapping[str, Job],
         held: Collection[int],
         left_alone: Collection[int] = (),
+        limit_only: Collection[int] = (),
     ) -> None:
         """What node ``name`` did of ``sent``: releases done or refused, setpoints refused, and
         locks held for a finished job (``held``: its GPUs that ``known`` jobs hold) or on a GPU
-        the head leaves alone (``left_alone``, `NodeBook.left_alone`)."""
-        self._track_refusals(name, sent, result)
+        the head leaves alone (``left_alone``, `NodeBook.left_alone`). A clock sent to a GPU
+        now known to be in MIG mode (``limit_only``) before its board was described is not a
+        refusal to keep: its next setpoint is a power limit."""
+        self._track_refusals(name, sent, result, limit_only)
         self._release_orphans(name, sent, result, known, held)
         self._release_left_alone(name, sent, result, left_alone)
         for refusal in result.refused:
@@ -177,7 +181,7 @@ class GpuLocks:
         away), and no one else would ever lift that lock. A job the store does not know is left
         alone: its Prolog may hold its GPUs while its registration is on its way."""
         for r in result.gpus:
-            if r.locked is None or r.job_id is None or r.index in held:
+            if r.job_id is None or r.index in held:  # a MIG GPU's is a limit, not a lock
                 continue
             if r.job_id in known or r.index in sent.release:  # read before it applied
                 continue
@@ -212,7 +216,13 @@ class GpuLocks:
             logger.info("node %s: GPU %d is not controlled: its lock is released", name, r.index)
             self._releases.setdefault(name, set()).add(r.index)
 
-    def _track_refusals(self, name: str, sent: ExchangeRequest, result: ExchangeResponse) -> None:
+    def _track_refusals(
+        self,
+        name: str,
+        sent: ExchangeRequest,
+        result: ExchangeResponse,
+        limit_only: Collection[int] = (),
+    ) -> None:
         """Keep refused releases queued (a GPU whose reset failed must not stay locked), and
         note the GPUs that refused a setpoint below the clock they hold: the plan must not count
         them at a clock they do not have. A refused setpoint above the held clock leaves the GPU
@@ -241,7 +251,8 @@ class GpuLocks:
             above = report is not None and (
                 held is None or held.graphics_max_mhz > point.graphics_mhz
             )
-            if point.gpu in refused and above:
+            unlimited = point.gpu in limit_only and point.power_limit_w is None
+            if point.gpu in refused and above and not unlimited:
                 if ref not in self._refusing:
                     logger.warning(
                         "job %s: node %s GPU %d refused its setpoint of %d MHz: the job leaves "
@@ -268,9 +279,11 @@ def lowest_setpoints(
     gpu_type: Callable[[GpuRef], str | None],
     grid: ClockGrid,
     specs: Mapping[str, GpuSpec],
+    limit_only: Callable[[GpuRef], bool] | None = None,
 ) -> dict[GpuRef, AgentSetpoint]:
     """Setpoints at the controller's lowest clocks for ``job_id`` on ``refs``; a GPU of a type
-    not known (never controlled) gets none."""
+    not known (never controlled) gets none, one whose clocks cannot be locked (``limit_only``:
+    MIG mode) its board's lowest power limit."""
     out: dict[GpuRef, AgentSetpoint] = {}
     for ref in refs:
         t = gpu_type(ref)
@@ -278,5 +291,6 @@ def lowest_setpoints(
             continue
         g_lo, m_lo = grid.bottom_mhz(np.array([grid.type_index(t)]))
         memory = int(m_lo[0]) if specs[t].memory_lockable else None
-        out[ref] = AgentSetpoint(ref.index, job_id, int(g_lo[0]), memory)
+        limit_w = specs[t].power_limit.min_w if limit_only is not None and limit_only(ref) else None
+        out[ref] = AgentSetpoint(ref.index, job_id, int(g_lo[0]), memory, limit_w)
     return out

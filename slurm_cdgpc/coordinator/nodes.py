@@ -33,7 +33,6 @@ from slurm_cdgpc.wire.protocol import Setpoint as AgentSetpoint
 
 logger = logging.getLogger(__name__)
 
-_MIG: Final = "MIG mode is on: its clocks cannot be locked (counted at what it draws)"
 #: Slurm lists each MIG instance as a GRES record of its own, and a whole GPU's index in the
 #: Prolog is its record's position: beside a MIG GPU it need not be the GPU's NVML index
 _MIG_NODE: Final = (
@@ -41,6 +40,8 @@ _MIG_NODE: Final = (
     "GRES list, not NVML's (counted at what it draws)"
 )
 _NOT_DESCRIBED: Final = "board not described yet"
+#: a MIG GPU's enforced limit within this of its setpoint's held it (NVML takes milliwatts)
+_LIMIT_TOLERANCE_W: Final = 1.0
 #: throttle reasons that only another limiter (the board, the BMC, the rack) causes
 _LIMITER_REASONS: Final = (
     (ThrottleReason.HW_POWER_BRAKE, "power brake (an external power-brake signal)"),
@@ -79,6 +80,9 @@ class NodeState:
     #: per GPU index: the controller's type of its board (None: not controlled, see ``why``)
     gpu_types: dict[int, str | None] = field(default_factory=dict)
     why: dict[int, str] = field(default_factory=dict)
+    #: GPUs in MIG mode (as last described): controlled through their power limit, whole-GPU,
+    #: since their clocks cannot be locked; the jobs on their instances are their tenants
+    mig: frozenset[int] = frozenset()
     #: ask the agent for its boards at the next exchange (a GPU reported one not known here)
     describe: bool = False
     #: GPUs whose setpoint the agent refused because another process holds their clocks
@@ -116,7 +120,15 @@ def interval_power(
         if prev is None or prev.uuid != r.uuid:
             continue
         point = points.get(r.index)
-        if point is not None:
+        if point is not None and r.index in node.mig:  # its setpoint is a power limit
+            held = (
+                r.locked is None
+                and r.job_id == point.job_id
+                and point.power_limit_w is not None
+                and r.enforced_limit_w is not None
+                and abs(r.enforced_limit_w - point.power_limit_w) <= _LIMIT_TOLERANCE_W
+            )
+        elif point is not None:
             held = (
                 r.locked is not None
                 and r.locked.graphics_max_mhz == point.graphics_mhz
@@ -218,6 +230,12 @@ class NodeBook(Mapping[str, NodeState]):
                     "estimated": spec is not None and spec.estimated,
                     "controlled": gpu_type is not None,
                     "why": node.why.get(r.index),
+                    # what the head sets: a MIG GPU's clocks cannot be locked
+                    "lever": None
+                    if gpu_type is None
+                    else "power limit"
+                    if r.index in node.mig
+                    else "clocks",
                 }
             )
         return views
@@ -310,7 +328,7 @@ class NodeBook(Mapping[str, NodeState]):
                     )
         described = {b.uuid: bool(b.mig_mode) for b in result.boards}
         # a board not described in this answer keeps what the last description said
-        mig = {r.uuid: described.get(r.uuid, node.why.get(r.index) == _MIG) for r in result.gpus}
+        mig = {r.uuid: described.get(r.uuid, r.index in node.mig) for r in result.gpus}
         mixed = any(mig.values())
         types: dict[int, str | None] = {}
         why: dict[int, str] = {}
@@ -328,16 +346,22 @@ class NodeBook(Mapping[str, NodeState]):
                         if r.board is not None
                         else f"board {r.name!r} is not in the catalog and not described"
                     )
-            if mig[r.uuid]:
-                gpu_type, why[r.index] = None, _MIG
-            elif mixed:
+            if mixed and not mig[r.uuid]:
                 gpu_type, why[r.index] = None, _MIG_NODE
             types[r.index] = gpu_type
-        if types != node.gpu_types or why != node.why:
+        in_mig = frozenset(r.index for r in result.gpus if mig[r.uuid])
+        if types != node.gpu_types or why != node.why or in_mig != node.mig:
             for index, reason in sorted(why.items()):
                 if node.why.get(index) != reason:
                     logger.warning("node %s GPU %d: not controlled: %s", name, index, reason)
-        node.gpu_types, node.why = types, why
+            for index in sorted(in_mig - node.mig):
+                if types.get(index) is not None:
+                    logger.info(
+                        "node %s GPU %d: MIG mode is on: controlled through its power limit",
+                        name,
+                        index,
+                    )
+        node.gpu_types, node.why, node.mig = types, why, in_mig
         node.describe = unknown and not result.boards
 
     # -- what the last answers say -------------------------------------------------------------
@@ -370,8 +394,11 @@ class NodeBook(Mapping[str, NodeState]):
                 if not shadow and r.job_id not in jobs:
                     continue  # the agent does not hold this job's setpoint (yet, or refused)
                 tenants = jobs if left is None else (*jobs, *left.get(ref, ()))
+                throttle = r.throttle or 0
+                if r.index in node.mig:  # the power limit is the head's own lever here
+                    throttle &= ~int(ThrottleReason.SW_POWER_CAP)
                 sample = GpuSample(
-                    ref, power_w, r.sm_clock_mhz, r.memory_clock_mhz, r.throttle or 0, tenants
+                    ref, power_w, r.sm_clock_mhz, r.memory_clock_mhz, throttle, tenants
                 )
                 for job_id in jobs:
                     out.setdefault(job_id, []).append(sample)
@@ -388,23 +415,37 @@ class NodeBook(Mapping[str, NodeState]):
         }
 
     def left_alone(self, name: str) -> frozenset[int]:
-        """The GPUs of node ``name`` the head will not control while they stay as they are (MIG
-        mode, a node with one, a board neither known nor described), not those it waits to see
+        """The GPUs of node ``name`` the head will not control while they stay as they are (on a
+        node with a MIG GPU, a board neither known nor described), not those it waits to see
         described: a lock left on one would never be planned again (`GpuLocks.answered`)."""
         node = self._nodes.get(name)
         if node is None:
             return frozenset()
         return frozenset(i for i, why in node.why.items() if why != _NOT_DESCRIBED)
 
+    def limit_only_on(self, name: str) -> frozenset[int]:
+        """The GPUs of node ``name`` the head controls through their power limit (MIG mode)."""
+        node = self._nodes.get(name)
+        if node is None:
+            return frozenset()
+        return frozenset(i for i in node.mig if node.gpu_types.get(i) is not None)
+
+    def limit_only(self, ref: GpuRef) -> bool:
+        """True when the head controls ``ref`` through its power limit (MIG mode)."""
+        node = self._nodes.get(ref.node)
+        return (
+            node is not None and ref.index in node.mig and node.gpu_types.get(ref.index) is not None
+        )
+
     def read_with_job(self, ref: GpuRef, registered_at_s: float) -> bool:
-        """True when ``ref`` stays outside the plan for good (MIG mode: its clocks are not
-        locked) and its node last answered after a job on it registered: the reading then
+        """True when ``ref`` stays outside the plan for good (beside a MIG GPU: Slurm's index
+        may not be NVML's) and its node last answered after a job on it registered: the reading then
         includes the job, and the GPU is counted at what it draws, not at its limit as a job
         waiting for its first plan is (`PowerLedger.uncontrolled_by_node_w`)."""
         node = self._nodes.get(ref.node)
         return (
             node is not None
-            and node.why.get(ref.index) in (_MIG, _MIG_NODE)
+            and node.why.get(ref.index) == _MIG_NODE
             and node.answered_s is not None
             and node.answered_s > registered_at_s
         )

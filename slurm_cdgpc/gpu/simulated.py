@@ -25,6 +25,7 @@ import numpy as np
 from slurm_cdgpc.errors import (
     GpuError,
     GpuLostError,
+    GpuNotSupportedError,
     InputError,
     PowerLimitPermissionError,
     UnsupportedPowerLimitError,
@@ -188,7 +189,9 @@ class SimulatedGpu(GpuDevice):
     decreases; `read` reports power with seeded noise, averaged over
     `GpuSpec.power_average_window_s` (Hopper). A power limit is held over a `LIMIT_WINDOW_S`
     average (`_refresh`). Time comes from ``time_source``; state advances lazily, on every
-    call, so nothing runs in the background.
+    call, so nothing runs in the background. In MIG mode (built from a board described so) a
+    lock raises `GpuNotSupportedError`, as NVML's clock control is documented not to be offered
+    on a partitioned GPU; its power limit, which is whole-GPU, works.
 
     Fault hooks, plain attributes that may be flipped at any time (or driven by a `FaultFile`):
     ``fail_clock_writes`` (lock and reset raise `GpuError`, nothing changes), ``fail_reads``
@@ -273,6 +276,10 @@ class SimulatedGpu(GpuDevice):
 
     def set_locked_clocks(self, graphics_mhz: int, memory_mhz: int | None = None) -> None:
         self._follow_faults()
+        if self._mig_mode:  # clock control is whole-GPU and not offered on a partitioned one
+            raise GpuNotSupportedError(
+                f"simulated GPU {self.index}: MIG mode is on: clocks cannot be locked"
+            )
         self.spec.clocks.check(graphics_mhz, memory_mhz)  # UnsupportedClockError, no change
         memory = memory_mhz if self.spec.memory_lockable else None
         lowest = self.spec.clocks.graphics_for(memory)[-1]

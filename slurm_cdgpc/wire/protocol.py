@@ -249,7 +249,8 @@ def _power_limit(value: object, where: str) -> float | None:
 @dataclass(frozen=True)
 class Setpoint:
     """Cap GPU ``gpu`` (this node's index) at ``graphics_mhz`` for job ``job_id``; with
-    ``power_limit_w``, hold its power limit there too (the guard rail; None: default limit).
+    ``power_limit_w``, hold its power limit there too (the guard rail; None: default limit). On
+    a GPU in MIG mode, whose clocks cannot be locked, the limit is the setpoint: required there.
     ``tenants``: the other jobs that share the GPU, at the same clocks (written only when
     there are any: an unshared setpoint is what an older agent parses)."""
 

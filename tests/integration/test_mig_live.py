@@ -6,7 +6,8 @@ record's position in ``SLURM_JOB_GPUS`` and the instance's UUID in ``CUDA_VISIBL
 
 from __future__ import annotations
 
-import time
+import subprocess
+import sys
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,6 +25,7 @@ pytestmark = pytest.mark.live
 REPO = Path(__file__).resolve().parents[2]
 MIG_BOARD = REPO / "tests" / "data" / "nvml" / "a100-sxm4-80gb-mig.board.json"
 GPU_TYPE = f"A100-SXM4-80GB:1,{MIG_BOARD}:1"
+ADMIN = (sys.executable, "-c", "from slurm_cdgpc.cli.main import main; main()")
 
 
 @pytest.fixture
@@ -51,7 +53,7 @@ def _hook(site: LocalCluster, kind: str, env: dict[str, str], tmp_path: Path) ->
     return line
 
 
-def test_jobs_on_mig_instances_share_their_gpu_which_counts_at_what_it_draws(
+def test_jobs_on_mig_instances_are_tenants_of_their_gpu_held_by_its_power_limit(
     site: LocalCluster, tmp_path: Path
 ) -> None:
     client = site.client()
@@ -82,26 +84,47 @@ def test_jobs_on_mig_instances_share_their_gpu_which_counts_at_what_it_draws(
     seen = jobs()
     assert all(seen[j]["gpus"] == [{"node": "node1", "index": 1}] for j in ("81", "82"))
 
-    def why() -> dict[int, str] | None:  # once the agent has described its boards
-        gpus = {g["index"]: g["why"] or "" for g in client.get("/v1/nodes")["nodes"][0]["gpus"]}
-        return gpus if "MIG mode is on" in gpus.get(1, "") else None
+    def levers() -> dict[int, object] | None:  # once the agent has described its boards
+        gpus = client.get("/v1/nodes")["nodes"][0]["gpus"]
+        by_index = {g["index"]: g for g in gpus}
+        return by_index if by_index.get(1, {}).get("lever") == "power limit" else None
 
-    assert "another GPU here is in MIG mode" in _wait("boards described", why, 5, site.logs)[0]
+    gpus = _wait("boards described", levers, 5, site.logs)
+    assert "another GPU here is in MIG mode" in gpus[0]["why"] and not gpus[0]["controlled"]
 
-    # never capped, and counted at what it draws: the node's two idle boards, not 500 W
-    time.sleep(4 * 0.5)
-    status = _wait(
-        "the MIG GPU counted at its reading",
-        lambda: (s := client.get("/v1/status")["last_interval"])["uncontrolled_w"] < 300.0 and s,
+    # both tenants planned, through the GPU's power limit: never a clock lock on it
+    _wait(
+        "both jobs controlled",
+        lambda: all(j["controlled"] for j in jobs().values()) or None,
         5,
         site.logs,
     )
-    assert status["uncontrolled_w"] > 0 and site.locks("node1") == {}
+    client.post("/v1/budget", {"budget_w": 250.0, "reason": "mig binds"})
+    limits = _wait(
+        "the MIG GPU held under its default limit",
+        lambda: (w := site.limits("node1")).get(1, 500.0) < 250.0 and w,
+        5,
+        site.logs,
+    )
+    assert set(limits) == {1} and site.locks("node1") == {}
+    shown = subprocess.run(
+        [*ADMIN, "nodes", "--config", str(site.head.config)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert shown.returncode == 0, shown.stderr
+    [row] = [line for line in shown.stdout.splitlines() if "yes, by its power limit" in line]
+    assert "81,82" in row, shown.stdout
     assert site.logs().count("2 GPU(s) of type") <= 2  # said when it changes, not each interval
-    assert not any(j["controlled"] for j in jobs().values())
 
+    # the first tenant's Epilog leaves the GPU with the other's limit; the last one's resets it
     line = _hook(
         site, "epilog", {"SLURM_JOB_ID": "81", "CUDA_VISIBLE_DEVICES": first.uuid}, tmp_path
     )
     assert "deregistered" in line, line
-    assert set(jobs()) == {"82"} and site.locks("node1") == {}
+    assert set(jobs()) == {"82"} and 1 in site.limits("node1")
+    line = _hook(site, "epilog", {"SLURM_JOB_ID": "82", "CUDA_VISIBLE_DEVICES": older}, tmp_path)
+    assert "deregistered" in line, line
+    assert jobs() == {} and site.limits("node1") == {} and site.locks("node1") == {}
