@@ -780,28 +780,43 @@ class NodeAgent:
 
     def _safe_cap_limit(self, device: GpuDevice) -> bool:
         """Put a MIG GPU at the safe cap's power limit (`safe_limit_w`) unless its limit is
-        already at or below it (True: changed). Written down in the state file first."""
+        already at or below it (True: changed)."""
+        problems: list[Refusal] = []
+        changed = self._limit_at_most(device, problems, unrecorded=True)
+        for problem in problems:
+            logger.error("GPU %d: %s", problem.gpu, problem.reason)
+        if changed is True:
+            self._lapse_capped.add(device.index)
+            logger.info("GPU %d (MIG mode): safe cap applied as a power limit", device.index)
+        return changed is True
+
+    def _limit_at_most(
+        self, device: GpuDevice, refused: list[Refusal], *, unrecorded: bool = False
+    ) -> bool | None:
+        """A MIG GPU's power limit at most the safe cap's (`safe_limit_w`), written down in the
+        state file first (if that fails, set anyway only when ``unrecorded``, as a lapse does):
+        True when set, None when already at or below it (never raised), False (with the reason
+        in ``refused``) when it was not set."""
         try:
             safe_w = safe_limit_w(device, self.safe_cap)
         except CdgpcError as e:
-            logger.error("GPU %d: cannot compute the safe cap: %s", device.index, e)
+            refused.append(Refusal(device.index, _reason(f"cannot compute the safe cap: {e}")))
             return False
         current = device.power_limit_set_w
         if current is not None and current <= safe_w:
-            return False
+            return None
         if device.index not in self._recorded and not self._write_state(
             limits={device.index: safe_w}
         ):
+            if not unrecorded:
+                refused.append(Refusal(device.index, "cannot record the limit in the state file"))
+                return False
             logger.error("cannot record the safe cap in the state file; applying it anyway")
         try:
             device.set_power_limit_w(safe_w)
         except CdgpcError as e:
-            logger.error("GPU %d: safe cap %g W failed: %s", device.index, safe_w, e)
+            refused.append(Refusal(device.index, _reason(f"safe cap {safe_w:g} W failed: {e}")))
             return False
-        self._lapse_capped.add(device.index)
-        logger.info(
-            "GPU %d (MIG mode): safe cap applied as a power limit of %g W", device.index, safe_w
-        )
         return True
 
     @property
@@ -839,7 +854,8 @@ class NodeAgent:
         its clock (never raised); one the head gave another job is shared: the job becomes one
         of its tenants and the GPU keeps its clock (one clock per GPU); one already the job's
         keeps its clock too: the head's setpoint may come before the hold (the Prolog holds
-        after it registers), and an older hold has capped it already."""
+        after it registers), and an older hold has capped it already. A GPU in MIG mode is held
+        by its power limit instead (`safe_limit_w`, never raised), as a lapse holds it."""
         with self._lock:
             held: list[int] = []
             refused: list[Refusal] = []
@@ -851,13 +867,8 @@ class NodeAgent:
                 if device is None:
                     refused.append(Refusal(gpu, f"no GPU with index {gpu} on this node"))
                     continue
-                board = self._boards.get(gpu)
-                if board is not None and board.mig_mode:
-                    # its clocks cannot be locked: the head sets its power limit, whole-GPU, at
-                    # its next plan and counts the job at its limit until then
-                    refused.append(Refusal(gpu, "MIG mode is on: not held (no clock lock)"))
-                    continue
-                if any(b.mig_mode for b in self._boards.values()):
+                limit_only = self._limit_only(gpu)
+                if not limit_only and any(b.mig_mode for b in self._boards.values()):
                     # beside a MIG GPU, Slurm's index is a GRES list position: maybe not this GPU
                     refused.append(
                         Refusal(
@@ -872,6 +883,11 @@ class NodeAgent:
                     self._cotenants.setdefault(gpu, set()).add(job_id)
                     logger.info("GPU %d: job %s shares it with job %s", gpu, job_id, owner)
                     held.append(gpu)
+                    continue
+                if limit_only:  # MIG mode: the safe cap as a power limit (never raised)
+                    if self._limit_at_most(device, refused) is not False:
+                        self._jobs[gpu] = job_id
+                        held.append(gpu)
                     continue
                 try:
                     lock = self._safe_cap_lock(device)

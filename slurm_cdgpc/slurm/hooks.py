@@ -466,9 +466,9 @@ def run(
         if env.mig:
             resolve = None if mig_factory is None else mig_factory(settings, environ)
             env, mig_note = resolve_mig(env, resolve)
-        # the hold comes last and may take one request timeout: the spool gets that much less;
-        # a node with MIG instances holds nothing (`NodeAgent.hold_job`): no hold is asked
-        hold = None if hold_factory is None or env.mig else hold_factory(settings, environ)
+        # the hold comes last and may take one request timeout: the spool gets that much less
+        # (a job on MIG instances is held on their GPUs by a power limit: `NodeAgent.hold_job`)
+        hold = None if hold_factory is None else hold_factory(settings, environ)
         outcome = run_prolog(
             env,
             client,

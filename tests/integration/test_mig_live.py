@@ -70,6 +70,8 @@ def test_jobs_on_mig_instances_are_tenants_of_their_gpu_held_by_its_power_limit(
         tmp_path,
     )
     assert "registered GPUs 1" in line and f"{first.uuid} on GPU(s) 1" in line, line
+    assert "GPU(s) [1] held here" in line, line  # by its power limit until the head plans it
+    assert set(site.limits("node1")) == {1} and site.locks("node1") == {}
     line = _hook(
         site,
         "prolog",

@@ -1,6 +1,7 @@
 """A GPU in MIG mode through the agent: its clocks cannot be locked, so its setpoint is its power
-limit (whole-GPU), written down before it is set, released with its last tenant, and the lease's
-safe cap is a limit too. GPU 1 is a recorded A100 board with MIG on; GPU 0 is whole."""
+limit (whole-GPU), written down before it is set, released with its last tenant; the lease's
+safe cap and the Prolog's hold are limits too. GPU 1 is a recorded A100 board with MIG on; GPU 0
+is whole."""
 
 from __future__ import annotations
 
@@ -137,3 +138,25 @@ def test_a_restart_after_a_crash_resets_the_mig_limit_it_recorded(tmp_path: Path
     restarted = _agent(tmp_path, gpus, clock)  # the agent died; the GPUs kept the limit
     assert restarted.recovered_stale_state
     assert gpus[1].power_limit_set_w is None
+
+
+def test_a_prologs_hold_caps_a_mig_gpu_by_its_limit_never_raising_it(tmp_path: Path) -> None:
+    agent = _agent(tmp_path)
+    mig = _mig(agent)
+    safe_w = safe_limit_w(mig, agent.safe_cap)
+    held, refused = agent.hold_job("61", [1])
+    assert (held, refused) == ([1], [])
+    assert mig.locked is None and mig.power_limit_set_w == pytest.approx(safe_w)
+    [entry] = _state(tmp_path)
+    assert (entry["job_id"], entry["power_limit_w"]) == ("61", pytest.approx(safe_w))
+    # a second instance's job shares it, at the limit it has
+    assert agent.hold_job("62", [1]) == ([1], [])
+    assert mig.power_limit_set_w == pytest.approx(safe_w)
+    agent.release_job("61")
+    agent.release_job("62")
+    assert mig.power_limit_set_w is None
+    # a limit the head set below the safe one is kept
+    _exchange(agent, Setpoint(1, "63", 1200, power_limit_w=150.0))
+    agent.release_job("63")
+    _exchange(agent, Setpoint(1, "64", 1200, power_limit_w=150.0))
+    assert agent.hold_job("65", [1]) == ([1], []) and mig.power_limit_set_w == 150.0

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from slurm_cdgpc.agent.node import NodeAgent
+from slurm_cdgpc.agent.node import NodeAgent, safe_limit_w
 from slurm_cdgpc.agent.server import AgentHttpServer
 from slurm_cdgpc.config import SafeCap
 from slurm_cdgpc.gpu.simulated import ManualClock, simulated_gpus
@@ -212,8 +212,10 @@ def test_jobs_on_mig_instances_are_tenants_of_their_physical_gpu(
     )
     assert head.jobs["51"]["gpus"] == [1]
     assert f"MIG instance(s) {first.uuid} on GPU(s) 1" in line
-    assert "held" not in line  # a node with MIG instances holds nothing: none is asked
-    assert agent.gpus[1].locked is None  # its instances' clocks are not the hold's to cap
+    # held by its power limit until the head's first plan: its clocks cannot be locked
+    assert "GPU(s) [1] held here" in line, line
+    mig = agent.gpus[1]
+    assert mig.locked is None and mig.power_limit_set_w == safe_limit_w(mig, agent.safe_cap)
     # an older driver's name for the second instance: the same physical GPU
     older = f"MIG-{agent.gpus[1].uuid}/{second.gpu_instance}/{second.compute_instance}"
     env52 = {**env, "SLURM_JOB_ID": "52", "SLURM_JOB_GPUS": "1", "CUDA_VISIBLE_DEVICES": older}
@@ -228,6 +230,9 @@ def test_jobs_on_mig_instances_are_tenants_of_their_physical_gpu(
     line = _hook("epilog", server, head, {**env, "CUDA_VISIBLE_DEVICES": first.uuid}, tmp_path)
     assert "51" not in head.jobs and "52" in head.jobs and "deregistered" in line
     assert [g.locked for g in agent.gpus] == [None, None]
+    assert mig.power_limit_set_w is not None  # job 52 still holds it
+    _hook("epilog", server, head, env52, tmp_path)
+    assert "52" not in head.jobs and mig.power_limit_set_w is None
 
 
 @pytest.mark.parametrize(
