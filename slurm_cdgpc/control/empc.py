@@ -28,6 +28,7 @@ from slurm_cdgpc.control.dual import (
     solve_domain_prices,
     solve_price,
 )
+from slurm_cdgpc.control.guard_rail import limit_gain
 from slurm_cdgpc.control.limits import LimitShare, NewJobShare
 from slurm_cdgpc.control.overdraw import ClusterDraw, Overdraw
 from slurm_cdgpc.control.ramp import Ramp
@@ -240,6 +241,9 @@ class Measurements:
     #: key one set of them (`cotenant_key`), -1 not known; a job's speed steps when they
     #: change (None: no job is known to share)
     cotenants: IntArray | None = None
+    #: per job, the power limit its GPUs held as their setpoint over the interval (MIG mode),
+    #: where below the board's default; NaN otherwise (None: no such job)
+    lever_limit_w: FloatArray | None = None
 
 
 @dataclass(frozen=True)
@@ -336,7 +340,8 @@ class EconomicMPC:
         domain's limit (``domains``; DESIGN.md, "Power domains"), each capped by its ramp
         (``ramp``: `Ramp.caps_w`; the decision's ``budget_w`` is the capped budget):
 
-        1. learn: RLS update of every job's power and iteration-time model from ``measured``;
+        1. learn: RLS update of every job's power and iteration-time model from ``measured``,
+           and of the gain of each lever GPU (MIG mode: `guard_rail.limit_gain`);
         2. offset: δ ← (1−η) δ + η (Σ P_meas − Σ P_plan) / Σ P_plan over the settled jobs' plans;
         3. weights: w_n = R_n / max(D_n − t, Δt), so w_n T_n(f) is the job's deadline pressure,
            then the rules: triage, the drain, the pressure of jobs without a deadline;
@@ -385,6 +390,10 @@ class EconomicMPC:
                 power_capped=capped,
                 cotenants=measured.cotenants if s.reanchor_tenants else None,
             )
+            if measured.lever_limit_w is not None:
+                estimator.limit_gain = limit_gain(
+                    estimator.limit_gain, measured.power_w, measured.lever_limit_w
+                )
             if self._last_step_s is not None:
                 # the interval just measured; a long gap (a head that was away) counts as one
                 dt_s = min(max(now_s - self._last_step_s, 0.0), 2.0 * s.interval_s)

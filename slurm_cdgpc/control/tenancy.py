@@ -126,6 +126,12 @@ class Tenancy:
         shared: BoolArray = (np.bincount(self.group, flags, self.size) > 0)[self.group]
         return shared
 
+    def lowest(self, values: FloatArray) -> FloatArray:
+        """Per job, the lowest of ``values`` over its group's tenants (a shared GPU's lever
+        gain: its tenants read one GPU at one limit)."""
+        low: FloatArray = -group_max(self.group, -np.asarray(values, dtype=np.float64), self.size)
+        return low[self.group]
+
     def job_power_w(self, group_power_w: FloatArray) -> FloatArray:
         """(N,) each job's equal share of its group's power."""
         return group_power_w[self.group] / self.tenants()[self.group]

@@ -16,7 +16,7 @@ import numpy as np
 
 from slurm_cdgpc.control.discrete import ClockGrid
 from slurm_cdgpc.control.empc import Decision, JobState, Measurements
-from slurm_cdgpc.control.guard_rail import power_limits_w
+from slurm_cdgpc.control.guard_rail import lever_state, power_limits_w
 from slurm_cdgpc.control.tenancy import Tenancy, cotenant_key
 from slurm_cdgpc.errors import InputError
 from slurm_cdgpc.gpu.catalog import GpuSpec
@@ -97,6 +97,8 @@ class GpuSample:
     throttle: int = 0
     #: the jobs that held the GPU over the interval the reading describes
     tenants: tuple[str, ...] = ()
+    #: the power limit a GPU in MIG mode held as its setpoint, where below its board's default
+    lever_limit_w: float | None = None
 
 
 @dataclass(frozen=True)
@@ -312,6 +314,7 @@ class RunningJobs:
         iteration = np.full(n, np.nan)
         capped = np.zeros(n, dtype=bool)
         cotenants = np.full(n, -1, dtype=np.int64)
+        lever = np.full(n, np.nan)
         for i, job in enumerate(self._jobs):
             seen = [by_ref[g] for g in job.gpus if g in by_ref]
             if seen:
@@ -323,6 +326,9 @@ class RunningJobs:
                 clock[i] = min(s.sm_clock_mhz for s in good)
                 memory[i] = min(s.memory_clock_mhz for s in good)
                 capped[i] = any(s.throttle & HELD_BELOW_LOCK for s in good)
+                limits = [s.lever_limit_w for s in good]
+                if all(w is not None for w in limits):  # MIG GPUs held below their default
+                    lever[i] = sum(w for w in limits if w is not None) / len(limits)
             if job.objective_s is not None:
                 latency_s, at_s = self._latency.get(job.job_id, (math.nan, -math.inf))
                 if at_s > self._measured_at.get(job.job_id, -math.inf):
@@ -340,6 +346,7 @@ class RunningJobs:
             planned_power_w=planned_power_w,
             power_capped=capped,
             cotenants=cotenants,
+            lever_limit_w=lever if np.isfinite(lever).any() else None,
         )
 
     def setpoints(
@@ -371,6 +378,7 @@ class RunningJobs:
         # GPU with it: the group is counted at the newcomer's share)
         held = np.zeros(len(self), dtype=bool) if decision.held is None else decision.held
         tenancy = self.tenancy()
+        gain, counted, unmodelled = lever_state(self.estimator, tenancy)
         if tenancy is not None:
             gpu_w, free = tenancy.gpu_power_w(decision.job_power_w), tenancy.any_tenant(free)
             held = tenancy.any_tenant(held)
@@ -382,26 +390,21 @@ class RunningJobs:
         lever = np.array(
             [limit_only is not None and limit_only(ref) for ref in refs], dtype=bool
         )  # GPUs whose setpoint is their power limit
-        top = np.array(
-            [
-                decision.graphics_mhz[i] >= s.max_graphics_mhz
-                for i, s in zip(first, specs, strict=True)
-            ],
-            dtype=bool,
-        )
-        hold = hold | (lever & ~top)
-        default_w = np.array([s.power_limit.default_w for s in specs])
+        top = decision.graphics_mhz[first] >= [s.max_graphics_mhz for s in specs]
         limits = power_limits_w(
             gpu_w[first],
             np.ones(len(refs)),
             power_limit_margin,
             [s.power_limit.min_w for s in specs],
-            default_w,
-            free[first] | (lever & ~hold),
+            [s.power_limit.default_w for s in specs],
+            free[first],
             hold,
+            lever,
+            top,
+            gain[first],
+            counted[first],
+            unmodelled[first],
         )
-        if limits is None and lever.any():
-            limits = default_w
         out: dict[str, list[NodeSetpoint]] = {}
         for r, (ref, i) in enumerate(zip(refs, first, strict=True)):
             memory = int(decision.memory_mhz[i]) if specs[r].memory_lockable else None

@@ -395,14 +395,26 @@ class NodeBook(Mapping[str, NodeState]):
                     continue  # the agent does not hold this job's setpoint (yet, or refused)
                 tenants = jobs if left is None else (*jobs, *left.get(ref, ()))
                 throttle = r.throttle or 0
+                lever_w = None
                 if r.index in node.mig:  # the power limit is the head's own lever here
                     throttle &= ~int(ThrottleReason.SW_POWER_CAP)
+                    lever_w = self._lever_limit_w(node, r)
                 sample = GpuSample(
-                    ref, power_w, r.sm_clock_mhz, r.memory_clock_mhz, throttle, tenants
+                    ref, power_w, r.sm_clock_mhz, r.memory_clock_mhz, throttle, tenants, lever_w
                 )
                 for job_id in jobs:
                     out.setdefault(job_id, []).append(sample)
         return out
+
+    def _lever_limit_w(self, node: NodeState, r: GpuReport) -> float | None:
+        """The limit a MIG GPU held over the interval, where below its board's default (at
+        its default the plan had it at its top clock: the limit held nothing)."""
+        gpu_type = node.gpu_types.get(r.index)
+        spec = None if gpu_type is None else self.specs.get(gpu_type)
+        limit_w = r.enforced_limit_w
+        if spec is None or limit_w is None or limit_w >= spec.power_limit.default_w - 1.0:
+            return None
+        return limit_w
 
     def power_by_gpu(self) -> dict[GpuRef, float]:
         """Every GPU that reported a power in the last answers: the interval's mean where the

@@ -252,9 +252,16 @@ class GpuSet:
 
     def reset_all(self) -> list[tuple[GpuDevice, CdgpcError]]:
         """Reset every GPU's locks, trying all of them even when some fail (a permission error
-        on one GPU included: leaving the others locked would be worse)."""
+        on one GPU included: leaving the others locked would be worse). A GPU in MIG mode has
+        none to reset (clock control is not offered there, and turning MIG on resets the GPU):
+        its power limit is the caller's to reset."""
         failed: list[tuple[GpuDevice, CdgpcError]] = []
         for dev in self.devices:
+            try:
+                if dev.mig_mode():
+                    continue
+            except GpuError:
+                pass  # cannot say: reset it as any other
             try:
                 dev.reset_locked_clocks()
             except CdgpcError as e:

@@ -168,6 +168,9 @@ class JobEstimator:
         #: the co-tenants the time model last learned among (`Measurements.cotenants`; -1:
         #: none learned yet)
         self.cotenants = np.zeros(0, dtype=np.int64)
+        #: what its GPU drew over the power limit it was held at, where the limit is the
+        #: setpoint (MIG mode: `slurm_cdgpc.control.guard_rail.limit_gain`); 1 until seen
+        self.limit_gain = np.zeros(0)
 
     def __len__(self) -> int:
         return self.power.n
@@ -186,6 +189,7 @@ class JobEstimator:
         self.share = np.concatenate([self.share, np.full(len(statics), np.nan)])
         self.same_share = np.concatenate([self.same_share, np.zeros(len(statics), np.int64)])
         self.cotenants = np.concatenate([self.cotenants, np.full(len(statics), -1, np.int64)])
+        self.limit_gain = np.concatenate([self.limit_gain, np.ones(len(statics))])
 
     def restore(self, power: RlsState, time: RlsState, rows: Sequence[int] | None = None) -> None:
         """Put back the models of jobs already added (``rows``; default: every one), as
@@ -204,6 +208,7 @@ class JobEstimator:
         self.share = self.share[mask]
         self.same_share = self.same_share[mask]
         self.cotenants = self.cotenants[mask]
+        self.limit_gain = self.limit_gain[mask]
 
     def normalise(
         self, graphics_mhz: FloatArray, memory_mhz: FloatArray

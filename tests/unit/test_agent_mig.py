@@ -160,3 +160,18 @@ def test_a_prologs_hold_caps_a_mig_gpu_by_its_limit_never_raising_it(tmp_path: P
     agent.release_job("63")
     _exchange(agent, Setpoint(1, "64", 1200, power_limit_w=150.0))
     assert agent.hold_job("65", [1]) == ([1], []) and mig.power_limit_set_w == 150.0
+
+
+def test_resetting_every_gpu_leaves_a_mig_gpus_clocks_alone_and_resets_its_limit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    agent = _agent(tmp_path)
+    mig = _mig(agent)
+    _exchange(agent, Setpoint(1, "61", 1200, power_limit_w=250.0))
+
+    def refuse() -> None:  # what NVML is expected to answer on a partitioned GPU
+        raise GpuNotSupportedError("NVML: Not Supported")
+
+    monkeypatch.setattr(mig, "reset_locked_clocks", refuse)
+    assert agent.restore_defaults() == []  # nothing failed: a MIG GPU has no lock to reset
+    assert mig.power_limit_set_w is None and not (tmp_path / "state.json").exists()
