@@ -123,6 +123,13 @@ _SERVING_TABLE = (
     "site stopped sharing GPUs).",
 )
 @click.option(
+    "--mig",
+    is_flag=True,
+    help="Every GPU in MIG mode: a pod that asks for part of one gets the smallest A100 "
+    "instance with its share, running at that slice's measured speed; no clock can be "
+    "locked, so only power limits act (slurm_cdgpc.sim.mig).",
+)
+@click.option(
     "--racks",
     default=None,
     help="Power domains: racks of K consecutive nodes (the last holds what is left), each "
@@ -226,6 +233,7 @@ def simulate(
     limit_jobs: int | None,
     last_jobs: int | None,
     whole_gpus: bool,
+    mig: bool,
     racks: str | None,
     topology_path: str | None,
     serving: str | None,
@@ -275,9 +283,9 @@ def simulate(
         if last_jobs is not None and limit_jobs is not None:
             raise InputError("give --limit-jobs or --last-jobs, not both")
         if sweep_dir is not None:
-            if last_jobs is not None or whole_gpus:
+            if last_jobs is not None or whole_gpus or mig:
                 raise InputError(
-                    "--last-jobs and --whole-gpus are for one replay: not with --sweep"
+                    "--last-jobs, --whole-gpus and --mig are for one replay: not with --sweep"
                 )
             if engine != "fast":
                 raise InputError("--engine head replays one trace: not with --sweep")
@@ -344,6 +352,7 @@ def simulate(
             limit_jobs,
             last_jobs,
             whole_gpus,
+            mig,
             racks,
             None if topology_path is None else load_topology(Path(topology_path)),
             None
@@ -397,6 +406,7 @@ def _simulate(
     limit_jobs: int | None,
     last_jobs: int | None,
     whole_gpus: bool,
+    mig: bool,
     racks: str | None,
     topology: Topology | None,
     serving: Serving | None,
@@ -431,6 +441,8 @@ def _simulate(
         names = _without_plant_readers(
             names, policy, "reads the plant of whole GPUs: not with shared ones"
         )
+    if mig:
+        names = _without_plant_readers(names, policy, "locks clocks: not with --mig")
     fleet = fleet or default_fleet(trace)
     fleet = with_domains(fleet if serving is None else serving.fleet(fleet), racks, topology)
     budget_w = parse_budget_w(budget, fleet)
@@ -443,6 +455,7 @@ def _simulate(
         progress_mix=mix,
         time_limits=time_limits,
         serving=serving,
+        mig=mig,
     )
     show = not as_json or sys.stderr.isatty()
     replays = 2 if engine == "head" else len(names) + (0 if "max-clock" in names else 1)

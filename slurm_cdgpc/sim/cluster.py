@@ -29,6 +29,7 @@ from slurm_cdgpc.gpu.plant import (
 )
 from slurm_cdgpc.sim.colocation import draw_pair_throughput, throughput_factors
 from slurm_cdgpc.sim.fleet import FleetSpec
+from slurm_cdgpc.sim.mig import draw_slice_speed, slice_milli, slice_sevenths
 from slurm_cdgpc.sim.reporting import (
     DEFAULT_TIME_LIMITS,
     NONE,
@@ -96,6 +97,9 @@ class ClusterView:
     #: the shared GPU a job holds part of (`slurm_cdgpc.sim.sharing`): an id, the same for its
     #: tenants, or −1 for a job on whole GPUs; None when no job shares
     shared_gpu: IntArray | None = None
+    #: every GPU is in MIG mode (`slurm_cdgpc.sim.mig`): clocks cannot be locked, a power
+    #: limit is the only setpoint that acts
+    mig: bool = False
 
     def __post_init__(self) -> None:
         # read-only views: a policy cannot write into the simulator's state
@@ -460,6 +464,7 @@ class Simulator:
         progress_mix: ProgressMix | None = None,
         time_limits: TimeLimitModel = DEFAULT_TIME_LIMITS,
         serving: Serving | None = None,
+        mig: bool = False,
     ) -> None:
         if not budget_w > 0 or not math.isfinite(budget_w):
             raise InputError(f"the power budget must be a positive number of watts, got {budget_w}")
@@ -482,7 +487,18 @@ class Simulator:
         self.time_limits = time_limits
         self.source = self.progress_mix.draw(len(trace), seed)
         self.reports_progress = self.source == REPORTED
-        drawn = time_limits.draw(np.asarray(trace.duration_s, dtype=np.float64), seed)
+        #: every GPU in MIG mode: a sharing job holds its profile's sevenths and runs at its
+        #: slice's speed (`slurm_cdgpc.sim.mig`), alone or not; its user knows that speed and
+        #: asks for a time limit on its run time there
+        self.mig = mig
+        self.gpu_milli = np.asarray(trace.gpu_milli, dtype=np.int64)
+        self.slice_speed = np.ones(len(trace))
+        if mig:
+            sevenths = slice_sevenths(self.gpu_milli)
+            self.gpu_milli = slice_milli(self.gpu_milli)
+            self.slice_speed = draw_slice_speed(sevenths, np.random.default_rng([seed, 7]))
+        run_s = np.asarray(trace.duration_s, dtype=np.float64) / self.slice_speed
+        drawn = time_limits.draw(run_s, seed)
         limit_s = np.where(np.isfinite(trace.time_limit_s), trace.time_limit_s, drawn)
         self.time_limit_s = np.where(self.source == NONE, np.nan, limit_s)
         self.node_type = fleet.node_type
@@ -492,11 +508,11 @@ class Simulator:
         )
         self.idle_w_by_type = np.array([s.idle_power_w for s in self.specs])
         self.max_mhz_by_type = np.array([float(s.max_graphics_mhz) for s in self.specs])
-        #: per trace job: the thousandths of a GPU a sharing job asks for (1000: whole GPUs),
-        #: and the combined throughput its GPU's tenants reach with it (`sim.colocation`)
-        self.gpu_milli = np.asarray(trace.gpu_milli, dtype=np.int64)
-        self.sharing = bool(np.any(self.gpu_milli < WHOLE_GPU))
+        #: per trace job: the thousandths of a GPU a sharing job asks for (1000: whole GPUs;
+        #: in MIG mode its profile's, above), and the combined throughput its GPU's tenants
+        #: reach with it (`sim.colocation`)
         self.combined = draw_pair_throughput(len(trace), np.random.default_rng([seed, 3]))
+        self.sharing = bool(np.any(self.gpu_milli < WHOLE_GPU))
         self.serving = serving
         #: (S, nodes): the serving jobs' GPUs, the fleet's last ones
         count = 0 if serving is None else serving.jobs
@@ -607,6 +623,8 @@ class Simulator:
             raise InputError(
                 f"policy {policy.name!r} reads the plant of whole GPUs: not with shared ones"
             )
+        if self.mig and isinstance(policy, PlantPolicy):
+            raise InputError(f"policy {policy.name!r} locks clocks: not with GPUs in MIG mode")
         shared = SharedGpus()
         policy.start(self.fleet, self.budget_w, dt)
         start_s = np.full(n, np.nan)
@@ -740,7 +758,11 @@ class Simulator:
                     rows, types = run.rows[tenant], run.types[tenant]
                     tenants = Plant(self.specs, types, wl.on(types, rows))
                     gpu_of = np.unique(run.shared[tenant], return_inverse=True)[1].reshape(-1)
-                    factor = throughput_factors(self.gpu_milli[rows], gpu_of, self.combined[rows])
+                    factor = (
+                        self.slice_speed[rows]
+                        if self.mig
+                        else throughput_factors(self.gpu_milli[rows], gpu_of, self.combined[rows])
+                    )
             idle_gpu_w = float(np.sum(free * self.idle_w_by_type[self.node_type]))
             view = ClusterView(
                 now_s=t,
@@ -772,6 +794,7 @@ class Simulator:
                 queued_jobs=len(queue),
                 queued_gpus=queued_gpus,
                 shared_gpu=run.shared if self.sharing else None,
+                mig=self.mig,
             )
             if not isinstance(policy, PlantPolicy):
                 view = self._as_seen(view)
@@ -795,14 +818,14 @@ class Simulator:
             top = self.max_mhz_by_type[run.types]
             clock = (
                 top
-                if sp.graphics_mhz is None
+                if sp.graphics_mhz is None or self.mig  # MIG: no clock lock takes
                 else np.where(np.isfinite(sp.graphics_mhz), sp.graphics_mhz, top)
             )
             limit = None
             if sp.limit_w is not None:
                 default = np.array([s.power_limit.default_w for s in self.specs])[run.types]
                 limit = np.where(np.isfinite(sp.limit_w), sp.limit_w, default)
-            mem = sp.memory_mhz
+            mem = None if self.mig else sp.memory_mhz
             truth = plant.step(clock, mem, limit)
             at_max = plant.step(top)
             if tenants is not None:  # shared GPUs: one clock, one power each
@@ -872,7 +895,8 @@ class Simulator:
             )
             run.power_w = seen.power_w
             run.iteration_s = seen.iteration_time_s
-            run.power_capped = truth.power_capped
+            # in MIG mode the limit is the policy's own setpoint, not another limiter
+            run.power_capped = truth.power_capped & (not self.mig)
             kept = ~finishing
             if finishing.any():
                 free += run.alloc[finishing & (run.shared < 0)].sum(axis=0)

@@ -20,7 +20,7 @@ from slurm_cdgpc.config import ControlConfig
 from slurm_cdgpc.control.discrete import ClockGrid
 from slurm_cdgpc.control.domains import DomainLimits
 from slurm_cdgpc.control.empc import Decision, EconomicMPC, JobState, Measurements, QueueState
-from slurm_cdgpc.control.guard_rail import power_limits_w
+from slurm_cdgpc.control.guard_rail import lever_state, power_limits_w
 from slurm_cdgpc.control.overdraw import ClusterDraw
 from slurm_cdgpc.control.ramp import Ramp
 from slurm_cdgpc.control.tenancy import Tenancy, cotenant_key
@@ -262,6 +262,8 @@ class Cdgpc(Policy):
         self.controller = EconomicMPC(grid, tuning.controller)
         self.estimator = JobEstimator(tuning.estimator)
         self.planned_w = np.zeros(0)
+        #: per row, the power limit a GPU in MIG mode was held at by the last setpoints
+        self.lever_w = np.zeros(0)
         #: per row, its co-tenants in the last view (`_measured_cotenants`)
         self._cotenants = np.zeros(0, dtype=np.int64)
         self.last: Decision | None = None  # the plan in force over the interval each view shows
@@ -357,6 +359,7 @@ class Cdgpc(Policy):
                 JobStatics.of(self.specs, view.job_type[new], view.job_gpus[new])
             )
         planned = np.concatenate([self.planned_w[view.kept], np.full(view.started, np.nan)])
+        lever_w = np.concatenate([self.lever_w[view.kept], np.full(view.started, np.nan)])
         measured = Measurements(
             view.graphics_mhz,
             view.memory_mhz,
@@ -366,6 +369,7 @@ class Cdgpc(Policy):
             view.power_capped,
             cluster=self.cluster_draw(view),
             cotenants=self._measured_cotenants(view),
+            lever_limit_w=lever_w if view.mig else None,
         )
         tenancy = self.tenancy(view)
         jobs = JobState(
@@ -398,19 +402,32 @@ class Cdgpc(Policy):
         gpu_w = d.job_power_w / view.job_gpus
         free = None if d.serving is None else d.serving.serving
         held = d.held
+        gain, counted, unmodelled = lever_state(self.estimator, tenancy)
         if tenancy is not None:
             gpu_w = tenancy.gpu_power_w(d.job_power_w)
             free = None if free is None else tenancy.any_tenant(free)
             held = None if held is None else tenancy.any_tenant(held)
+        # in MIG mode a GPU's limit is its setpoint (`RunningJobs.setpoints`, the head's)
+        top = d.graphics_mhz >= np.array([s.max_graphics_mhz for s in self.specs])[view.job_type]
+        default_w = np.array([s.power_limit.default_w for s in self.specs])[view.job_type]
         limits = power_limits_w(
             gpu_w,
             np.ones(len(view)),
             self.power_limit_margin,
             np.array([s.power_limit.min_w for s in self.specs])[view.job_type],
-            np.array([s.power_limit.default_w for s in self.specs])[view.job_type],
+            default_w,
             free,
             held,
+            np.full(len(view), view.mig),
+            top,
+            gain,
+            counted,
+            unmodelled,
         )
+        # what a lever GPU is held at, for the next measurements (`limit_gain`)
+        self.lever_w = np.full(len(view), np.nan)
+        if view.mig and limits is not None:
+            self.lever_w = np.where(limits < default_w - 1e-6, limits, np.nan)
         return Setpoints(
             graphics_mhz=d.graphics_mhz.astype(np.float64),
             memory_mhz=d.memory_mhz.astype(np.float64),

@@ -33,11 +33,13 @@ from slurm_cdgpc.sim.fleet import node_name as fleet_node_name
 from slurm_cdgpc.sim.sharing import TenantTimeErrors
 from slurm_cdgpc.store import Store, make_engine, upgrade
 from slurm_cdgpc.transport.http import NodeFailure, NodeTarget
+from slurm_cdgpc.wire.board import BoardDescription
 from slurm_cdgpc.wire.protocol import (
     ExchangeResponse,
     GpuReport,
     LockReport,
     ProgressReport,
+    Refusal,
 )
 
 logger = logging.getLogger(__name__)
@@ -87,6 +89,14 @@ class _Gpu:
     job_id: str | None = None
     energy_j: float = 0.0
     read_s: float | None = None
+    #: the power limit the head set (None: the board's default)
+    limit_w: float | None = None
+
+    def board(self, mig: bool) -> BoardDescription:
+        """Its board as its agent describes it (MIG mode on for a fleet in MIG mode)."""
+        return BoardDescription(
+            self.spec.name, self.uuid, self.spec.clocks, self.spec.power_limit, mig_mode=mig
+        )
 
 
 @dataclass
@@ -98,7 +108,9 @@ class ViewTransport:
     the jobs' progress. Each exchange reads every GPU before it applies the request (energy
     counter advanced by the reading's power over the time since the last read), then applies the
     setpoints and releases, and keeps what it applied per GPU (`applied`): a shared GPU's
-    tenants run at what their GPU holds, whichever tenant its setpoint named.
+    tenants run at what their GPU holds, whichever tenant its setpoint named. With ``mig``
+    every GPU's board says MIG mode, as an agent describes it when the head asks: no clock is
+    locked, and a setpoint's power limit is what it applies.
     """
 
     clock: ManualClock
@@ -109,6 +121,7 @@ class ViewTransport:
     #: graphics MHz, memory MHz (None: not lockable), power limit in W (None: the default)
     applied: dict[tuple[str, int], _Applied] = field(default_factory=dict)
     exchanges: int = 0
+    mig: bool = False
     _lowest_mhz: dict[tuple[str, int | None], int] = field(default_factory=dict)
 
     @classmethod
@@ -134,8 +147,17 @@ class ViewTransport:
                 continue
             reports = tuple(self._read(name, i, gpu, now_s) for i, gpu in enumerate(gpus))
             request = target.request
+            refused: list[Refusal] = []
             for point in request.setpoints:
                 gpu = gpus[point.gpu]
+                if self.mig:  # its limit is the setpoint, and one without is refused
+                    if point.power_limit_w is None:
+                        refused.append(Refusal(point.gpu, "MIG mode is on: no power limit"))
+                        continue
+                    gpu.limit_w, gpu.job_id = point.power_limit_w, point.job_id
+                    top = gpu.spec.max_graphics_mhz
+                    applied.setdefault((name, point.gpu), (top, None, point.power_limit_w))
+                    continue
                 key = (gpu.spec.name, point.memory_mhz)
                 if key not in self._lowest_mhz:  # the lowest clock at that memory, as agents lock
                     self._lowest_mhz[key] = min(gpu.spec.clocks.graphics_for(point.memory_mhz))
@@ -147,8 +169,14 @@ class ViewTransport:
             for index in request.release:
                 gpus[index].locked = None
                 gpus[index].job_id = None
+                gpus[index].limit_w = None
             out[name] = ExchangeResponse(
-                node=name, time_s=now_s, gpus=reports, progress=self.progress.get(name, ())
+                node=name,
+                time_s=now_s,
+                gpus=reports,
+                progress=self.progress.get(name, ()),
+                refused=tuple(refused),
+                boards=tuple(g.board(self.mig) for g in gpus) if request.describe else (),
             )
         self.applied.update(applied)  # an emergency cut's exchange after the interval's wins
         return out
@@ -170,12 +198,17 @@ class ViewTransport:
             energy_j=float(gpu.energy_j),
             sm_clock_mhz=reading.sm_clock_mhz,
             memory_clock_mhz=reading.memory_clock_mhz,
-            enforced_limit_w=float(spec.power_limit.default_w),
+            enforced_limit_w=float(
+                spec.power_limit.default_w if gpu.limit_w is None else gpu.limit_w
+            )
+            if self.mig
+            else float(spec.power_limit.default_w),
             throttle=reading.throttle,
             locked=gpu.locked,
             job_id=gpu.job_id,
             error=None,
             read_s=now_s,
+            board=gpu.board(self.mig).digest() if self.mig else None,
         )
 
 
@@ -298,6 +331,7 @@ class HeadTwin(Policy):
         if not self._intervals:
             self.offset_s = EPOCH_S - view.now_s
         self._intervals += 1
+        transport.mig = view.mig
         self._score_time_model(head, view)
         self.clock.advance(view.now_s + self.offset_s - self.clock())
         self._follow_jobs(head, view)

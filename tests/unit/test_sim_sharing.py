@@ -240,7 +240,7 @@ def test_cli_replays_the_last_pods_shared_or_on_whole_gpus() -> None:
     [
         (("--policy", "oracle"), "--policy oracle reads the plant of whole GPUs"),
         (("--last-jobs", "2", "--limit-jobs", "2"), "give --limit-jobs or --last-jobs, not both"),
-        (("--whole-gpus", "--sweep", "out"), "--whole-gpus are for one replay"),
+        (("--whole-gpus", "--sweep", "out"), "--whole-gpus and --mig are for one replay"),
     ],
 )
 def test_cli_refuses_what_shared_gpus_cannot_replay(args: tuple[str, ...], message: str) -> None:
