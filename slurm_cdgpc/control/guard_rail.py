@@ -20,15 +20,19 @@ from slurm_cdgpc.model.families import FloatArray
 
 #: η of a lever's gain (`limit_gain`): the share of the last interval's ratio it takes
 LIMIT_GAIN_RATE: Final = 0.5
-#: where a lever's gain stays: a reading of a job that ended or started within the interval,
-#: or of a GPU the limit did not hold, says little about the firmware
+#: where a lever's gain stays: a reading of a job that ended or started within the interval
+#: says little about the firmware
 LIMIT_GAIN_RANGE: Final = (0.25, 1.5)
+#: a lever GPU planned at its top clock is held this much above what its plan counts there,
+#: not freed: a model learned under limits says least about the top clock
+LEVER_TOP_MARGIN: Final = 0.05
 
 
 def limit_gain(gain: npt.ArrayLike, drawn_w: npt.ArrayLike, limit_w: npt.ArrayLike) -> FloatArray:
     """Each job's lever gain after an interval: ρ ← ρ + η (P / L − ρ) where its GPUs drew P
-    (mean per GPU) held at the limit L that was their setpoint (finite ``limit_w``: MIG mode),
-    within `LIMIT_GAIN_RANGE`; the others keep theirs.
+    (mean per GPU) held at the limit L that was their setpoint (finite ``limit_w``: MIG mode,
+    where the firmware said the limit held the clock), within `LIMIT_GAIN_RANGE`; the others
+    keep theirs.
 
     A power limit holds the firmware's window, not the interval: a job that computes in bursts
     has its busy peaks held at L and draws well under L on the mean (a BERT-like job under a
@@ -95,28 +99,28 @@ def power_limits_w(
     Jobs on GPUs whose clocks cannot be locked (``lever``: MIG mode) have the limit as their
     setpoint: L_j = P_j / (g_j ρ_j), ρ_j its lever's ``gain`` (`limit_gain`; 1 when not
     given), the firmware running the highest clock within it. Planned at their ``top`` clock
-    they keep the board's default, as a locked GPU at its top clock draws what its job asks,
-    unless ``counted`` (a tenant of the GPU has no power reading yet and is counted at a share
-    of its limit), which the lever holds them at. A GPU whose every tenant is counted
-    (``unmodelled``) planned below its top clock is the fallback's (nothing fits): a count
-    says nothing of its draw there, and it goes to the board's minimum, as a locked one goes
-    to its lowest clock."""
+    they are held `LEVER_TOP_MARGIN` above that (a model learned under limits says least about
+    the top clock; a locked GPU there draws whatever its job asks), and one with a tenant
+    ``counted`` (no power reading yet, counted at a share of its limit) at its count. A GPU
+    whose every tenant is counted (``unmodelled``) planned below its top clock is the
+    fallback's (nothing fits): a count says nothing of its draw there, and it goes to the
+    board's minimum, as a locked one goes to its lowest clock."""
     if not margin >= 0:
         raise InputError(f"the power-limit margin must be at least 0, got {margin}")
     hold = None if held is None else np.asarray(held, dtype=bool)
     by_limit = None if lever is None else np.asarray(lever, dtype=bool)
-    lowest = None
+    lowest = headroom = None
     if by_limit is not None and by_limit.any():
         none = np.zeros(by_limit.shape, dtype=bool)
         at_top = none if top is None else np.asarray(top, dtype=bool)
         new = none if counted is None else np.asarray(counted, dtype=bool)
         unknown = none if unmodelled is None else np.asarray(unmodelled, dtype=bool)
         serving = none if free is None else np.asarray(free, dtype=bool)
-        uncapped = by_limit & at_top & ~new
         lowest = by_limit & unknown & ~at_top & ~serving
-        capped = by_limit & ~uncapped & ~lowest
-        hold = capped if hold is None else (hold & ~uncapped) | capped
-        free = serving | uncapped
+        capped = by_limit & ~lowest
+        hold = capped if hold is None else hold | capped
+        free = serving
+        headroom = by_limit & at_top & ~new  # measured, at its top clock
     elif margin == 0 and (hold is None or not hold.any()):
         return None
     power = np.asarray(job_power_w, dtype=np.float64)
@@ -130,6 +134,8 @@ def power_limits_w(
         if by_limit is not None and gain is not None:  # a lever's limit draws ρ of itself
             rho = np.broadcast_to(np.asarray(gain, dtype=np.float64), power.shape)
             held_w = np.where(by_limit, planned / rho, planned)
+        if headroom is not None:
+            held_w = np.where(headroom, held_w * (1.0 + LEVER_TOP_MARGIN), held_w)
         per_gpu = np.where(hold, held_w, per_gpu)
     per_gpu = np.where(np.isfinite(per_gpu), per_gpu, hi)
     if free is not None:

@@ -407,12 +407,14 @@ class NodeBook(Mapping[str, NodeState]):
         return out
 
     def _lever_limit_w(self, node: NodeState, r: GpuReport) -> float | None:
-        """The limit a MIG GPU held over the interval, where below its board's default (at
-        its default the plan had it at its top clock: the limit held nothing)."""
+        """The limit a MIG GPU held over the interval, where below its board's default and the
+        firmware said it held the clock (`SW_POWER_CAP`): what teaches its lever's gain."""
         gpu_type = node.gpu_types.get(r.index)
         spec = None if gpu_type is None else self.specs.get(gpu_type)
         limit_w = r.enforced_limit_w
         if spec is None or limit_w is None or limit_w >= spec.power_limit.default_w - 1.0:
+            return None
+        if not (r.throttle or 0) & ThrottleReason.SW_POWER_CAP:
             return None
         return limit_w
 

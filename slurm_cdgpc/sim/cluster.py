@@ -895,8 +895,7 @@ class Simulator:
             )
             run.power_w = seen.power_w
             run.iteration_s = seen.iteration_time_s
-            # in MIG mode the limit is the policy's own setpoint, not another limiter
-            run.power_capped = truth.power_capped & (not self.mig)
+            run.power_capped = truth.power_capped
             kept = ~finishing
             if finishing.any():
                 free += run.alloc[finishing & (run.shared < 0)].sum(axis=0)

@@ -360,16 +360,19 @@ class Cdgpc(Policy):
             )
         planned = np.concatenate([self.planned_w[view.kept], np.full(view.started, np.nan)])
         lever_w = np.concatenate([self.lever_w[view.kept], np.full(view.started, np.nan)])
+        # as the head reads a MIG GPU: the limit is its own lever, not another limiter, and
+        # teaches the lever's gain where it held the clock (`NodeBook.samples`)
+        capped = view.power_capped & (not view.mig)
         measured = Measurements(
             view.graphics_mhz,
             view.memory_mhz,
             view.power_w,
             view.iteration_s,
             planned,
-            view.power_capped,
+            capped,
             cluster=self.cluster_draw(view),
             cotenants=self._measured_cotenants(view),
-            lever_limit_w=lever_w if view.mig else None,
+            lever_limit_w=np.where(view.power_capped, lever_w, np.nan) if view.mig else None,
         )
         tenancy = self.tenancy(view)
         jobs = JobState(

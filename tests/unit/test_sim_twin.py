@@ -572,8 +572,10 @@ def test_both_engines_hold_the_budget_alike_with_shared_gpus(
 def test_the_head_holds_gpus_in_mig_mode_by_their_limits_as_the_fast_engine_does() -> None:
     """The same 40 jobs with every GPU in MIG mode (`slurm_cdgpc.sim.mig`): the twin's agents
     describe MIG boards, refuse a clock, and apply the limit the head sends. Measured: fast MAE
-    2.14 %, never over by more than 1 %, worst +0.2 %; head 3.68 %, 1.85 %, +11.9 % (the head
-    learns a tenant two intervals later, as with shared GPUs above)."""
+    2.15 %, never over by more than 1 %, worst +0.2 %; head 3.12 %, never, +0.59 % (seeds 1
+    and 2: 3.11 %, 0.72 %, +1.42 %; 3.15 %, never, −0.45 %). With the GPUs at their top clock
+    freed rather than held just above their plan, the head went +11 to +12 % over on seeds
+    0–2: a model learned under limits says least about the top clock."""
     from tests.unit.test_sim_sharing import crowded_trace  # noqa: PLC0415
 
     fleet = parse_fleet("2x4:A100-SXM4-80GB")
@@ -590,7 +592,7 @@ def test_the_head_holds_gpus_in_mig_mode_by_their_limits_as_the_fast_engine_does
     assert fast.power_mae_pct is not None and head.power_mae_pct is not None
     assert fast.power_mae_pct < 3.0 and head.power_mae_pct < 5.0
     assert fast.over_budget_intervals_pct < 1.0 and fast.max_overshoot_pct < 1.0
-    assert head.over_budget_intervals_pct < 4.0 and head.max_overshoot_pct < 15.0
+    assert head.over_budget_intervals_pct < 2.0 and head.max_overshoot_pct < 3.0
     assert head.energy_kwh == pytest.approx(fast.energy_kwh, rel=0.05)
 
 
