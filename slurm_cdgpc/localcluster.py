@@ -524,6 +524,21 @@ class LocalCluster:
             period_s=POLL_S,
         )
 
+    def admin(self, *args: str, head: str | None = None) -> str:
+        """``cdgpc-admin ARGS --config`` head ``head``'s file (the first by default), in a
+        process of its own as an admin types it: its output (`CalledProcessError` on a
+        failure, with what it printed)."""
+        config = (self.heads[head] if head is not None else self.head).config
+        command = [sys.executable, "-c", "from slurm_cdgpc.cli.main import main; main()"]
+        done = subprocess.run(
+            [*command, *args, "--config", str(config)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        )
+        return done.stdout
+
     def client(
         self, head: str | None = None, *, signed: bool = True, timeout_s: float = 10.0
     ) -> HeadClient:

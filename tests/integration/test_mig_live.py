@@ -6,8 +6,6 @@ record's position in ``SLURM_JOB_GPUS`` and the instance's UUID in ``CUDA_VISIBL
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,7 +23,6 @@ pytestmark = pytest.mark.live
 REPO = Path(__file__).resolve().parents[2]
 MIG_BOARD = REPO / "tests" / "data" / "nvml" / "a100-sxm4-80gb-mig.board.json"
 GPU_TYPE = f"A100-SXM4-80GB:1,{MIG_BOARD}:1"
-ADMIN = (sys.executable, "-c", "from slurm_cdgpc.cli.main import main; main()")
 
 
 @pytest.fixture
@@ -109,16 +106,9 @@ def test_jobs_on_mig_instances_are_tenants_of_their_gpu_held_by_its_power_limit(
         site.logs,
     )
     assert set(limits) == {1} and site.locks("node1") == {}
-    shown = subprocess.run(
-        [*ADMIN, "nodes", "--config", str(site.head.config)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-    assert shown.returncode == 0, shown.stderr
-    [row] = [line for line in shown.stdout.splitlines() if "yes, by its power limit" in line]
-    assert "81,82" in row, shown.stdout
+    shown = site.admin("nodes")
+    [row] = [line for line in shown.splitlines() if "yes, by its power limit" in line]
+    assert "81,82" in row, shown
     assert site.logs().count("2 GPU(s) of type") <= 2  # said when it changes, not each interval
 
     # the first tenant's Epilog leaves the GPU with the other's limit; the last one's resets it

@@ -32,7 +32,6 @@ INTERVAL_S = 2.0
 LEASE_S = 8.0
 TOP_MHZ = 1410
 OBJECTIVE_S = 0.25
-ADMIN = (sys.executable, "-c", "from slurm_cdgpc.cli.main import main; main()")
 
 
 @pytest.fixture
@@ -90,13 +89,7 @@ def test_a_serving_job_keeps_its_objective_below_its_top_clock(site: LocalCluste
     assert min(clocks) < TOP_MHZ and clocks[-1] < TOP_MHZ, clocks
     assert served[-1]["state"] == "met" and served[-1]["floor_mhz"] == clocks[-1], served[-1]
     assert any(r["status"]["status"] == "binding" for r in rows)
-    table = subprocess.run(
-        [*ADMIN, "jobs", "--config", str(site.head.config)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
-    ).stdout
+    table = site.admin("jobs")
     [line] = [row for row in table.splitlines() if row.split()[0] == "2"]
     assert "/250 ms, floor " in line and " met " in f" {line} ", table
     training_clocks = [r["1"]["graphics_mhz"] for r in rows if r["1"]["graphics_mhz"]]
