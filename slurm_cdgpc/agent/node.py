@@ -110,6 +110,13 @@ def safe_limit_w(device: GpuDevice, safe_cap: SafeCap) -> float:
     return min(max(target_w, limits.min_w), limits.default_w)
 
 
+def _set_limit_within(device: GpuDevice, limit_w: float) -> None:
+    """Set ``device``'s power limit at ``limit_w`` clipped into [minimum, default] of its board:
+    the head's limits only tighten what the board boots with."""
+    limits = device.power_limit_range()
+    device.set_power_limit_w(min(max(limit_w, limits.min_w), limits.default_w))
+
+
 class StaleEpochError(InputError):
     """An exchange from a head with an older leader epoch than one already seen (HTTP 409)."""
 
@@ -570,8 +577,7 @@ class NodeAgent:
         of the board (the firmware then runs the highest clock within it). A refusal is the
         setpoint's: the head keeps the GPU out of its plan until one is accepted."""
         try:
-            limits = device.power_limit_range()
-            device.set_power_limit_w(min(max(limit_w, limits.min_w), limits.default_w))
+            _set_limit_within(device, limit_w)
             return True
         except CdgpcError as e:
             refused.append(Refusal(device.index, _reason(e)))
@@ -585,8 +591,7 @@ class NodeAgent:
             self._reset_limit(device)
             return
         try:
-            limits = device.power_limit_range()
-            device.set_power_limit_w(min(max(limit_w, limits.min_w), limits.default_w))
+            _set_limit_within(device, limit_w)
         except CdgpcError as e:
             self._limit_refused(device, f"power limit {limit_w:g} W refused", e)
 

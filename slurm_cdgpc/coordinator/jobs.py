@@ -362,10 +362,10 @@ class RunningJobs:
         gets one setpoint, its first tenant's (they all have its clocks), naming the others;
         each GPU of a group of tenants is planned at the group's power over its GPUs.
 
-        A GPU whose clocks cannot be locked (``limit_only``: MIG mode) is held at its planned
-        power, as a job not yet measured is: the firmware runs the highest clock within that
-        limit, which is the plan's clock where the power model is right; planned at its top
-        clock it keeps its default limit, as a locked GPU at its top clock is free to draw."""
+        A GPU whose clocks cannot be locked (``limit_only``: MIG mode) gets a power limit as
+        its setpoint, the lever's (`power_limits_w`: its planned power over its learned gain, 5 %
+        above at its top clock, its count for a tenant not yet measured): the firmware runs the
+        highest clock within it."""
         if decision.graphics_mhz.shape[0] != len(self):
             raise InputError("the decision does not match the running jobs")
         gpus = np.array([len(job.gpus) for job in self._jobs], dtype=np.float64)

@@ -412,7 +412,8 @@ class NodeBook(Mapping[str, NodeState]):
         gpu_type = node.gpu_types.get(r.index)
         spec = None if gpu_type is None else self.specs.get(gpu_type)
         limit_w = r.enforced_limit_w
-        if spec is None or limit_w is None or limit_w >= spec.power_limit.default_w - 1.0:
+        default_w = None if spec is None else spec.power_limit.default_w
+        if default_w is None or limit_w is None or limit_w >= default_w - _LIMIT_TOLERANCE_W:
             return None
         if not (r.throttle or 0) & ThrottleReason.SW_POWER_CAP:
             return None
@@ -446,10 +447,7 @@ class NodeBook(Mapping[str, NodeState]):
 
     def limit_only(self, ref: GpuRef) -> bool:
         """True when the head controls ``ref`` through its power limit (MIG mode)."""
-        node = self._nodes.get(ref.node)
-        return (
-            node is not None and ref.index in node.mig and node.gpu_types.get(ref.index) is not None
-        )
+        return ref.index in self.limit_only_on(ref.node)
 
     def read_with_job(self, ref: GpuRef, registered_at_s: float) -> bool:
         """True when ``ref`` stays outside the plan for good (beside a MIG GPU: Slurm's index

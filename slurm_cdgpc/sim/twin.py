@@ -123,6 +123,7 @@ class ViewTransport:
     exchanges: int = 0
     mig: bool = False
     _lowest_mhz: dict[tuple[str, int | None], int] = field(default_factory=dict)
+    _digests: dict[str, str] = field(default_factory=dict)  # per GPU type: its board's
 
     @classmethod
     def of(cls, fleet: FleetSpec, clock: ManualClock) -> ViewTransport:
@@ -181,6 +182,13 @@ class ViewTransport:
         self.applied.update(applied)  # an emergency cut's exchange after the interval's wins
         return out
 
+    def _digest(self, gpu: _Gpu) -> str:
+        """Its board's digest, computed once per type (a digest leaves UUID and MIG mode out)."""
+        digest = self._digests.get(gpu.spec.name)
+        if digest is None:
+            digest = self._digests[gpu.spec.name] = gpu.board(self.mig).digest()
+        return digest
+
     def _read(self, node: str, index: int, gpu: _Gpu, now_s: float) -> GpuReport:
         """The GPU as its agent reads it before applying an exchange: the interval behind it."""
         spec = gpu.spec
@@ -198,17 +206,16 @@ class ViewTransport:
             energy_j=float(gpu.energy_j),
             sm_clock_mhz=reading.sm_clock_mhz,
             memory_clock_mhz=reading.memory_clock_mhz,
+            # only a MIG GPU's setpoint sets a limit here (`exchange`)
             enforced_limit_w=float(
                 spec.power_limit.default_w if gpu.limit_w is None else gpu.limit_w
-            )
-            if self.mig
-            else float(spec.power_limit.default_w),
+            ),
             throttle=reading.throttle,
             locked=gpu.locked,
             job_id=gpu.job_id,
             error=None,
             read_s=now_s,
-            board=gpu.board(self.mig).digest() if self.mig else None,
+            board=self._digest(gpu) if self.mig else None,
         )
 
 
