@@ -331,7 +331,8 @@ def _closed_port() -> int:
 
 def _hook_env(tmp_path: Path) -> dict[str, str]:
     key = tmp_path / "hmac.key"
-    key.write_bytes(secrets.token_bytes(32))
+    # hex, as LocalCluster writes one: a key file's trailing CR and LF are stripped
+    key.write_bytes(secrets.token_hex(32).encode())
     key.chmod(0o600)
     config = tmp_path / "cdgpc.toml"
     config.write_text(
