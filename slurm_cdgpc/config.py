@@ -337,6 +337,9 @@ class ControlConfig:
     guard_tail: float = _setting(0.0, _in_range(0.0, 1.0, hi_open=True))
     #: η: gain of the model-error offset estimate
     offset_gain: float = _setting(0.3, _in_range(0.0, 1.0))
+    #: each settled job learns its own offset, and a plan is scaled by its jobs' offsets
+    #: weighed by their power (false: one offset, learned from whichever jobs are settled)
+    offset_per_job: bool = _setting(False, _boolean)
     model_family: str = _setting("bent", _choice(*MODEL_FAMILIES))
     power_forgetting: float = _setting(0.95, _in_range(0.0, 1.0, lo_open=True))
     time_forgetting: float = _setting(0.98, _in_range(0.0, 1.0, lo_open=True))

@@ -65,6 +65,10 @@ class ControllerSettings:
     guard_tail: float = _SHIPPED.guard_tail
     #: η: gain of the offset estimate
     offset_gain: float = _SHIPPED.offset_gain
+    #: each settled job learns its own offset δ_n from its own misses, and the plan is scaled
+    #: by δ = Σ w_n δ_n / Σ w_n, w_n the job's power at its top clock (a job not settled: 0);
+    #: off: one δ learned from the settled jobs' plans together, applied to every plan
+    offset_per_job: bool = _SHIPPED.offset_per_job
     #: deadline pressure of jobs without a deadline (1 = "just on time at top clocks")
     default_pressure: float = _SHIPPED.default_pressure
     #: pressure cap for jobs at or past their deadline (their slack is floored at Δt)
@@ -372,7 +376,11 @@ class EconomicMPC:
                 # a serving job draws what its load asks, not what its plan said: no model error
                 both &= ~jobs.serving()
                 planned_w = float(np.sum(measured.planned_power_w[both]))
-                if planned_w > 0:
+                if s.offset_per_job:  # each job's own miss; the plan's δ is weighed in _bounded
+                    own = both & (measured.planned_power_w > 0)
+                    miss_n = drawn[own] / measured.planned_power_w[own] - 1.0
+                    estimator.offset[own] += s.offset_gain * (miss_n - estimator.offset[own])
+                elif planned_w > 0:
                     miss = float(np.sum(drawn[both])) / planned_w - 1.0
                     self.offset = (1 - s.offset_gain) * self.offset + s.offset_gain * miss
             capped = measured.power_capped
@@ -470,7 +478,11 @@ class EconomicMPC:
         planned = np.where(settled, plan.job_power_w, np.nan)
         decision = self._decide(planned, problem, result, plan, learn, t0, budget_w)
         # what the cluster should draw if plans turn out as the offset says they do
-        expected_w = decision.predicted_power_w * (1.0 + self.offset) + uncontrolled_w
+        if s.offset_per_job:  # each job's plan as its own offset says it turns out
+            expected_w = float(np.sum(plan.job_power_w * (1.0 + estimator.offset)))
+        else:
+            expected_w = decision.predicted_power_w * (1.0 + self.offset)
+        expected_w += uncontrolled_w
         decision = replace(decision, expected_w=expected_w, guard_band=self._guard)
         if serving is not None:
             decision = replace(decision, serving=serving)
@@ -804,14 +816,11 @@ class EconomicMPC:
         seen: tuple[FloatArray, FloatArray] | None,
         give: bool,
     ) -> tuple[DualProblem, ServingPlan | None]:
-        st = estimator.statics
+        s, st = self.settings, estimator.statics
         g_top, m_top = grid.top_mhz(jobs.gpu_type)
         g_lo, m_lo = grid.bottom_mhz(jobs.gpu_type)
         x_hi = g_top / st.graphics_max_mhz
         xm_hi = m_top / st.memory_max_mhz
-        # B_eff = (B − P_uncontrolled − ε B) / (1 + δ), ε = max(ε₀, min(c/√N, Q₁₋ₚ − m))
-        guard = self._guard = self.cluster_guard(len(estimator))
-        effective = (budget_w - uncontrolled_w - guard * budget_w) / (1.0 + self.offset)
         # unmeasured jobs: power flat at the power limit (an upper bound at any clock) → top
         # clock; those held by a power limit at a share of it, flat at that share
         new = estimator.power.count == 0
@@ -835,6 +844,17 @@ class EconomicMPC:
             power_theta, st.power_limit_w, xm_hi, st.mem_mask, estimator.knee_x, x_lo, x_hi
         )
         x_hi = np.clip(np.minimum(x_hi, estimator.limit_x), x_lo, None)
+        if s.offset_per_job:
+            # δ = Σ w_n δ_n / Σ w_n, w_n the job's power at its top clock: a miss counts for
+            # the share of the plan its job is, and a job not settled yet brings none
+            top_w = st.gpus * estimator.family.power(
+                power_theta, x_hi, xm_hi, st.mem_mask, estimator.knee_x
+            )
+            total_w = float(np.sum(top_w))
+            self.offset = float(np.sum(top_w * estimator.offset)) / total_w if total_w > 0 else 0.0
+        # B_eff = (B − P_uncontrolled − ε B) / (1 + δ), ε = max(ε₀, min(c/√N, Q₁₋ₚ − m))
+        guard = self._guard = self.cluster_guard(len(estimator))
+        effective = (budget_w - uncontrolled_w - guard * budget_w) / (1.0 + self.offset)
         problem = DualProblem(
             family=estimator.family,
             gpus=st.gpus.astype(np.float64),

@@ -33,6 +33,7 @@ class Tuning:
                 guard_per_sqrt_job=control.guard_per_sqrt_job,
                 guard_tail=control.guard_tail,
                 offset_gain=control.offset_gain,
+                offset_per_job=control.offset_per_job,
                 default_pressure=control.default_pressure,
                 exploration_sigmas=control.exploration_sigmas,
                 min_clock_fraction=control.min_clock_fraction,

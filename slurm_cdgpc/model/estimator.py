@@ -171,6 +171,9 @@ class JobEstimator:
         #: what its GPU drew over the power limit it was held at, where the limit is the
         #: setpoint (MIG mode: `slurm_cdgpc.control.guard_rail.limit_gain`); 1 until seen
         self.limit_gain = np.zeros(0)
+        #: δ_n, the job's own relative miss of its settled plans (`offset_per_job`); 0 until
+        #: it has one
+        self.offset = np.zeros(0)
 
     def __len__(self) -> int:
         return self.power.n
@@ -190,6 +193,7 @@ class JobEstimator:
         self.same_share = np.concatenate([self.same_share, np.zeros(len(statics), np.int64)])
         self.cotenants = np.concatenate([self.cotenants, np.full(len(statics), -1, np.int64)])
         self.limit_gain = np.concatenate([self.limit_gain, np.ones(len(statics))])
+        self.offset = np.concatenate([self.offset, np.zeros(len(statics))])
 
     def restore(self, power: RlsState, time: RlsState, rows: Sequence[int] | None = None) -> None:
         """Put back the models of jobs already added (``rows``; default: every one), as
@@ -209,6 +213,7 @@ class JobEstimator:
         self.same_share = self.same_share[mask]
         self.cotenants = self.cotenants[mask]
         self.limit_gain = self.limit_gain[mask]
+        self.offset = self.offset[mask]
 
     def normalise(
         self, graphics_mhz: FloatArray, memory_mhz: FloatArray

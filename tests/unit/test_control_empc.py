@@ -112,10 +112,15 @@ def test_urgent_jobs_get_higher_clocks() -> None:
     assert -0.5 < d.budget_error_pct <= 0
 
 
-def test_offset_correction_absorbs_a_persistent_model_error() -> None:
+@pytest.mark.parametrize("per_job", [False, True])
+def test_offset_correction_absorbs_a_persistent_model_error(per_job: bool) -> None:
     # the exploration margin is off: this test isolates the offset estimate
     settings = ControllerSettings(
-        offset_gain=0.3, exploration_sigmas=0.0, guard_band=0.003, guard_per_sqrt_job=0.0
+        offset_gain=0.3,
+        exploration_sigmas=0.0,
+        guard_band=0.003,
+        guard_per_sqrt_job=0.0,
+        offset_per_job=per_job,
     )
     mpc, est, jobs = _setup(10, settings, measured=False)
     budget = 10 * 4 * 260.0
@@ -136,6 +141,37 @@ def test_offset_correction_absorbs_a_persistent_model_error() -> None:
     # with the offset, the true draw settles on the budget less the guard band
     assert abs(true_w - budget * (1 - 0.003)) / budget < 2e-3
     assert d.offset == pytest.approx(0.02, abs=2e-3)
+
+
+@pytest.mark.parametrize("per_job", [False, True])
+def test_a_small_jobs_miss_scales_the_plan_by_its_share_with_offsets_per_job(
+    per_job: bool,
+) -> None:
+    # a settled 4-GPU job draws 30 % under its model; a 64-GPU job beside it has no reading
+    settings = ControllerSettings(offset_gain=0.3, exploration_sigmas=0.0, offset_per_job=per_job)
+    grid = ClockGrid.from_tables([("A100", A100)], min_fraction=0.5)
+    mpc, est = EconomicMPC(grid, settings), a100_estimator([4, 64])
+    jobs = JobState(np.zeros(2, dtype=np.int64), np.full(2, 1e4), np.full(2, np.nan))
+    d = mpc.step(est, jobs, now_s=0.0, budget_w=30_000.0)
+    for k in range(1, 20):
+        x, x_m = est.normalise(d.graphics_mhz.astype(float), d.memory_mhz.astype(float))
+        drawn_w = np.where([True, False], 0.7 * est.predict_power_w(x, x_m), np.nan)
+        measured = Measurements(
+            graphics_mhz=d.graphics_mhz.astype(float),
+            memory_mhz=d.memory_mhz.astype(float),
+            power_w=drawn_w,
+            iteration_s=np.array([0.5, np.nan]),
+            planned_power_w=d.planned_power_w,
+        )
+        d = mpc.step(est, jobs, now_s=30.0 * k, budget_w=30_000.0, measured=measured)
+    if per_job:
+        # its own offset has learned the miss, the plan's counts it for its share: 4 GPUs at
+        # about 300 W against 64 counted at their 400 W limit
+        assert est.offset[0] == pytest.approx(-0.3, abs=0.02)
+        assert est.offset[1] == 0.0
+        assert -0.02 < d.offset < -0.005
+    else:  # one offset, learned from the settled job alone, scales the whole plan
+        assert d.offset == pytest.approx(-0.3, abs=0.02)
 
 
 def test_unmeasured_jobs_run_at_top_clock_counted_at_their_limit() -> None:
