@@ -66,8 +66,10 @@ class ControllerSettings:
     #: η: gain of the offset estimate
     offset_gain: float = _SHIPPED.offset_gain
     #: each settled job learns its own offset δ_n from its own misses, and the plan is scaled
-    #: by δ = Σ w_n δ_n / Σ w_n, w_n the job's power at its top clock (a job not settled: 0);
-    #: off: one δ learned from the settled jobs' plans together, applied to every plan
+    #: by δ = Σ w_n δ_n / Σ w_n, w_n the job's power in the last plan (a job not planned yet:
+    #: at its top clock, where it runs until measured); a job without an offset yet
+    #: counts at the known offsets weighed over the whole plan (`EconomicMPC.job_offsets`).
+    #: Off: one δ learned from the settled jobs' plans together, applied to every plan
     offset_per_job: bool = _SHIPPED.offset_per_job
     #: deadline pressure of jobs without a deadline (1 = "just on time at top clocks")
     default_pressure: float = _SHIPPED.default_pressure
@@ -305,6 +307,8 @@ class EconomicMPC:
         self.grid = grid
         self.floor_grid = grid.floored(self.settings.min_clock_fraction)
         self.offset = 0.0  # δ
+        #: what a job without an offset of its own counts at (`job_offsets`)
+        self.offset_prior = 0.0
         self._last_price: FloatArray | None = None
         self._last_roots: FloatArray | None = None  # the domains' (`DomainResult.roots`)
         self._last_step_s: float | None = None
@@ -379,7 +383,8 @@ class EconomicMPC:
                 if s.offset_per_job:  # each job's own miss; the plan's δ is weighed in _bounded
                     own = both & (measured.planned_power_w > 0)
                     miss_n = drawn[own] / measured.planned_power_w[own] - 1.0
-                    estimator.offset[own] += s.offset_gain * (miss_n - estimator.offset[own])
+                    start = self.job_offsets(estimator)[own]
+                    estimator.offset[own] = start + s.offset_gain * (miss_n - start)
                 elif planned_w > 0:
                     miss = float(np.sum(drawn[both])) / planned_w - 1.0
                     self.offset = (1 - s.offset_gain) * self.offset + s.offset_gain * miss
@@ -479,7 +484,8 @@ class EconomicMPC:
         decision = self._decide(planned, problem, result, plan, learn, t0, budget_w)
         # what the cluster should draw if plans turn out as the offset says they do
         if s.offset_per_job:  # each job's plan as its own offset says it turns out
-            expected_w = float(np.sum(plan.job_power_w * (1.0 + estimator.offset)))
+            expected_w = float(np.sum(plan.job_power_w * (1.0 + self.job_offsets(estimator))))
+            estimator.planned_w = plan.job_power_w.copy()
         else:
             expected_w = decision.predicted_power_w * (1.0 + self.offset)
         expected_w += uncontrolled_w
@@ -496,6 +502,15 @@ class EconomicMPC:
         if ramp is not None:
             self._ramp_from = self._in_force_w(decision, domains)
         return decision
+
+    def job_offsets(self, estimator: JobEstimator) -> FloatArray:
+        """δ_n of every job (`offset_per_job`): its own where it has one, else the known
+        offsets weighed over the whole plan, Σ_known w_n δ_n / Σ_all w_n (w_n: the job's power
+        in the last plan, or at its top clock before it has one): the jobs that taught them
+        speak for their share of the plan only, so one small job's miss hardly moves a big new
+        job, while a fleet whose settled jobs all miss alike passes nearly all of it on. A
+        job's first miss starts from it."""
+        return np.where(np.isfinite(estimator.offset), estimator.offset, self.offset_prior)
 
     def cluster_guard(self, jobs: int) -> float:
         """The cluster's guard band for ``jobs`` controlled jobs: ε = max(ε₀, c/√N), or
@@ -845,13 +860,22 @@ class EconomicMPC:
         )
         x_hi = np.clip(np.minimum(x_hi, estimator.limit_x), x_lo, None)
         if s.offset_per_job:
-            # δ = Σ w_n δ_n / Σ w_n, w_n the job's power at its top clock: a miss counts for
-            # the share of the plan its job is, and a job not settled yet brings none
-            top_w = st.gpus * estimator.family.power(
-                power_theta, x_hi, xm_hi, st.mem_mask, estimator.knee_x
-            )
-            total_w = float(np.sum(top_w))
-            self.offset = float(np.sum(top_w * estimator.offset)) / total_w if total_w > 0 else 0.0
+            # δ = Σ w_n δ_n / Σ w_n, w_n the job's power in the last plan: a miss counts for
+            # the share of the plan its job is (with every job known and its plan as the last,
+            # exactly the one offset's Σ P_meas / Σ P_plan − 1)
+            weight_w = estimator.planned_w
+            unplanned = ~np.isfinite(weight_w)
+            if unplanned.any():
+                top_w = st.gpus * estimator.family.power(
+                    power_theta, x_hi, xm_hi, st.mem_mask, estimator.knee_x
+                )
+                weight_w = np.where(unplanned, top_w, weight_w)
+            total_w = float(np.sum(weight_w))
+            known = np.isfinite(estimator.offset)
+            learned_w = float(np.sum(weight_w[known] * estimator.offset[known]))
+            self.offset_prior = learned_w / total_w if total_w > 0 else 0.0
+            offsets_w = float(np.sum(weight_w * self.job_offsets(estimator)))
+            self.offset = offsets_w / total_w if total_w > 0 else 0.0
         # B_eff = (B − P_uncontrolled − ε B) / (1 + δ), ε = max(ε₀, min(c/√N, Q₁₋ₚ − m))
         guard = self._guard = self.cluster_guard(len(estimator))
         effective = (budget_w - uncontrolled_w - guard * budget_w) / (1.0 + self.offset)

@@ -171,9 +171,11 @@ class JobEstimator:
         #: what its GPU drew over the power limit it was held at, where the limit is the
         #: setpoint (MIG mode: `slurm_cdgpc.control.guard_rail.limit_gain`); 1 until seen
         self.limit_gain = np.zeros(0)
-        #: δ_n, the job's own relative miss of its settled plans (`offset_per_job`); 0 until
-        #: it has one
+        #: δ_n, the job's own relative miss of its settled plans (`offset_per_job`); NaN until
+        #: it has one (`EconomicMPC.job_offsets`)
         self.offset = np.zeros(0)
+        #: its power in the last plan, W (`offset_per_job` weighs the offsets by it); NaN: none
+        self.planned_w = np.zeros(0)
 
     def __len__(self) -> int:
         return self.power.n
@@ -193,7 +195,8 @@ class JobEstimator:
         self.same_share = np.concatenate([self.same_share, np.zeros(len(statics), np.int64)])
         self.cotenants = np.concatenate([self.cotenants, np.full(len(statics), -1, np.int64)])
         self.limit_gain = np.concatenate([self.limit_gain, np.ones(len(statics))])
-        self.offset = np.concatenate([self.offset, np.zeros(len(statics))])
+        self.offset = np.concatenate([self.offset, np.full(len(statics), np.nan)])
+        self.planned_w = np.concatenate([self.planned_w, np.full(len(statics), np.nan)])
 
     def restore(self, power: RlsState, time: RlsState, rows: Sequence[int] | None = None) -> None:
         """Put back the models of jobs already added (``rows``; default: every one), as
@@ -214,6 +217,7 @@ class JobEstimator:
         self.cotenants = self.cotenants[mask]
         self.limit_gain = self.limit_gain[mask]
         self.offset = self.offset[mask]
+        self.planned_w = self.planned_w[mask]
 
     def normalise(
         self, graphics_mhz: FloatArray, memory_mhz: FloatArray
