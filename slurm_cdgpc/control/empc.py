@@ -350,7 +350,8 @@ class EconomicMPC:
 
         1. learn: RLS update of every job's power and iteration-time model from ``measured``,
            and of the gain of each lever GPU (MIG mode: `guard_rail.limit_gain`);
-        2. offset: δ ← (1−η) δ + η (Σ P_meas − Σ P_plan) / Σ P_plan over the settled jobs' plans;
+        2. offset: δ ← (1−η) δ + η (Σ P_meas − Σ P_plan) / Σ P_plan over the settled jobs' plans
+           (`offset_per_job`: each job's own, weighed in step 4, `job_offsets`);
         3. weights: w_n = R_n / max(D_n − t, Δt), so w_n T_n(f) is the job's deadline pressure,
            then the rules: triage, the drain, the pressure of jobs without a deadline;
         4. budget: B_eff = (B − P_uncontrolled − ε B) / (1 + δ), ε = max(ε₀, c/√N); an
