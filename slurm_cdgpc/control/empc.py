@@ -380,13 +380,12 @@ class EconomicMPC:
                     both &= ~measured.power_capped
                 # a serving job draws what its load asks, not what its plan said: no model error
                 both &= ~jobs.serving()
-                planned_w = float(np.sum(measured.planned_power_w[both]))
-                if s.offset_per_job:  # each job's own miss; the plan's δ is weighed in _bounded
+                if s.offset_per_job:  # each job's own miss; the plan's δ: `_weigh_offsets`
                     own = both & (measured.planned_power_w > 0)
                     miss_n = drawn[own] / measured.planned_power_w[own] - 1.0
                     start = self.job_offsets(estimator)[own]
                     estimator.offset[own] = start + s.offset_gain * (miss_n - start)
-                elif planned_w > 0:
+                elif (planned_w := float(np.sum(measured.planned_power_w[both]))) > 0:
                     miss = float(np.sum(drawn[both])) / planned_w - 1.0
                     self.offset = (1 - s.offset_gain) * self.offset + s.offset_gain * miss
             capped = measured.power_capped
@@ -512,6 +511,23 @@ class EconomicMPC:
         job, while a fleet whose settled jobs all miss alike passes nearly all of it on. A
         job's first miss starts from it."""
         return np.where(np.isfinite(estimator.offset), estimator.offset, self.offset_prior)
+
+    def _weigh_offsets(self, estimator: JobEstimator, problem: DualProblem) -> None:
+        """δ = Σ w_n δ_n / Σ w_n and the prior of `job_offsets` (`offset_per_job`), w_n the
+        job's power in the last plan, or at its top clock in ``problem`` before it has one: a
+        miss counts for the share of the plan its job is (with every job known and its plan
+        as the last, exactly the one offset's Σ P_meas / Σ P_plan − 1)."""
+        weight_w = estimator.planned_w
+        unplanned = ~np.isfinite(weight_w)
+        if unplanned.any():
+            top_w = problem.power_w(problem.x_hi, problem.xm_hi)
+            weight_w = np.where(unplanned, top_w, weight_w)
+        total_w = float(np.sum(weight_w))
+        known = np.isfinite(estimator.offset)
+        learned_w = float(np.sum(weight_w[known] * estimator.offset[known]))
+        self.offset_prior = learned_w / total_w if total_w > 0 else 0.0
+        offsets_w = float(np.sum(weight_w * self.job_offsets(estimator)))
+        self.offset = offsets_w / total_w if total_w > 0 else 0.0
 
     def cluster_guard(self, jobs: int) -> float:
         """The cluster's guard band for ``jobs`` controlled jobs: ε = max(ε₀, c/√N), or
@@ -860,26 +876,6 @@ class EconomicMPC:
             power_theta, st.power_limit_w, xm_hi, st.mem_mask, estimator.knee_x, x_lo, x_hi
         )
         x_hi = np.clip(np.minimum(x_hi, estimator.limit_x), x_lo, None)
-        if s.offset_per_job:
-            # δ = Σ w_n δ_n / Σ w_n, w_n the job's power in the last plan: a miss counts for
-            # the share of the plan its job is (with every job known and its plan as the last,
-            # exactly the one offset's Σ P_meas / Σ P_plan − 1)
-            weight_w = estimator.planned_w
-            unplanned = ~np.isfinite(weight_w)
-            if unplanned.any():
-                top_w = st.gpus * estimator.family.power(
-                    power_theta, x_hi, xm_hi, st.mem_mask, estimator.knee_x
-                )
-                weight_w = np.where(unplanned, top_w, weight_w)
-            total_w = float(np.sum(weight_w))
-            known = np.isfinite(estimator.offset)
-            learned_w = float(np.sum(weight_w[known] * estimator.offset[known]))
-            self.offset_prior = learned_w / total_w if total_w > 0 else 0.0
-            offsets_w = float(np.sum(weight_w * self.job_offsets(estimator)))
-            self.offset = offsets_w / total_w if total_w > 0 else 0.0
-        # B_eff = (B − P_uncontrolled − ε B) / (1 + δ), ε = max(ε₀, min(c/√N, Q₁₋ₚ − m))
-        guard = self._guard = self.cluster_guard(len(estimator))
-        effective = (budget_w - uncontrolled_w - guard * budget_w) / (1.0 + self.offset)
         problem = DualProblem(
             family=estimator.family,
             gpus=st.gpus.astype(np.float64),
@@ -892,8 +888,14 @@ class EconomicMPC:
             x_hi=x_hi,
             xm_lo=np.where(st.mem_mask > 0, m_lo / st.memory_max_mhz, xm_hi),
             xm_hi=xm_hi,
-            budget_w=np.array([max(effective, 0.0)]),
+            budget_w=np.zeros(1),
         )
+        if s.offset_per_job:
+            self._weigh_offsets(estimator, problem)
+        # B_eff = (B − P_uncontrolled − ε B) / (1 + δ), ε = max(ε₀, min(c/√N, Q₁₋ₚ − m))
+        guard = self._guard = self.cluster_guard(len(estimator))
+        effective = (budget_w - uncontrolled_w - guard * budget_w) / (1.0 + self.offset)
+        problem = replace(problem, budget_w=np.array([max(effective, 0.0)]))
         serving = None
         if jobs.serving().any():
             problem, serving = self._serve(problem, grid, estimator, jobs, seen, give)
