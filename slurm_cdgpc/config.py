@@ -354,6 +354,10 @@ class ControlConfig:
     #: a tenant whose GPU gains or loses a co-tenant re-anchors its time model on its first
     #: sample among the new co-tenants instead of rejecting it as an outlier
     reanchor_tenants: bool = _setting(True, _boolean)
+    #: a tenant's predicted iteration time follows its co-tenants' number: a plan that puts it
+    #: among more or fewer than its time model learned among scales the model by what such a
+    #: change did to the tenants that went through one (learned in the head's memory)
+    interference: bool = _setting(True, _boolean)
     #: pressure on the node predicted to empty first while jobs wait and GPUs are free (0: off)
     drain_pressure: float = _setting(1.0, _non_negative)
     #: a job that does not say its total work has at most its Slurm time limit of it, at top

@@ -33,7 +33,7 @@ from slurm_cdgpc.control.limits import LimitShare, NewJobShare
 from slurm_cdgpc.control.overdraw import ClusterDraw, Overdraw
 from slurm_cdgpc.control.ramp import Ramp
 from slurm_cdgpc.control.serving import ServingPlan, give_way, serving_floor
-from slurm_cdgpc.control.tenancy import Tenancy
+from slurm_cdgpc.control.tenancy import Interference, Tenancy
 from slurm_cdgpc.errors import InputError
 from slurm_cdgpc.model.estimator import JobEstimator
 from slurm_cdgpc.model.families import FloatArray
@@ -125,6 +125,10 @@ class ControllerSettings:
     #: (`Measurements.cotenants`) re-anchors its time model's scale on it (`Rls.expect_step`)
     #: instead of rejecting it as an outlier
     reanchor_tenants: bool = _SHIPPED.reanchor_tenants
+    #: a tenant's predicted iteration time follows its co-tenants' number: a plan that puts it
+    #: among more or fewer than its time model learned among scales the model by what such
+    #: changes did to the tenants that went through one (`Interference`)
+    interference: bool = _SHIPPED.interference
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -247,6 +251,8 @@ class Measurements:
     #: key one set of them (`cotenant_key`), -1 not known; a job's speed steps when they
     #: change (None: no job is known to share)
     cotenants: IntArray | None = None
+    #: ... and how many they were (-1: not known; None: not counted)
+    cotenant_count: IntArray | None = None
     #: per job, the power limit its GPUs held as their setpoint over the interval (MIG mode),
     #: where below the board's default; NaN otherwise (None: no such job)
     lever_limit_w: FloatArray | None = None
@@ -321,6 +327,7 @@ class EconomicMPC:
             self.settings.new_job_power_share, self.settings.new_job_power_quantile
         )
         self.overdraw = Overdraw()
+        self.interference = Interference()
         #: the cluster's guard band the last plan held back
         self._guard = self.settings.guard_for(0)
 
@@ -395,14 +402,19 @@ class EconomicMPC:
                 # a job without a reading was held by the plan's own limit (`held`), not its
                 # board's: the clock that limit allowed is no ceiling once it is lifted
                 capped = capped & (estimator.power.count > 0)
+            tenants = s.reanchor_tenants or s.interference
             learn = estimator.observe(
                 x_a,
                 xm_a,
                 measured.power_w,
                 measured.iteration_s,
                 power_capped=capped,
-                cotenants=measured.cotenants if s.reanchor_tenants else None,
+                cotenants=measured.cotenants if tenants else None,
+                cotenant_count=measured.cotenant_count if s.interference else None,
+                reanchor=s.reanchor_tenants,
             )
+            if s.interference:
+                self.interference.learn(*estimator.cotenant_steps)
             if measured.lever_limit_w is not None:
                 estimator.limit_gain = limit_gain(
                     estimator.limit_gain, measured.power_w, measured.lever_limit_w
@@ -412,6 +424,7 @@ class EconomicMPC:
                 dt_s = min(max(now_s - self._last_step_s, 0.0), 2.0 * s.interval_s)
                 estimator.accrue_work(x_a, xm_a, measured.power_w, dt_s)
         self._last_step_s = now_s
+        estimator.time_scale = self._time_scale(estimator, jobs)
         if ramp is not None:
             budget_w, domains = self._ramped(ramp, now_s, budget_w, domains, len(estimator))
 
@@ -502,6 +515,22 @@ class EconomicMPC:
         if ramp is not None:
             self._ramp_from = self._in_force_w(decision, domains)
         return decision
+
+    def _time_scale(self, estimator: JobEstimator, jobs: JobState) -> FloatArray:
+        """(N,) the factor on each job's time model in this plan (`interference`): 1 but for
+        a tenant the plan puts among more or fewer co-tenants than its model learned among,
+        and never for a serving job (its "iteration" is its latency, learned as measured)."""
+        n = len(estimator)
+        if not self.settings.interference:
+            return np.ones(n)
+        if jobs.tenancy is None:  # every job alone
+            planned = np.zeros(n, dtype=np.int64)
+        elif jobs.tenancy.group.shape == (n,):
+            planned = jobs.tenancy.cotenant_counts()
+        else:
+            raise InputError("the GPU groups do not match the controller's jobs")
+        scale = self.interference.scale(estimator.cotenant_count, planned)
+        return np.where(jobs.serving(), 1.0, scale)
 
     def job_offsets(self, estimator: JobEstimator) -> FloatArray:
         """δ_n of every job (`offset_per_job`): its own where it has one, else the known
@@ -880,7 +909,7 @@ class EconomicMPC:
             family=estimator.family,
             gpus=st.gpus.astype(np.float64),
             power_theta=power_theta,
-            time_theta=estimator.time.theta,
+            time_theta=estimator.time.theta * estimator.time_scale[:, None],
             weight=weight,
             knee_x=estimator.knee_x,
             mem_mask=st.mem_mask,
@@ -1084,8 +1113,8 @@ def _per_job(tenancy: Tenancy, x: FloatArray, x_m: FloatArray) -> tuple[FloatArr
 
 
 def _top_iteration_s(estimator: JobEstimator) -> FloatArray:
-    """(N,) each job's seconds per iteration at its top clocks, its model's (1 where the model
-    gives no positive finite time)."""
+    """(N,) each job's seconds per iteration at its top clocks, its model's times the plan's
+    factor (`JobEstimator.time_scale`; 1 where the model gives no positive finite time)."""
     one = np.ones(len(estimator))
-    t_top = estimator.predict_iteration_s(one, one)
+    t_top = estimator.predict_iteration_s(one, one) * estimator.time_scale
     return np.where(np.isfinite(t_top) & (t_top > 0), t_top, 1.0)

@@ -26,6 +26,7 @@ DESIGN.md, "Shared GPUs"; tests: `tests/unit/test_control_tenancy.py`.
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
@@ -100,6 +101,11 @@ class Tenancy:
     def tenants(self) -> IntArray:
         """(U,) jobs per group."""
         return np.bincount(self.group, minlength=self.size).astype(np.int64)
+
+    def cotenant_counts(self) -> IntArray:
+        """(N,) each job's co-tenants: the other jobs of its group."""
+        counts: IntArray = self.tenants()[self.group] - 1
+        return counts
 
     def first(self) -> IntArray:
         """(U,) each group's first job (its row order)."""
@@ -193,6 +199,60 @@ class Tenancy:
             job_row=(keys % self.size).astype(np.int64),
             share=share,
         )
+
+
+class Interference:
+    """What a change of co-tenants does to a tenant's iteration time, learned over the
+    cluster from the tenants that went through one: the mean of log(T / T̂) of a job's first
+    sample among b co-tenants (b ≥ `MAX_COTENANTS` in one cell) after its time model learned
+    among a ≠ b, T̂ that model's prediction at the sample's clocks. Co-scheML's slowdown as
+    a function of the co-runners' load, the load being their number: what the head
+    measures of them (no per-process activity is read).
+
+    `scale` applies a learned cell to a plan: a tenant whose model learned among a co-tenants
+    and that the plan puts among b runs exp(mean[a, b]) times the model's time until its first
+    sample among them re-anchors the model (`JobEstimator.cotenants`). A cell counts once it
+    has ``min_events``; before, its reverse (b, a) does, negated; else nothing changes. The
+    cells live in the head's memory: a restarted head learns them again.
+    """
+
+    #: co-tenant counts from this one up share a cell
+    MAX_COTENANTS = 3
+    #: |log(T / T̂)| beyond this (a factor of e²) is clipped: one sample must not own a cell
+    CLIP = 2.0
+
+    def __init__(self, min_events: int = 10, gain: float = 0.05) -> None:
+        k = self.MAX_COTENANTS + 1
+        self.min_events = min_events
+        self.gain = gain
+        self.mean = np.zeros((k, k))
+        self.count = np.zeros((k, k), dtype=np.int64)
+
+    def _cell(self, count: IntArray) -> IntArray:
+        return np.minimum(np.asarray(count, dtype=np.int64), self.MAX_COTENANTS)
+
+    def learn(self, before: IntArray, after: IntArray, log_ratio: FloatArray) -> None:
+        """One event per entry: a job whose model learned among ``before`` co-tenants measured
+        log(T / T̂) = ``log_ratio`` among ``after`` (a running mean per cell, then a moving
+        one of gain ``gain``, which follows a fleet that changes)."""
+        rows, cols = self._cell(before), self._cell(after)
+        for a, b, r in zip(rows.tolist(), cols.tolist(), log_ratio.tolist(), strict=True):
+            if a == b or not math.isfinite(r):
+                continue
+            self.count[a, b] += 1
+            step = max(1.0 / self.count[a, b], self.gain)
+            self.mean[a, b] += step * (min(max(r, -self.CLIP), self.CLIP) - self.mean[a, b])
+
+    def scale(self, learned: IntArray, planned: IntArray) -> FloatArray:
+        """(N,) the factor on each job's predicted iteration time: its model learned among
+        ``learned`` co-tenants (−1: not known, factor 1), the plan puts it among ``planned``."""
+        known = np.asarray(learned) >= 0
+        a = self._cell(np.where(known, learned, 0))
+        b = self._cell(planned)
+        ready = self.count >= self.min_events
+        log = np.where(ready[a, b], self.mean[a, b], np.where(ready[b, a], -self.mean[b, a], 0.0))
+        out: FloatArray = np.exp(np.where(known & (a != b), log, 0.0))
+        return out
 
 
 def _sum_rows(group: IntArray, rows: FloatArray, size: int) -> FloatArray:

@@ -272,12 +272,13 @@ class RunningJobs:
 
     def outlook(self, decision: Decision, now_s: float, bounded: bool) -> Outlook:
         """Per job: the work left in seconds at top clocks and the predicted finish at the
-        decided clocks (NaN: not known). ``bounded``: a job that did not say its total is
-        bounded by its time limit (`ControllerSettings.work_from_time_limit`)."""
+        decided clocks (NaN: not known), as the plan predicted its speed (a tenant among new
+        co-tenants: `JobEstimator.time_scale`). ``bounded``: a job that did not say its total
+        is bounded by its time limit (`ControllerSettings.work_from_time_limit`)."""
         est = self.estimator
         state = self.job_state()
         one = np.ones(len(self))
-        t_top = est.predict_iteration_s(one, one)
+        t_top = est.predict_iteration_s(one, one) * est.time_scale
         x, x_m = est.normalise(
             decision.graphics_mhz.astype(np.float64), decision.memory_mhz.astype(np.float64)
         )
@@ -303,8 +304,9 @@ class RunningJobs:
         reports (NaN without them); power-capped if any GPU was held below its lock by a
         limiter (`HELD_BELOW_LOCK`): the plan then does not go above the clock it ran at, and
         the job counts at what it draws; its co-tenants are the other jobs its sampled GPUs
-        held over the interval (`cotenant_key`; -1: no GPU of it sampled). A serving job's
-        iteration time is the latency it reported since the last measurements (NaN: none).
+        held over the interval (`cotenant_key`, and their number; -1: no GPU of it sampled).
+        A serving job's iteration time is the latency it reported since the last
+        measurements (NaN: none).
         """
         by_ref = {s.ref: s for s in samples}
         n = len(self)
@@ -314,12 +316,14 @@ class RunningJobs:
         iteration = np.full(n, np.nan)
         capped = np.zeros(n, dtype=bool)
         cotenants = np.full(n, -1, dtype=np.int64)
+        counts = np.full(n, -1, dtype=np.int64)
         lever = np.full(n, np.nan)
         for i, job in enumerate(self._jobs):
             seen = [by_ref[g] for g in job.gpus if g in by_ref]
             if seen:
                 mates = [t for s in seen for t in s.tenants if t != job.job_id]
                 cotenants[i] = cotenant_key(mates) if mates else 0
+                counts[i] = len(set(mates))
             good = [s for s in seen if math.isfinite(s.power_w) and s.power_w >= 0]
             if good:
                 power[i] = sum(s.power_w for s in good) / len(good)
@@ -346,6 +350,7 @@ class RunningJobs:
             planned_power_w=planned_power_w,
             power_capped=capped,
             cotenants=cotenants,
+            cotenant_count=counts,
             lever_limit_w=lever if np.isfinite(lever).any() else None,
         )
 

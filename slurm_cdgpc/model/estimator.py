@@ -33,6 +33,10 @@ TIME_PRIOR_SPLIT = (0.7, 0.2, 0.1)
 POWER_PRIOR_ACTIVITY = 1.0
 
 
+#: time-model samples before a job's miss among new co-tenants says what they do to it
+#: (`JobEstimator.cotenant_steps`)
+SETTLED_TIME_SAMPLES: Final = 3
+
 #: Share of (limit − idle) above idle power at which a job's GPUs count as busy (`accrue_work`)
 ACTIVE_POWER_SHARE: Final = 0.1
 
@@ -166,8 +170,20 @@ class JobEstimator:
         #: models have not learnt yet, like a new job's
         self.same_share = np.zeros(0, dtype=np.int64)
         #: the co-tenants the time model last learned among (`Measurements.cotenants`; -1:
-        #: none learned yet)
+        #: none learned yet), and how many they were (-1: not known)
         self.cotenants = np.zeros(0, dtype=np.int64)
+        self.cotenant_count = np.zeros(0, dtype=np.int64)
+        #: the samples of the last `observe` taken among other co-tenants than their models
+        #: learned among, from settled models: (count before, count after, log(T / T̂)), what
+        #: `slurm_cdgpc.control.tenancy.Interference` learns from
+        self.cotenant_steps: tuple[NDArray[np.int64], NDArray[np.int64], FloatArray] = (
+            np.zeros(0, dtype=np.int64),
+            np.zeros(0, dtype=np.int64),
+            np.zeros(0),
+        )
+        #: the factor on each job's time model in the last plan (`Interference.scale`): its
+        #: prediction there is the model's times this
+        self.time_scale = np.zeros(0)
         #: what its GPU drew over the power limit it was held at, where the limit is the
         #: setpoint (MIG mode: `slurm_cdgpc.control.guard_rail.limit_gain`); 1 until seen
         self.limit_gain = np.zeros(0)
@@ -194,6 +210,10 @@ class JobEstimator:
         self.share = np.concatenate([self.share, np.full(len(statics), np.nan)])
         self.same_share = np.concatenate([self.same_share, np.zeros(len(statics), np.int64)])
         self.cotenants = np.concatenate([self.cotenants, np.full(len(statics), -1, np.int64)])
+        self.cotenant_count = np.concatenate(
+            [self.cotenant_count, np.full(len(statics), -1, np.int64)]
+        )
+        self.time_scale = np.concatenate([self.time_scale, np.ones(len(statics))])
         self.limit_gain = np.concatenate([self.limit_gain, np.ones(len(statics))])
         self.offset = np.concatenate([self.offset, np.full(len(statics), np.nan)])
         self.planned_w = np.concatenate([self.planned_w, np.full(len(statics), np.nan)])
@@ -215,6 +235,8 @@ class JobEstimator:
         self.share = self.share[mask]
         self.same_share = self.same_share[mask]
         self.cotenants = self.cotenants[mask]
+        self.cotenant_count = self.cotenant_count[mask]
+        self.time_scale = self.time_scale[mask]
         self.limit_gain = self.limit_gain[mask]
         self.offset = self.offset[mask]
         self.planned_w = self.planned_w[mask]
@@ -260,6 +282,8 @@ class JobEstimator:
         mask: BoolArray | None = None,
         power_capped: BoolArray | None = None,
         cotenants: NDArray[np.int64] | None = None,
+        cotenant_count: NDArray[np.int64] | None = None,
+        reanchor: bool = True,
     ) -> tuple[RlsUpdate, RlsUpdate]:
         """Learn from one interval: applied clocks (normalised), mean per-GPU power and mean
         iteration time. NaN marks "not measured" (e.g. a job that reports no progress).
@@ -271,10 +295,22 @@ class JobEstimator:
         which otherwise lies many σ̂ from what it learned and is rejected for several
         intervals (on Alibaba's pods 31 % off after a change, 85 % after the co-tenants left).
         Keyed on the sample's own co-tenants, not the plan's: the head learns from readings
-        taken two plans back."""
+        taken two plans back. With ``cotenant_count`` (how many they were, -1 not known), such
+        a sample of a settled model leaves its miss in `cotenant_steps`; ``reanchor`` False
+        keeps the model as it is (the sample may then be rejected)."""
+        self.cotenant_steps = (
+            np.zeros(0, dtype=np.int64),
+            np.zeros(0, dtype=np.int64),
+            np.zeros(0),
+        )
         if cotenants is not None:
             seen = cotenants >= 0
-            self.time.expect_step(seen & (self.cotenants >= 0) & (cotenants != self.cotenants))
+            changed = seen & (self.cotenants >= 0) & (cotenants != self.cotenants)
+            if cotenant_count is not None:
+                self._cotenant_steps(changed, x, x_m, iteration_s, cotenant_count, mask)
+                self.cotenant_count = np.where(seen, cotenant_count, self.cotenant_count)
+            if reanchor:
+                self.time.expect_step(changed)
             self.cotenants = np.where(seen, cotenants, self.cotenants)
         if power_capped is not None:
             seen = np.isfinite(x) & (True if mask is None else mask)
@@ -290,6 +326,37 @@ class JobEstimator:
         _anchor_first(self.power, phi_p, power_w, mask)
         _anchor_first(self.time, phi_t, iteration_s, mask)
         return self.power.update(phi_p, power_w, mask), self.time.update(phi_t, iteration_s, mask)
+
+    def _cotenant_steps(
+        self,
+        changed: BoolArray,
+        x: FloatArray,
+        x_m: FloatArray,
+        iteration_s: FloatArray,
+        count: NDArray[np.int64],
+        mask: BoolArray | None,
+    ) -> None:
+        """`cotenant_steps` of the ``changed`` rows whose time model is settled (a young
+        model's miss is its own) and whose counts before and after are known."""
+        rows = (
+            changed
+            & (self.time.count >= SETTLED_TIME_SAMPLES)
+            & (self.cotenant_count >= 0)
+            & (count >= 0)
+            & np.isfinite(iteration_s)
+            & (iteration_s > 0)
+        )
+        if mask is not None:
+            rows &= mask
+        if not rows.any():
+            return
+        predicted = self.predict_iteration_s(x, x_m)
+        rows &= np.isfinite(predicted) & (predicted > 0)
+        self.cotenant_steps = (
+            self.cotenant_count[rows].copy(),
+            np.asarray(count, dtype=np.int64)[rows],
+            np.log(iteration_s[rows] / predicted[rows]),
+        )
 
 
 def _anchor_first(rls: Rls, phi: FloatArray, y: FloatArray, mask: BoolArray | None) -> None:

@@ -264,8 +264,9 @@ class Cdgpc(Policy):
         self.planned_w = np.zeros(0)
         #: per row, the power limit a GPU in MIG mode was held at by the last setpoints
         self.lever_w = np.zeros(0)
-        #: per row, its co-tenants in the last view (`_measured_cotenants`)
+        #: per row, its co-tenants in the last view and their number (`_measured_cotenants`)
         self._cotenants = np.zeros(0, dtype=np.int64)
+        self._cotenant_count = np.zeros(0, dtype=np.int64)
         self.last: Decision | None = None  # the plan in force over the interval each view shows
         self.time_limit_s = np.zeros(0)
         self.topology: Topology | None = fleet.topology
@@ -299,19 +300,20 @@ class Cdgpc(Policy):
         # the jobs still running from the last view, first in it, in the estimator's rows
         self.time_errors.score(self.estimator, view, np.arange(len(self.estimator)))
 
-    def _measured_cotenants(self, view: ClusterView) -> IntArray | None:
+    def _measured_cotenants(self, view: ClusterView) -> tuple[IntArray, IntArray] | None:
         """Per row, the co-tenants it had over the interval the view reports (those of the
         last view: a job that ended within the interval was there for part of it; -1 for a
-        job that just started), as the head keys its samples (`cotenant_key`); None on a
-        trace whose jobs never share."""
+        job that just started), as the head keys its samples (`cotenant_key`), and how many
+        they were; None on a trace whose jobs never share."""
         if view.shared_gpu is None:
             return None
-        before = np.concatenate(
-            [self._cotenants[view.kept], np.full(view.started, -1, dtype=np.int64)]
-        )
+        unknown = np.full(view.started, -1, dtype=np.int64)
+        before = np.concatenate([self._cotenants[view.kept], unknown])
+        count = np.concatenate([self._cotenant_count[view.kept], unknown])
         mates = co_tenants(view.job_id, view.shared_gpu)
         self._cotenants = np.array([cotenant_key(map(str, m)) for m in mates], dtype=np.int64)
-        return before
+        self._cotenant_count = np.array([len(m) for m in mates], dtype=np.int64)
+        return before, count
 
     @staticmethod
     def tenancy(view: ClusterView) -> Tenancy | None:
@@ -363,6 +365,7 @@ class Cdgpc(Policy):
         # as the head reads a MIG GPU: the limit is its own lever, not another limiter, and
         # teaches the lever's gain where it held the clock (`NodeBook.samples`)
         capped = view.power_capped & (not view.mig)
+        cotenants = self._measured_cotenants(view)
         measured = Measurements(
             view.graphics_mhz,
             view.memory_mhz,
@@ -371,7 +374,8 @@ class Cdgpc(Policy):
             planned,
             capped,
             cluster=self.cluster_draw(view),
-            cotenants=self._measured_cotenants(view),
+            cotenants=None if cotenants is None else cotenants[0],
+            cotenant_count=None if cotenants is None else cotenants[1],
             lever_limit_w=np.where(view.power_capped, lever_w, np.nan) if view.mig else None,
         )
         tenancy = self.tenancy(view)

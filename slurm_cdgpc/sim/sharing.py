@@ -232,7 +232,9 @@ class TenantTimeErrors:
         memory[rows[known]] = view.memory_mhz[:ran][known]
         x, x_m = estimator.normalise(graphics, memory)
         predicted = np.full(ran, np.nan)
-        predicted[known] = estimator.predict_iteration_s(x, x_m)[rows[known]]
+        # as the plan predicted it: the model times the plan's factor (`interference`)
+        predicted_s = estimator.predict_iteration_s(x, x_m) * estimator.time_scale
+        predicted[known] = predicted_s[rows[known]]
         if view.objective_s is not None:
             predicted = np.where(np.isfinite(view.objective_s[:ran]), np.nan, predicted)
         settled = np.zeros(ran, dtype=bool)

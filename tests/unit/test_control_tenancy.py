@@ -10,7 +10,7 @@ import pytest
 from slurm_cdgpc.control.discrete import ClockGrid
 from slurm_cdgpc.control.domains import DomainLimits
 from slurm_cdgpc.control.empc import ControllerSettings, EconomicMPC, JobState, Measurements
-from slurm_cdgpc.control.tenancy import Tenancy, cotenant_key
+from slurm_cdgpc.control.tenancy import Interference, Tenancy, cotenant_key
 from slurm_cdgpc.errors import InputError
 from slurm_cdgpc.model.estimator import JobEstimator
 from tests.unit.problems import A100, a100_estimator
@@ -225,3 +225,88 @@ def test_a_sample_of_unknown_company_neither_anchors_nor_forgets_the_last() -> N
     assert _slowed(mpc, est, [-1], 1.0) == pytest.approx(0.5, rel=0.02)
     assert est.cotenants.tolist() == [0]
     assert _slowed(mpc, est, [cotenant_key(["2"])], 1.8) == pytest.approx(0.9, rel=0.02)
+
+
+def test_interference_learns_what_each_change_of_co_tenants_did() -> None:
+    """A cell (co-tenants before, after) counts once it has its events; its reverse stands in
+    negated; counts from `MAX_COTENANTS` up share a cell; no change, or an unknown count
+    before, scales nothing."""
+    i = Interference(min_events=3)
+    one, zero = np.array([1]), np.array([0])
+    i.learn(np.array([1, 1]), np.array([0, 0]), np.log([0.5, 0.5]))
+    assert i.scale(one, zero).tolist() == [1.0]  # two events: not yet
+    i.learn(one, zero, np.log([0.5]))
+    assert i.scale(one, zero) == pytest.approx([0.5])
+    assert i.scale(zero, one) == pytest.approx([2.0])  # 0 → 1 not seen: the reverse, negated
+    assert i.scale(np.array([1, -1, 0]), np.array([1, 0, 0])).tolist() == [1.0, 1.0, 1.0]
+    # a change within one cell, or a miss that is no number, teaches nothing
+    i.learn(np.array([2, 5, 2]), np.array([2, 7, 1]), np.array([1.0, 1.0, np.nan]))
+    assert i.count[2, 2] == i.count[3, 3] == i.count[2, 1] == 0
+    many = np.full(3, 5)
+    i.learn(many, np.zeros(3, dtype=np.int64), np.full(3, np.log(0.25)))
+    assert i.scale(np.array([3, 9]), np.array([0, 0])) == pytest.approx([0.25, 0.25])
+    # one wild sample is clipped to a factor of e²: it cannot own a cell
+    wild = Interference(min_events=1)
+    wild.learn(one, zero, np.array([-30.0]))
+    assert wild.scale(one, zero) == pytest.approx([np.exp(-Interference.CLIP)])
+
+
+def _among(
+    mpc: EconomicMPC,
+    est: JobEstimator,
+    iteration_s: list[float],
+    keys: list[int],
+    counts: list[int],
+) -> None:
+    """One interval at the top clock: each job's iteration time (NaN: not measured) and the
+    co-tenants it was measured among (key and count, -1: not sampled); every job planned alone."""
+    n = len(est)
+    mpc.step(
+        est,
+        _jobs(n, [3600.0] * n, None),
+        0.0,
+        1e4,
+        measured=Measurements(
+            graphics_mhz=np.full(n, 1410.0),
+            memory_mhz=np.full(n, 1593.0),
+            power_w=np.full(n, 300.0),
+            iteration_s=np.array(iteration_s),
+            cotenants=np.array(keys, dtype=np.int64),
+            cotenant_count=np.array(counts, dtype=np.int64),
+        ),
+    )
+
+
+@pytest.mark.parametrize("interference", [True, False])
+def test_a_tenant_whose_co_tenant_left_is_planned_at_the_speed_such_changes_gave(
+    interference: bool,
+) -> None:
+    """Jobs 0 and 1 each learned 0.9 s an iteration beside one co-tenant. Job 0's first sample
+    alone takes 0.45 s: a change from one co-tenant to none halved a settled model's time. Job
+    1's co-tenant has left too, but no sample of it alone has come (the head reads two plans
+    back): with the rule its plan counts it at half its model's time until one does; without,
+    at its model's 0.9 s."""
+    est = _estimator([1, 1], [300.0, 300.0], [0.9, 0.9])
+    mpc = EconomicMPC(
+        ClockGrid.from_tables([("A100", A100)], min_fraction=0.5),
+        ControllerSettings(interference=interference),
+    )
+    mpc.interference = Interference(min_events=1)
+    beside = [cotenant_key(["7"]), cotenant_key(["8"])]
+    for _ in range(3):
+        _among(mpc, est, [0.9, 0.9], beside, [1, 1])
+    assert est.time_scale.tolist() == [1.0, 1.0]  # nothing learned of a change yet
+    _among(mpc, est, [0.45, np.nan], [0, -1], [0, -1])
+    before, after, log_ratio = est.cotenant_steps
+    if not interference:
+        assert est.time_scale.tolist() == [1.0, 1.0] and mpc.interference.count.sum() == 0
+        return
+    assert (before.tolist(), after.tolist()) == ([1], [0])
+    assert log_ratio == pytest.approx([np.log(0.5)], abs=0.02)
+    # job 0 re-anchored on its sample alone: its model is its plan; job 1's is halved
+    assert est.time_scale == pytest.approx([1.0, 0.5], abs=0.01)
+    t_model = est.predict_iteration_s(np.ones(2), np.ones(2))
+    assert t_model == pytest.approx([0.45, 0.9], rel=0.02)
+    # job 1's first sample alone re-anchors it: its plan is its model again
+    _among(mpc, est, [0.9, 0.45], [0, 0], [0, 0])
+    assert est.time_scale.tolist() == [1.0, 1.0]

@@ -90,7 +90,7 @@ def test_the_paper_is_the_same_controller_without_the_rules() -> None:
     )
     assert (s.guard_per_sqrt_job, s.min_clock_fraction) == (0.0, 0.5)
     assert (s.new_job_power_share, s.new_job_power_quantile) == (1.0, 1.0)  # new jobs at TDP
-    assert s.reanchor_tenants is False
+    assert s.reanchor_tenants is False and s.interference is False
 
 
 def test_a_sites_control_section_is_what_the_simulator_runs(engine: Engine) -> None:
