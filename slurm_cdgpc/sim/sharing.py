@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import numpy.typing as npt
 
-from slurm_cdgpc.control.tenancy import group_max
+from slurm_cdgpc.control.tenancy import Interference, group_max
 from slurm_cdgpc.gpu.plant import Plant, PlantState
 
 if TYPE_CHECKING:
@@ -219,11 +219,19 @@ class TenantTimeErrors:
                 self._changed[job] = self._views  # a job that was never shared is not marked
         self._cotenants = now
 
-    def score(self, estimator: JobEstimator, view: ClusterView, rows: IntArray) -> None:
+    def score(
+        self,
+        estimator: JobEstimator,
+        view: ClusterView,
+        rows: IntArray,
+        interference: Interference | None = None,
+    ) -> None:
         """`add` the view as ``estimator`` predicted it before learning from it: ``rows``
         holds, per job that ran the interval the view reports (its first rows), the job's
-        estimator row (−1: the estimator has none, and the job is not scored). Serving jobs,
-        whose "iteration" is their latency, are not scored."""
+        estimator row (−1: the estimator has none, and the job is not scored). With the
+        controller's ``interference``, a model learned among another number of co-tenants
+        than the interval's is scaled as a plan scales it (`Interference.scale`). Serving
+        jobs, whose "iteration" is their latency, are not scored."""
         ran = rows.size
         known = rows >= 0
         graphics = np.full(len(estimator), np.nan)
@@ -232,9 +240,20 @@ class TenantTimeErrors:
         memory[rows[known]] = view.memory_mhz[:ran][known]
         x, x_m = estimator.normalise(graphics, memory)
         predicted = np.full(ran, np.nan)
-        # as the plan predicted it: the model times the plan's factor (`interference`)
-        predicted_s = estimator.predict_iteration_s(x, x_m) * estimator.time_scale
-        predicted[known] = predicted_s[rows[known]]
+        predicted[known] = estimator.predict_iteration_s(x, x_m)[rows[known]]
+        if interference is not None:
+            # the interval's co-tenants: the last view's (-1: a job it did not hold)
+            during = np.array(
+                [
+                    len(self._cotenants.get(job, ())) if job in self._cotenants else -1
+                    for job in view.job_id[:ran].tolist()
+                ],
+                dtype=np.int64,
+            )
+            learned = estimator.cotenant_count[rows[known]]
+            predicted[known] *= interference.scale(
+                np.where(during[known] >= 0, learned, -1), np.maximum(during[known], 0)
+            )
         if view.objective_s is not None:
             predicted = np.where(np.isfinite(view.objective_s[:ran]), np.nan, predicted)
         settled = np.zeros(ran, dtype=bool)
