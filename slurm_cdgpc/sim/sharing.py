@@ -160,12 +160,13 @@ def co_tenants(job_id: IntArray, shared_gpu: IntArray | None) -> list[tuple[int,
 class TenantTimeErrors:
     """How far the time model's prediction of each job's last interval was from its measured
     iteration time, by what its GPU did: alone, shared, and in the first intervals after its
-    co-tenants changed or all left (`Cdgpc` feeds it; `summary` goes to the replay's
-    metrics). What an interference term would have to earn: a tenant's model learns its speed
-    with the co-tenants it has, and forgets at its RLS rate when they change.
+    co-tenants changed or all left (`Cdgpc` and `HeadTwin` feed it; `summary` goes to the
+    replay's metrics): what re-anchoring and the interference term earn, a tenant's model
+    having learned its speed among the co-tenants it had.
 
-    A prediction is the model before it learns from the interval, at the interval's clocks;
-    jobs whose time model has had fewer than `SETTLED_SAMPLES` samples are left out.
+    A prediction is the model before it learns from the interval, at the interval's clocks,
+    scaled as a plan scales it for the interval's co-tenants (`score`); jobs whose time model
+    has had fewer than `SETTLED_SAMPLES` samples are left out.
     """
 
     SETTLED_SAMPLES = 3
