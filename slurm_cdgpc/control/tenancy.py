@@ -243,6 +243,11 @@ class Interference:
             step = max(1.0 / self.count[a, b], self.gain)
             self.mean[a, b] += step * (min(max(r, -self.CLIP), self.CLIP) - self.mean[a, b])
 
+    def learned(self) -> dict[tuple[int, int], float]:
+        """The factor of every cell that counts, by (co-tenants before, after)."""
+        ready = np.argwhere(self.count >= self.min_events).tolist()
+        return {(a, b): math.exp(float(self.mean[a, b])) for a, b in ready}
+
     def scale(self, learned: IntArray, planned: IntArray) -> FloatArray:
         """(N,) the factor on each job's predicted iteration time: its model learned among
         ``learned`` co-tenants (−1: not known, factor 1), the plan puts it among ``planned``."""

@@ -241,6 +241,18 @@ class _StateCollector(Collector):
             for kind, value in sorted(learned.items()):
                 share.add_metric([kind], value)
             yield share
+        factors = c.controller.interference.learned()
+        if factors:
+            ratio = GaugeMetricFamily(
+                "cdgpc_cotenant_time_ratio",
+                "factor on a tenant's predicted iteration time when the number of its "
+                "co-tenants goes from before to after (3: three or more), learned from the "
+                "tenants that went through such a change",
+                labels=["before", "after"],
+            )
+            for (before, after), value in sorted(factors.items()):
+                ratio.add_metric([str(before), str(after)], value)
+            yield ratio
         yield _gauge(
             "cdgpc_leader_epoch",
             "this head's leader epoch (0: no leader lock); it rises at each takeover",

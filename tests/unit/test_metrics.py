@@ -24,6 +24,7 @@ from slurm_cdgpc.agent.node import NodeAgent
 from slurm_cdgpc.agent.server import AgentHttpServer
 from slurm_cdgpc.config import SafeCap
 from slurm_cdgpc.control.limits import NewJobShare
+from slurm_cdgpc.control.tenancy import Interference
 from slurm_cdgpc.coordinator.api import HeadHttpServer
 from slurm_cdgpc.coordinator.daemon import Coordinator, CoordinatorSettings
 from slurm_cdgpc.coordinator.metrics import EXCHANGE_FAILURE_KINDS, failure_kind
@@ -196,7 +197,7 @@ def test_the_head_serves_its_families_with_their_types(head: Head) -> None:
     assert {name: types.get(name) for name in expected} == expected
     # no series per job or node: the only labels are fixed sets (and the histograms' bounds)
     labels = {k for f in head.families().values() for s in f.samples for k in s.labels}
-    assert labels <= {"state", "reachable", "code", "kind", "le"} | {
+    assert labels <= {"state", "reachable", "code", "kind", "le", "before", "after"} | {
         "implementation",
         "major",
         "minor",
@@ -211,6 +212,15 @@ def test_the_learned_new_job_share_is_shown_per_kind(head: Head) -> None:
     share.observe(["A100-SXM4-80GB"] * 20, np.full(20, 0.5), np.zeros(20, dtype=bool))
     family = head.families()["cdgpc_new_job_power_share"]
     assert [(s.labels, s.value) for s in family.samples] == [({"kind": "A100-SXM4-80GB"}, 0.5)]
+
+
+def test_the_learned_co_tenant_factors_are_shown_per_change(head: Head) -> None:
+    assert "cdgpc_cotenant_time_ratio" not in head.families()  # nothing learned: no series
+    cells = head.coordinator.controller.interference = Interference(min_events=2)
+    cells.learn(np.array([1, 1, 0]), np.array([0, 0, 1]), np.log([0.5, 0.5, 2.0]))
+    family = head.families()["cdgpc_cotenant_time_ratio"]
+    samples = [(s.labels, round(s.value, 6)) for s in family.samples]
+    assert samples == [({"before": "1", "after": "0"}, 0.5)]  # (0, 1) has one event
 
 
 def test_a_refused_registration_counts_by_status_and_an_accepted_one_is_timed(
