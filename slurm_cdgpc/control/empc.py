@@ -356,7 +356,9 @@ class EconomicMPC:
         (``ramp``: `Ramp.caps_w`; the decision's ``budget_w`` is the capped budget):
 
         1. learn: RLS update of every job's power and iteration-time model from ``measured``,
-           and of the gain of each lever GPU (MIG mode: `guard_rail.limit_gain`);
+           of the gain of each lever GPU (MIG mode: `guard_rail.limit_gain`), and of what a
+           change in the number of co-tenants does to a tenant's time (`Interference`; the
+           plan scales such a tenant's model by it until its own sample comes);
         2. offset: δ ← (1−η) δ + η (Σ P_meas − Σ P_plan) / Σ P_plan over the settled jobs' plans
            (`offset_per_job`: each job's own, weighed in step 4, `job_offsets`);
         3. weights: w_n = R_n / max(D_n − t, Δt), so w_n T_n(f) is the job's deadline pressure,
