@@ -525,12 +525,11 @@ class EconomicMPC:
         n = len(estimator)
         if not self.settings.interference:
             return np.ones(n)
+        _check_groups(jobs, n)
         if jobs.tenancy is None:  # every job alone
             planned = np.zeros(n, dtype=np.int64)
-        elif jobs.tenancy.group.shape == (n,):
-            planned = jobs.tenancy.cotenant_counts()
         else:
-            raise InputError("the GPU groups do not match the controller's jobs")
+            planned = jobs.tenancy.cotenant_counts()
         scale = self.interference.scale(estimator.cotenant_count, planned)
         return np.where(jobs.serving(), 1.0, scale)
 
@@ -828,8 +827,7 @@ class EconomicMPC:
         s = self.settings
         if not np.isfinite(budget_w) or budget_w <= 0:
             raise InputError("the power budget must be a positive number of watts")
-        if jobs.tenancy is not None and jobs.tenancy.group.shape != (len(estimator),):
-            raise InputError("the GPU groups do not match the controller's jobs")
+        _check_groups(jobs, len(estimator))
         weight = self.weights(estimator, jobs, now_s, queue)
         if jobs.tenancy is not None and domains is not None:
             domains = jobs.tenancy.domains(domains)
@@ -1107,6 +1105,12 @@ def _ceil_level(grid: ClockGrid, types: IntArray, x: FloatArray, g_max: FloatArr
     first = np.where(above.any(axis=1), above.argmax(axis=1), grid.graphics_count[t, m_top] - 1)
     out[rows] = levels[np.arange(rows.size), first] / g_max[rows]
     return out
+
+
+def _check_groups(jobs: JobState, n: int) -> None:
+    """Refuse GPU groups (`JobState.tenancy`) that are not one per each of the ``n`` jobs."""
+    if jobs.tenancy is not None and jobs.tenancy.group.shape != (n,):
+        raise InputError("the GPU groups do not match the controller's jobs")
 
 
 def _per_job(tenancy: Tenancy, x: FloatArray, x_m: FloatArray) -> tuple[FloatArray, FloatArray]:

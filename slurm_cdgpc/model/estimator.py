@@ -176,11 +176,7 @@ class JobEstimator:
         #: the samples of the last `observe` taken among other co-tenants than their models
         #: learned among, from settled models: (count before, count after, log(T / T̂)), what
         #: `slurm_cdgpc.control.tenancy.Interference` learns from
-        self.cotenant_steps: tuple[NDArray[np.int64], NDArray[np.int64], FloatArray] = (
-            np.zeros(0, dtype=np.int64),
-            np.zeros(0, dtype=np.int64),
-            np.zeros(0),
-        )
+        self.cotenant_steps = _no_steps()
         #: the factor on each job's time model in the last plan (`Interference.scale`): its
         #: prediction there is the model's times this
         self.time_scale = np.zeros(0)
@@ -298,11 +294,7 @@ class JobEstimator:
         taken two plans back. With ``cotenant_count`` (how many they were, -1 not known), such
         a sample of a settled model leaves its miss in `cotenant_steps`; ``reanchor`` False
         keeps the model as it is (the sample may then be rejected)."""
-        self.cotenant_steps = (
-            np.zeros(0, dtype=np.int64),
-            np.zeros(0, dtype=np.int64),
-            np.zeros(0),
-        )
+        self.cotenant_steps = _no_steps()
         if cotenants is not None:
             seen = cotenants >= 0
             changed = seen & (self.cotenants >= 0) & (cotenants != self.cotenants)
@@ -357,6 +349,14 @@ class JobEstimator:
             np.asarray(count, dtype=np.int64)[rows],
             np.log(iteration_s[rows] / predicted[rows]),
         )
+
+
+CotenantSteps = tuple[NDArray[np.int64], NDArray[np.int64], FloatArray]
+
+
+def _no_steps() -> CotenantSteps:
+    """`JobEstimator.cotenant_steps` of an `observe` that saw no change of co-tenants."""
+    return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64), np.zeros(0)
 
 
 def _anchor_first(rls: Rls, phi: FloatArray, y: FloatArray, mask: BoolArray | None) -> None:
