@@ -23,7 +23,7 @@ from slurm_cdgpc.control.empc import Decision, EconomicMPC, JobState, Measuremen
 from slurm_cdgpc.control.guard_rail import lever_state, power_limits_w
 from slurm_cdgpc.control.overdraw import ClusterDraw
 from slurm_cdgpc.control.ramp import Ramp
-from slurm_cdgpc.control.tenancy import Interference, Tenancy, cotenant_key
+from slurm_cdgpc.control.tenancy import Tenancy, cotenant_key
 from slurm_cdgpc.control.tuning import Tuning, paper, shipped
 from slurm_cdgpc.errors import InputError
 from slurm_cdgpc.gpu.catalog import GpuSpec
@@ -299,11 +299,7 @@ class Cdgpc(Policy):
             return
         # the jobs still running from the last view, first in it, in the estimator's rows
         rows = np.arange(len(self.estimator))
-        self.time_errors.score(self.estimator, view, rows, self._interference())
-
-    def _interference(self) -> Interference | None:
-        """The controller's `Interference`, where its setting is on."""
-        return self.controller.interference if self.controller.settings.interference else None
+        self.time_errors.score(self.estimator, view, rows, self.controller.interference)
 
     def _measured_cotenants(self, view: ClusterView) -> tuple[IntArray, IntArray] | None:
         """Per row, the co-tenants it had over the interval the view reports (those of the

@@ -231,8 +231,9 @@ class TenantTimeErrors:
         holds, per job that ran the interval the view reports (its first rows), the job's
         estimator row (−1: the estimator has none, and the job is not scored). With the
         controller's ``interference``, a model learned among another number of co-tenants
-        than the interval's is scaled as a plan scales it (`Interference.scale`). Serving
-        jobs, whose "iteration" is their latency, are not scored."""
+        than the interval's is scaled as a plan scales it (`Interference.scale`: by 1 while it
+        has learned nothing, as with the setting off). Serving jobs, whose "iteration" is
+        their latency, are not scored."""
         ran = rows.size
         known = rows >= 0
         graphics = np.full(len(estimator), np.nan)

@@ -365,9 +365,7 @@ class HeadTwin(Policy):
         rows = np.array(
             [index.get(job_name(int(r)), -1) for r in last.job_id[:ran].tolist()], dtype=np.int64
         )
-        controller = head.controller
-        interference = controller.interference if controller.settings.interference else None
-        self.time_errors.score(head.running.estimator, last, rows, interference)
+        self.time_errors.score(head.running.estimator, last, rows, head.controller.interference)
 
     def _follow_jobs(self, head: Coordinator, view: ClusterView) -> None:
         """Deregister the jobs that left and register the ones that started (the Epilog and
