@@ -333,13 +333,13 @@ class ControlConfig:
     #: c: the guard band is max(ε₀, c/√N) for N controlled jobs
     guard_per_sqrt_job: float = _setting(0.03, _in_range(0.0, 0.5, hi_open=True))
     #: p: ... at most the 1 − p quantile of the whole plan's measured over-draw less the
-    #: emergency margin (0, the default: c/√N alone)
-    guard_tail: float = _setting(0.0, _in_range(0.0, 1.0, hi_open=True))
+    #: emergency margin (0: c/√N alone)
+    guard_tail: float = _setting(0.005, _in_range(0.0, 1.0, hi_open=True))
     #: η: gain of the model-error offset estimate
     offset_gain: float = _setting(0.3, _in_range(0.0, 1.0))
     #: each settled job learns its own offset, and a plan is scaled by its jobs' offsets
     #: weighed by their power (false: one offset, learned from whichever jobs are settled)
-    offset_per_job: bool = _setting(False, _boolean)
+    offset_per_job: bool = _setting(True, _boolean)
     model_family: str = _setting("bent", _choice(*MODEL_FAMILIES))
     power_forgetting: float = _setting(0.95, _in_range(0.0, 1.0, lo_open=True))
     time_forgetting: float = _setting(0.98, _in_range(0.0, 1.0, lo_open=True))

@@ -5,8 +5,9 @@ differs for every reason the plan could not see: models off, jobs not yet measur
 jobs following their load, tenants that came or went, jobs that started since, the power
 outside the plan moving. The guard band must cover the part that lands over the plan; the
 c/√N rule guesses it from the job count, this measures it. The controller sizes its band on it
-only with ``guard_tail`` above 0 (`ControllerSettings`): off by default, for what it let the
-head do on bursts of large jobs (DESIGN.md, "Controller", Budget).
+with ``guard_tail`` above 0 (`ControllerSettings`, 0.005 by default), together with each job's
+own offset (``offset_per_job``), without which it let the head go far over on bursts of large
+jobs (DESIGN.md, "Controller", Budget).
 
 The controller's math: never reaches `store/`, `transport/`, `agent/`, `coordinator/` or `cli/`
 (`tests/unit/test_import_graph.py`). Design: DESIGN.md, "Controller" (2, Budget); tests:

@@ -70,13 +70,15 @@ def shipped(interval_s: float | None = None) -> Tuning:
 
 
 def paper(interval_s: float | None = None) -> Tuning:
-    """The method as published: linear power model, fixed guard band, clock floor 0.5 of max,
-    new jobs counted at their power limits, no triage, drain, floor fallback, time-limit work
-    estimate, exploration margin or re-anchoring of tenants' time models."""
+    """The method as published: linear power model, fixed guard band, one model-error offset,
+    clock floor 0.5 of max, new jobs counted at their power limits, no triage, drain, floor
+    fallback, time-limit work estimate, exploration margin or re-anchoring of tenants' time
+    models."""
     config = ControlConfig(
         model_family="linear",
         guard_per_sqrt_job=0.0,
         guard_tail=0.0,
+        offset_per_job=False,
         min_clock_fraction=0.5,
         floor_fallback=False,
         triage=False,

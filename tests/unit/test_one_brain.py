@@ -88,7 +88,8 @@ def test_the_paper_is_the_same_controller_without_the_rules() -> None:
         0.0,
         0.0,
     )
-    assert (s.guard_per_sqrt_job, s.min_clock_fraction) == (0.0, 0.5)
+    assert (s.guard_per_sqrt_job, s.guard_tail, s.min_clock_fraction) == (0.0, 0.0, 0.5)
+    assert s.offset_per_job is False  # one offset, as published
     assert (s.new_job_power_share, s.new_job_power_quantile) == (1.0, 1.0)  # new jobs at TDP
     assert s.reanchor_tenants is False and s.interference is False
 
