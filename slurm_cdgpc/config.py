@@ -349,6 +349,9 @@ class ControlConfig:
     min_clock_fraction: float = _setting(0.6, _in_range(0.0, 1.0, hi_open=True))
     #: below the floor when nothing at or above it fits the budget
     floor_fallback: bool = _setting(True, _boolean)
+    #: a job its power limit holds below its lock is planned where the limit holds it: locked
+    #: at most one level above that clock and counted at it (false: counted at its lock)
+    held_at_limit: bool = _setting(True, _boolean)
     #: jobs that cannot make their deadline even at top clocks weigh as jobs without one
     triage: bool = _setting(True, _boolean)
     #: a tenant whose GPU gains or loses a co-tenant re-anchors its time model on its first

@@ -23,7 +23,8 @@ from typing import Any
 
 import numpy as np
 
-from slurm_cdgpc.control.tuning import shipped
+from slurm_cdgpc.config import ControlConfig
+from slurm_cdgpc.control.tuning import Tuning, shipped
 from slurm_cdgpc.errors import InputError
 from slurm_cdgpc.sim.closed_loop import ClosedLoop, synthetic_fleet
 
@@ -40,7 +41,8 @@ def _run(
     rng = np.random.default_rng(seed)
     fleet = synthetic_fleet(jobs, rng)
     budget_w = budget_fraction * fleet.max_power_w()
-    tuning = shipped()
+    # the shipped controller with the rail at this margin, as cdgpcd builds it
+    tuning = Tuning.from_config(ControlConfig(power_limit_margin=margin))
     loop = ClosedLoop(fleet, rng, tuning.controller, tuning.estimator, power_limit_margin=margin)
     over: list[float] = []
     clock: list[float] = []

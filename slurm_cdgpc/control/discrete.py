@@ -159,6 +159,7 @@ def discretise(
     max_rounds: int = 8,
     domains: DomainSet | None = None,
     fixed: NDArray[np.bool_] | None = None,
+    held_at_limit: bool = True,
 ) -> DiscretePlan:
     """Floor the step-0 continuous clocks to supported levels, then fill the budget greedily.
 
@@ -170,6 +171,13 @@ def discretise(
        With ``domains``, an upgrade is taken only where every domain above the job has room for
        its share of it after every better-ranked upgrade in that domain (`_fits_domains`).
        Jobs whose clock is ``fixed`` (a serving job at its floor) are never upgraded.
+
+    ``held_at_limit``: above a job's ``x_hi`` (the clock where its power limit binds,
+    `EconomicMPC._bounded`) the firmware holds it at that clock, so a lock above buys no speed
+    and draws no more power. A job then climbs at most to the first level at or above its
+    ``x_hi``, and every level is evaluated at min(level, x_hi): the plan counts a job held by
+    its limit at what it draws there, not at what its model says an unheld job would draw at
+    the lock. False: levels are evaluated as they are, up to the top.
 
     Vectorised over jobs; the per-type loops run over a handful of GPU types.
     """
@@ -188,14 +196,15 @@ def discretise(
     levels, first = grid.graphics_mhz.reshape(-1), row * G
     xmf = grid.memory_mhz[types, im] / m_top
     xf = levels[first + ig] / g_top
-    power = problem.power_w(xf, xmf)
-    time = problem.time_s(xf, xmf)
+    x_hi = problem.x_hi if held_at_limit else np.full(types.shape[0], np.inf)
+    power = problem.power_w(np.minimum(xf, x_hi), xmf)
+    time = problem.time_s(np.minimum(xf, x_hi), xmf)
     leftover = budget - power.sum()
     upgrades = 0
     # each job's upgrade by one level (none: cost +inf), computed again only for the jobs that
     # climbed: the others' cost and ratio stay what they were
     n = ig.size
-    can = ig + 1 < n_g
+    can = (ig + 1 < n_g) & (xf < x_hi - _SAME_X)
     if fixed is not None:
         can &= ~fixed
     d_power, ratio, time_up = np.empty(n), np.empty(n), np.empty(n)
@@ -204,6 +213,7 @@ def discretise(
         """Cost, ratio and time of the next level of the jobs ``at`` (a slice: every job)."""
         sub = problem if isinstance(at, slice) else problem.rows(at)
         xu = levels[first[at] + np.where(can[at], ig[at] + 1, ig[at])] / g_top[at]
+        xu = np.minimum(xu, x_hi[at])
         cost = np.where(can[at], sub.power_w(xu, xmf[at]) - power[at], np.inf)
         t_up = sub.time_s(xu, xmf[at])
         with np.errstate(divide="ignore", invalid="ignore"):
@@ -233,7 +243,9 @@ def discretise(
         power[take] += d_power[take]
         time[take] = time_up[take]
         upgrades += int(take.size)
-        can[take] = ig[take] + 1 < n_g[take]
+        can[take] = (ig[take] + 1 < n_g[take]) & (
+            levels[first[take] + ig[take]] / g_top[take] < x_hi[take] - _SAME_X
+        )
         upgrade(take if take.size * _FEW < n else slice(None))
     graphics = levels[first + ig]
     xf = graphics / g_top
@@ -242,7 +254,7 @@ def discretise(
         memory_mhz=grid.memory_mhz[types, im],
         x=xf,
         x_m=xmf,
-        job_power_w=problem.power_w(xf, xmf),
+        job_power_w=problem.power_w(np.minimum(xf, x_hi), xmf),
         upgrades=upgrades,
     )
 
@@ -276,6 +288,8 @@ def _fits_domains(
     return fits
 
 
+#: normalised clocks this close are the same level (whole MHz over a top clock of thousands)
+_SAME_X = 1e-9
 #: the jobs that climbed are evaluated alone while fewer than 1/_FEW of all: beyond, gathering
 #: their rows costs more than evaluating every job
 _FEW = 8

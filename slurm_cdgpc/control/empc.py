@@ -86,6 +86,13 @@ class ControllerSettings:
     #: when every job at the floor exceeds the budget, go below it (to the lowest supported
     #: clock) for that interval rather than miss the budget
     floor_fallback: bool = _SHIPPED.floor_fallback
+    #: a job its power limit holds below its lock (``x_hi``: where the limit was seen to bind,
+    #: or where its model says it would) runs there whatever its lock: it is locked at most one
+    #: level above that clock and counted at it, not at what its model says an unheld job would
+    #: draw at the lock (`discretise`). Off: the fill may lock it higher and count it there.
+    #: Off too with the guard rail on (`Tuning.from_config`): the rail sets every limit from
+    #: the plan, so a clock it held a job at is no ceiling for the next plan
+    held_at_limit: bool = _SHIPPED.held_at_limit
     #: a job predicted to miss even at top clocks (R · T_top > D − t) gets the pressure of a
     #: job without a deadline: the power goes to jobs it can still save
     triage: bool = _SHIPPED.triage
@@ -470,7 +477,9 @@ class EconomicMPC:
             if tenancy is not None:
                 free = np.bincount(tenancy.group, ~fixed, tenancy.size)
                 fixed = free == 0
-        plan = discretise(problem, grid, types, x[0], x_m[0], s.greedy_rounds, nested, fixed)
+        plan = discretise(
+            problem, grid, types, x[0], x_m[0], s.greedy_rounds, nested, fixed, s.held_at_limit
+        )
         domain_planned_w = None if nested is None else nested.totals(plan.job_power_w)[1:]
         share = (
             np.ones(len(estimator))

@@ -38,6 +38,9 @@ class Tuning:
                 exploration_sigmas=control.exploration_sigmas,
                 min_clock_fraction=control.min_clock_fraction,
                 floor_fallback=control.floor_fallback,
+                # the guard rail sets every limit from the plan: a clock it held a job at is
+                # no ceiling for the next plan, which would otherwise ratchet down on it
+                held_at_limit=control.held_at_limit and control.power_limit_margin == 0,
                 triage=control.triage,
                 reanchor_tenants=control.reanchor_tenants,
                 interference=control.interference,
@@ -72,8 +75,8 @@ def shipped(interval_s: float | None = None) -> Tuning:
 def paper(interval_s: float | None = None) -> Tuning:
     """The method as published: linear power model, fixed guard band, one model-error offset,
     clock floor 0.5 of max, new jobs counted at their power limits, no triage, drain, floor
-    fallback, time-limit work estimate, exploration margin or re-anchoring of tenants' time
-    models."""
+    fallback, plan at the clock a power limit holds a job at, time-limit work estimate,
+    exploration margin or re-anchoring of tenants' time models."""
     config = ControlConfig(
         model_family="linear",
         guard_per_sqrt_job=0.0,
@@ -81,6 +84,7 @@ def paper(interval_s: float | None = None) -> Tuning:
         offset_per_job=False,
         min_clock_fraction=0.5,
         floor_fallback=False,
+        held_at_limit=False,
         triage=False,
         reanchor_tenants=False,
         interference=False,

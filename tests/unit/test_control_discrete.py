@@ -33,16 +33,21 @@ def _grid() -> ClockGrid:
     return ClockGrid.from_tables([("hbm", HBM), ("gddr", GDDR)], min_fraction=0.4)
 
 
-def _fleet_problem(n: int, seed: int, fraction: float) -> tuple[DualProblem, np.ndarray]:
-    """A problem whose bounds are exactly the grid's (as the controller builds it)."""
+def _fleet_problem(
+    n: int, seed: int, fraction: float, held: float = 0.0
+) -> tuple[DualProblem, np.ndarray]:
+    """A problem whose bounds are exactly the grid's (as the controller builds it); the share
+    ``held`` of its jobs held by their power limit at 0.7–1.0 of the top clock (``x_hi``)."""
     grid = _grid()
     base = build_problem(n=n, seed=seed, budget_fraction=fraction, gddr_share=0.3)
     types = (base.mem_mask > 0).astype(np.int64)
     g_top, m_top = grid.top_mhz(types)
     g_lo, m_lo = grid.bottom_mhz(types)
+    rng = np.random.default_rng(seed)
+    x_hi = np.where(rng.random(n) < held, rng.uniform(0.7, 1.0, n), 1.0)
     problem = DualProblem(
         base.family, base.gpus, base.power_theta, base.time_theta, base.weight, base.knee_x,
-        base.mem_mask, g_lo / g_top, np.ones(n), m_lo / m_top, np.ones(n), base.budget_w,
+        base.mem_mask, g_lo / g_top, x_hi, m_lo / m_top, np.ones(n), base.budget_w,
     )  # fmt: skip
     return problem, types
 
@@ -52,12 +57,13 @@ def _fleet_problem(n: int, seed: int, fraction: float) -> tuple[DualProblem, np.
     n=st.integers(1, 400),
     seed=st.integers(0, 10_000),
     fraction=st.floats(0.0, 1.1),
+    held=st.sampled_from([0.0, 0.3]),
 )
 def test_budget_is_never_exceeded_and_clocks_are_supported(
-    n: int, seed: int, fraction: float
+    n: int, seed: int, fraction: float, held: float
 ) -> None:
     grid = _grid()
-    problem, types = _fleet_problem(n, seed, fraction)
+    problem, types = _fleet_problem(n, seed, fraction, held)
     result = solve_price(problem, "newton")
     x, x_m = problem.best_response(result.price)
     plan = discretise(problem, grid, types, x[0], x_m[0])
@@ -170,13 +176,17 @@ def _reference_plan(
         ]
     )
 
+    def lock(ig: np.ndarray) -> np.ndarray:
+        return grid.graphics_mhz[types, im, ig] / g_top
+
     def clocks(ig: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        return grid.graphics_mhz[types, im, ig] / g_top, grid.memory_mhz[types, im] / m_top
+        # a job runs at most at the clock its power limit allows, whatever its lock
+        return np.minimum(lock(ig), problem.x_hi), grid.memory_mhz[types, im] / m_top
 
     power, time = problem.power_w(*clocks(ig)), problem.time_s(*clocks(ig))
     leftover = float(problem.budget_w[0]) - power.sum()
     for _ in range(8):
-        can = ig + 1 < n_g
+        can = (ig + 1 < n_g) & (lock(ig) < problem.x_hi)
         if not can.any() or leftover <= 0:
             break
         up = clocks(np.where(can, ig + 1, ig))
@@ -200,12 +210,16 @@ def _reference_plan(
     return grid.graphics_mhz[types, im, ig], grid.memory_mhz[types, im]
 
 
-@pytest.mark.parametrize(("seed", "racked"), [(0, True), (1, True), (2, False)])
-def test_the_fill_takes_what_ranking_every_job_every_round_takes(seed: int, racked: bool) -> None:
+@pytest.mark.parametrize(
+    ("seed", "racked", "held"), [(0, True, 0.0), (1, True, 0.3), (2, False, 0.0), (3, False, 0.3)]
+)
+def test_the_fill_takes_what_ranking_every_job_every_round_takes(
+    seed: int, racked: bool, held: float
+) -> None:
     """The fill evaluates again only the jobs that climbed and ranks only as far as the
     leftover reaches: the clocks are those of the plain way, bit for bit."""
     grid = _grid()
-    problem, types = _fleet_problem(20_000, seed, 0.5)
+    problem, types = _fleet_problem(20_000, seed, 0.5, held)
     domains = _racked(problem, seed) if racked else None
     if domains is None:
         x, x_m = problem.best_response(solve_price(problem).price)
@@ -217,6 +231,29 @@ def test_the_fill_takes_what_ranking_every_job_every_round_takes(seed: int, rack
     assert plan.upgrades > 0
     np.testing.assert_array_equal(plan.graphics_mhz, graphics)
     np.testing.assert_array_equal(plan.memory_mhz, memory)
+
+
+def test_a_job_held_by_its_power_limit_is_locked_one_level_past_it_and_counted_there() -> None:
+    """Above the clock its power limit allows (x_hi) the firmware holds a job there: the fill
+    takes it to the first level at or above x_hi, no higher, and the plan counts it at x_hi,
+    not at what its model says an unheld job would draw at the lock."""
+    grid = _grid()
+    problem, types = _fleet_problem(400, 5, 1.1, held=0.5)  # room for every job at top
+    x, x_m = problem.best_response(solve_price(problem).price)
+    plan = discretise(problem, grid, types, x[0], x_m[0])
+    g_top = grid.top_mhz(types)[0]
+    held = problem.x_hi < 1.0
+    assert 100 < held.sum() < 300
+    for i in np.flatnonzero(held):
+        table = GDDR if types[i] else HBM
+        levels = np.array(sorted(table.graphics_for(int(plan.memory_mhz[i]))))
+        first = levels[levels >= problem.x_hi[i] * g_top[i] - 1e-6].min()
+        assert plan.graphics_mhz[i] == first
+    assert np.all(plan.graphics_mhz[~held] == g_top[~held])
+    at = np.minimum(plan.x, problem.x_hi)
+    np.testing.assert_allclose(plan.job_power_w, problem.power_w(at, plan.x_m))
+    unheld_w = problem.power_w(plan.x, plan.x_m)
+    assert np.all(plan.job_power_w[held] < unheld_w[held])
 
 
 def test_floor_index_is_each_rows_own_search() -> None:

@@ -92,6 +92,7 @@ def test_the_paper_is_the_same_controller_without_the_rules() -> None:
     assert s.offset_per_job is False  # one offset, as published
     assert (s.new_job_power_share, s.new_job_power_quantile) == (1.0, 1.0)  # new jobs at TDP
     assert s.reanchor_tenants is False and s.interference is False
+    assert s.held_at_limit is False  # a held job counted at its lock, as published
 
 
 def test_a_sites_control_section_is_what_the_simulator_runs(engine: Engine) -> None:
@@ -118,3 +119,11 @@ def test_simulate_config_runs_the_files_control_section(tmp_path: Path) -> None:
     site.write_text("[control]\ntriage = maybe\n")
     bad = runner.invoke(cli, [*args, "--config", str(site)])
     assert bad.exit_code != 0 and bad.output.count("\n") == 1 and "Error:" in bad.output
+
+
+def test_the_guard_rail_turns_planning_at_the_limit_clock_off() -> None:
+    """The rail sets every limit from the plan: the clock it held a job at is no ceiling for
+    the next plan (planned there, the plans ratchet down: DESIGN.md, "Controller", Clocks)."""
+    assert Tuning.from_config(ControlConfig()).controller.held_at_limit is True
+    railed = Tuning.from_config(ControlConfig(power_limit_margin=0.05)).controller
+    assert railed.held_at_limit is False

@@ -181,9 +181,10 @@ def test_serving_at_top_clocks_costs_more_serving_energy(served: dict[str, Polic
     assert top.serving_energy_kwh > 1.1 * cdgpc.serving_energy_kwh
     assert top.serving_mean_w > 1.1 * cdgpc.serving_mean_w
     # serving at top clocks is power outside the plan that follows the load; the guard band,
-    # sized on a tail of 0.5 % of intervals, lets a few of 668 over (seeds 0-4: 0.63-1.05 %,
-    # DESIGN.md "Controller", Budget)
-    assert top.over_budget_intervals_pct < 1.5
+    # sized on a tail of 0.5 % of intervals, lets a few of 668 over (seeds 0-4: 1.89-2.53 %,
+    # by at most 1.93 %; 0.63-1.05 % while jobs held by their power limit were counted at
+    # their locks, which kept about 0.4 % of the budget back: DESIGN.md "Controller", Clocks)
+    assert top.over_budget_intervals_pct < 3.0
 
 
 @pytest.mark.data
