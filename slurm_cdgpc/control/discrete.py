@@ -197,14 +197,23 @@ def discretise(
     xmf = grid.memory_mhz[types, im] / m_top
     xf = levels[first + ig] / g_top
     x_hi = problem.x_hi if held_at_limit else np.full(types.shape[0], np.inf)
-    power = problem.power_w(np.minimum(xf, x_hi), xmf)
-    time = problem.time_s(np.minimum(xf, x_hi), xmf)
+    runs_at = np.minimum(xf, x_hi)  # where each job runs: its lock, or where its limit holds it
+    power = problem.power_w(runs_at, xmf)
+    time = problem.time_s(runs_at, xmf)
     leftover = budget - power.sum()
     upgrades = 0
     # each job's upgrade by one level (none: cost +inf), computed again only for the jobs that
     # climbed: the others' cost and ratio stay what they were
     n = ig.size
-    can = (ig + 1 < n_g) & (xf < x_hi - _SAME_X)
+
+    def climbs(at: IntArray | slice) -> NDArray[np.bool_]:
+        """Whether the jobs ``at`` have a level above theirs that buys anything: not past the
+        top, and not past the first level at or above their ``x_hi``."""
+        below_hi = levels[first[at] + ig[at]] / g_top[at] < x_hi[at] - _SAME_X
+        climbing: NDArray[np.bool_] = (ig[at] + 1 < n_g[at]) & below_hi
+        return climbing
+
+    can = climbs(slice(None))
     if fixed is not None:
         can &= ~fixed
     d_power, ratio, time_up = np.empty(n), np.empty(n), np.empty(n)
@@ -243,9 +252,7 @@ def discretise(
         power[take] += d_power[take]
         time[take] = time_up[take]
         upgrades += int(take.size)
-        can[take] = (ig[take] + 1 < n_g[take]) & (
-            levels[first[take] + ig[take]] / g_top[take] < x_hi[take] - _SAME_X
-        )
+        can[take] = climbs(take)
         upgrade(take if take.size * _FEW < n else slice(None))
     graphics = levels[first + ig]
     xf = graphics / g_top
