@@ -316,6 +316,7 @@ def job_dict(job: Job, views: Mapping[str, JobView]) -> dict[str, object]:
     return {
         "job_id": job.job_id,
         "user": job.user,
+        "job_name": job.job_name,
         "state": job.state,
         "deadline_s": job.deadline_s,
         "iterations_total": job.iterations_total,
@@ -626,12 +627,17 @@ class _Handler(JsonHandler):
             ("job_id", "user", "node", "gpus"),
             (
                 *("gpu_type", "deadline_s", "iterations_total", "time_limit_s", "start_s"),
-                *("slo_percentile", "slo_latency_s"),
+                *("slo_percentile", "slo_latency_s", "job_name"),
             ),
         )
         job = _checked(names.job_id, d["job_id"], "job_id")
         user = _checked(names.account, d["user"], "user")
         node = _checked(names.node_name, d["node"], "node")
+        job_name = (
+            None
+            if d.get("job_name") is None
+            else _checked(names.job_name, d["job_name"], "job_name")
+        )
         gpus = _gpu_list(d["gpus"])
         gpu_type = None if d.get("gpu_type") is None else _text(d["gpu_type"], "gpu_type", limit=64)
         deadline_s = _optional_number(d.get("deadline_s"), "deadline_s")
@@ -671,6 +677,7 @@ class _Handler(JsonHandler):
                 started_at_s=start_s,
                 sender=principal,
                 slo=slo,
+                job_name=job_name,
             )
             self.server.coordinator.registrations.register_job_later(
                 committed,

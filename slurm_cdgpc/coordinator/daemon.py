@@ -349,6 +349,7 @@ class Coordinator:
         time_limit_s: float | None = None,
         started_at_s: float | None = None,
         slo: LatencyObjective | None = None,
+        job_name: str | None = None,
     ) -> Job:
         """Record a job's GPUs on one node (idempotent; a multi-node job calls once per node).
         ``adopted``: found running in Slurm without a registration (`reconcile`), not from a
@@ -366,6 +367,7 @@ class Coordinator:
             time_limit_s=time_limit_s,
             started_at_s=started_at_s,
             slo=slo,
+            job_name=job_name,
         )
         return self.registrations.register_job(registration)
 

@@ -42,6 +42,8 @@ class Registration:
     started_at_s: float | None = None
     #: a serving job's latency objective (the comment's ``slo=``)
     slo: LatencyObjective | None = None
+    #: Slurm's JobName, when the Prolog read it
+    job_name: str | None = None
 
     @classmethod
     def checked(
@@ -59,6 +61,7 @@ class Registration:
         time_limit_s: float | None = None,
         started_at_s: float | None = None,
         slo: LatencyObjective | None = None,
+        job_name: str | None = None,
     ) -> Registration:
         """The registration, or `InputError` (no GPUs, an unknown GPU type) before it queues."""
         if not gpus:
@@ -77,6 +80,7 @@ class Registration:
             time_limit_s,
             started_at_s,
             slo,
+            job_name,
         )
 
     def for_store(self) -> JobRegistration:
@@ -93,6 +97,7 @@ class Registration:
             started_at_s=self.started_at_s,
             slo_percentile=None if slo is None else slo.percentile,
             slo_latency_s=None if slo is None else slo.latency_s,
+            job_name=self.job_name,
         )
 
     def log(self) -> None:

@@ -40,7 +40,7 @@ from slurm_cdgpc.sim.reporting import (
 )
 from slurm_cdgpc.sim.serving import Serving, ServingReplay, ServingState
 from slurm_cdgpc.sim.sharing import SharedGpus, shared_step
-from slurm_cdgpc.sim.traces import WHOLE_GPU, Trace
+from slurm_cdgpc.sim.traces import WHOLE_GPU, StrArray, Trace
 
 logger = logging.getLogger(__name__)
 
@@ -100,6 +100,9 @@ class ClusterView:
     #: every GPU is in MIG mode (`slurm_cdgpc.sim.mig`): clocks cannot be locked, a power
     #: limit is the only setpoint that acts
     mig: bool = False
+    #: each job's name as Slurm has it (the trace's model name; "": none), for the kind prior
+    #: (`JobEstimator.add_jobs`); None when the trace names none
+    job_name: StrArray | None = None
 
     def __post_init__(self) -> None:
         # read-only views: a policy cannot write into the simulator's state
@@ -166,6 +169,7 @@ JOB_FIELDS: Final = (
     "power_capped",
     "objective_s",
     "shared_gpu",
+    "job_name",
 )
 
 
@@ -362,6 +366,8 @@ class _Served:
         }
         if view.shared_gpu is not None:
             heads["shared_gpu"] = np.full(s, -1, dtype=np.int64)
+        if view.job_name is not None:
+            heads["job_name"] = np.full(s, "", dtype=view.job_name.dtype)
         rows = {k: np.concatenate([v, getattr(view, k)]) for k, v in heads.items()}
         objective = np.concatenate([self.replay.objective_s, np.full(len(view), np.nan)])
         kept = view.kept if first else np.concatenate([np.ones(s, dtype=bool), view.kept])
@@ -631,6 +637,7 @@ class Simulator:
         finish_s = np.full(n, np.nan)
         killed = np.zeros(n, dtype=bool)
         masks, mask_of = self.allowed_nodes()
+        names = trace.model_name if np.any(trace.model_name != "") else None
         # a job that never fits: more than one node with room and more than the whole nodes
         # (a node with serving GPUs is never whole) of the types it asks for
         serving_gpus = self.serving_nodes.sum(axis=0)
@@ -772,6 +779,7 @@ class Simulator:
                 kept=kept,
                 started=len(started_rows),
                 job_id=run.rows,
+                job_name=names[run.rows] if names is not None else None,
                 job_gpus=run.gpus,
                 job_type=run.types,
                 job_nodes=run.alloc,

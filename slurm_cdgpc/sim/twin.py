@@ -413,6 +413,7 @@ class HeadTwin(Policy):
                     iterations_total=iterations,
                     time_limit_s=limit_s if math.isfinite(limit_s) else None,
                     started_at_s=float(view.start_s[row]) + self.offset_s,
+                    job_name=None if view.job_name is None else str(view.job_name[row]) or None,
                 )
             self._held.append(held)
             self._totals.append(iterations)

@@ -145,6 +145,8 @@ def registration(
         payload["time_limit_s"] = known.time_limit_s
     if known.start_s is not None:
         payload["start_s"] = known.start_s
+    if known.name:
+        payload["job_name"] = known.name
     notes.insert(0, _format_deadline(deadline))
     return payload, notes
 

@@ -35,12 +35,14 @@ _LIMIT: Final = re.compile(r"(?:(?P<d>[0-9]+)-)?(?:(?P<h>[0-9]+):)?(?P<m>[0-9]+)
 
 @dataclass(frozen=True)
 class JobTimes:
-    """Seconds since the epoch (None: unknown / not set); the limit in seconds (None: none)."""
+    """Seconds since the epoch (None: unknown / not set); the limit in seconds (None: none);
+    and the job's name (``JobName``; None: not shown)."""
 
     submit_s: float | None = None
     start_s: float | None = None
     time_limit_s: float | None = None
     deadline_s: float | None = None
+    name: str | None = None
 
 
 def _field(text: str, key: str) -> str | None:
@@ -76,6 +78,7 @@ def parse_show_job(text: str) -> JobTimes:
         start_s=parse_time(_field(text, "StartTime")),
         time_limit_s=parse_time_limit(_field(text, "TimeLimit")),
         deadline_s=parse_time(_field(text, "Deadline")),
+        name=_field(text, "JobName") or None,
     )
 
 

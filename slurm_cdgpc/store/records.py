@@ -61,6 +61,8 @@ class Job:
     #: request latencies stays within this many seconds; both None: not a serving job
     slo_percentile: float | None = None
     slo_latency_s: float | None = None
+    #: Slurm's JobName (None: not known), from the Prolog
+    job_name: str | None = None
 
     @property
     def nodes(self) -> tuple[str, ...]:

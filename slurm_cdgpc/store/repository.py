@@ -103,6 +103,7 @@ class JobRegistration:
     started_at_s: float | None = None
     slo_percentile: float | None = None
     slo_latency_s: float | None = None
+    job_name: str | None = None
 
 
 class _RegistrationRaceError(Exception):
@@ -284,6 +285,7 @@ class Store:
         started_at_s: float | None = None,
         slo_percentile: float | None = None,
         slo_latency_s: float | None = None,
+        job_name: str | None = None,
     ) -> Job:
         """Record a job and its GPUs on the given node(s); idempotent.
 
@@ -293,8 +295,8 @@ class Store:
         again was requeued by Slurm (same id): it starts over with only the new GPUs, unless
         ``at_s`` (when the Prolog ran, for spooled registrations) is not after it finished.
         Deadline, iteration count (from the comment: it wins over a framework's), time limit,
-        start and latency objective (``slo_percentile`` with ``slo_latency_s``, both or
-        neither) are updated when given.
+        start, latency objective (``slo_percentile`` with ``slo_latency_s``, both or
+        neither) and Slurm's job name are updated when given.
         """
         registration = JobRegistration(
             job_id,
@@ -308,6 +310,7 @@ class Store:
             started_at_s=started_at_s,
             slo_percentile=slo_percentile,
             slo_latency_s=slo_latency_s,
+            job_name=job_name,
         )
         [outcome] = self.register_jobs([registration])
         if isinstance(outcome, InputError):
@@ -344,6 +347,8 @@ class Store:
                 if r.started_at_s is not None:
                     _finite(r.started_at_s, "start time")
                 _check_slo(r.slo_percentile, r.slo_latency_s)
+                if r.job_name is not None:
+                    names.job_name(r.job_name)
                 checked.append((i, r, new_gpus, self._now(r.at_s)))
             except InputError as e:
                 outcomes[i] = e
@@ -928,11 +933,12 @@ def _job(row: JobRow) -> Job:
         total_source=row.total_source,
         slo_percentile=row.slo_percentile,
         slo_latency_s=row.slo_latency_s,
+        job_name=row.job_name,
     )
 
 
 _JOB_COLUMNS: tuple[str, ...] = tuple(c.name for c in _JOBS.columns)
-#: rows per multi-row INSERT, at most (a power of two, see `_runs`): 13 columns each stays far
+#: rows per multi-row INSERT, at most (a power of two, see `_runs`): 14 columns each stays far
 #: under either database's bind limit
 _INSERT_ROWS = 512
 
@@ -1021,6 +1027,7 @@ def _register_checked(
                 "total_source": None if r.iterations_total is None else "comment",
                 "slo_percentile": r.slo_percentile,
                 "slo_latency_s": r.slo_latency_s,
+                "job_name": r.job_name,
             }
             held[r.job_id] = {}
             new_ids.append(r.job_id)
@@ -1057,6 +1064,8 @@ def _register_checked(
                 row["started_at_s"] = r.started_at_s
             if r.slo_percentile is not None:
                 row.update(slo_percentile=r.slo_percentile, slo_latency_s=r.slo_latency_s)
+            if r.job_name is not None:
+                row["job_name"] = r.job_name
         for g in new_gpus:  # each named node's GPU set is replaced, the others kept
             held[r.job_id][g["node"]] = set()
         for g in new_gpus:
@@ -1105,6 +1114,7 @@ def _job_record(values: Mapping[str, Any], held: Mapping[str, Iterable[int]]) ->
         total_source=values["total_source"],
         slo_percentile=values["slo_percentile"],
         slo_latency_s=values["slo_latency_s"],
+        job_name=values["job_name"],
     )
 
 

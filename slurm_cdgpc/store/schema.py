@@ -89,6 +89,8 @@ class JobRow(Base):
     #: a serving job's latency objective (slo=p99:250ms: 99, 0.25 s); both NULL: none
     slo_percentile: Mapped[float | None] = mapped_column(Double)
     slo_latency_s: Mapped[float | None] = mapped_column(Double)
+    #: Slurm's JobName (None: not known): with the user and GPU type, the job's kind
+    job_name: Mapped[str | None] = mapped_column(String(200))
 
     gpus: Mapped[list[JobGpuRow]] = relationship(
         back_populates="job",

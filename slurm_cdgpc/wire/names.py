@@ -34,6 +34,14 @@ def job_id(value: object, where: str = "job_id") -> str:
     raise InputError(f"{where}: must be a Slurm job id like 123 or 123_4, {_got(value)}")
 
 
+def job_name(value: object, where: str = "job_name") -> str:
+    """``value`` if it is a Slurm job name (printable, 1 to 200 characters), else
+    `InputError` naming ``where``."""
+    if isinstance(value, str) and 0 < len(value) <= 200 and value.isprintable():
+        return value
+    raise InputError(f"{where}: must be 1 to 200 printable characters, {_got(value)}")
+
+
 def node_name(value: object, where: str = "node") -> str:
     """``value`` if it is a node's host name, else `InputError` naming ``where``."""
     if isinstance(value, str) and NODE_NAME.fullmatch(value):

@@ -892,3 +892,15 @@ def test_a_serving_jobs_latency_objective_is_kept(store: Store, clock: FakeClock
                 "961", "erin", {"gpu01": [1]}, slo_percentile=percentile, slo_latency_s=latency_s
             )
     assert store.job("961") == plain
+
+
+def test_the_job_name_is_kept_and_a_bad_one_changes_nothing(store: Store) -> None:
+    job = store.register_job("970", "erin", {"gpu01": [0]}, job_name="train-bert")
+    assert job.job_name == "train-bert" and store.job("970") == job
+    job = store.register_job("970", "erin", {"gpu02": [0]})  # another node's Prolog: kept
+    assert job.job_name == "train-bert" and store.job("970") == job
+    assert store.register_job("971", "erin", {"gpu01": [1]}).job_name is None
+    for bad in ("", "a\tb", "x" * 201):
+        with pytest.raises(InputError, match="job_name: must be 1 to 200 printable"):
+            store.register_job("972", "erin", {"gpu01": [2]}, job_name=bad)
+    assert store.job("972") is None

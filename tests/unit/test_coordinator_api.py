@@ -349,6 +349,16 @@ def test_a_serving_jobs_latency_objective_is_kept_and_shown(api: Api) -> None:
     assert stored is not None and (stored.slo_percentile, stored.slo_latency_s) == (99.0, 0.25)
 
 
+def test_the_job_name_slurm_shows_is_kept_and_shown(api: Api) -> None:
+    status, data = api.post("/v1/jobs", {**JOB, "job_name": "train-bert"})
+    assert (status, data["job_name"]) == (200, "train-bert")
+    assert api.post("/v1/jobs", {**JOB, "node": "n2", "gpus": [0]})[0] == 200  # not said: kept
+    stored = api.coordinator.store.job("42")
+    assert stored is not None and stored.job_name == "train-bert"
+    [job] = api.jobs()
+    assert job["job_name"] == "train-bert"
+
+
 def test_malformed_and_oversized_bodies(api: Api) -> None:
     bad_bodies = {
         b"not json": "not valid JSON",
@@ -372,6 +382,10 @@ def test_malformed_and_oversized_bodies(api: Api) -> None:
         json.dumps({**SERVING, "slo_latency_s": 0}).encode(): "in (0, 600], got 0.0",
         json.dumps({**SERVING, "slo_latency_s": 600.5}).encode(): "in (0, 600], got 600.5",
         json.dumps({**SERVING, "slo_latency_s": True}).encode(): "slo_latency_s: must be",
+        json.dumps({**JOB, "job_name": ""}).encode(): "job_name: must be 1 to 200 printable",
+        json.dumps({**JOB, "job_name": "a\nb"}).encode(): "job_name: must be 1 to 200 printable",
+        json.dumps({**JOB, "job_name": "x" * 201}).encode(): "job_name: must be 1 to 200",
+        json.dumps({**JOB, "job_name": 7}).encode(): "job_name: must be 1 to 200 printable",
     }
     for body, expected in bad_bodies.items():
         status, data, text = api.call("POST", "/v1/jobs", body)

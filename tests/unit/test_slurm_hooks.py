@@ -93,6 +93,19 @@ def test_prolog_sends_a_serving_jobs_latency_objective(tmp_path: Path) -> None:
     assert head.jobs["42"]["deadline_s"] == NOW_S - 60 + 3600
 
 
+def test_prolog_sends_the_job_name_slurm_shows_and_none_when_it_shows_none(
+    tmp_path: Path,
+) -> None:
+    head = FakeHead()
+    named = JobTimes(submit_s=NOW_S - 60, name="train-bert")
+    run_prolog(
+        read_hook_env(ENV), head, Spool(tmp_path), now_s=NOW_S, until_s=1e18, times=lambda _j: named
+    )
+    assert head.jobs["42"]["job_name"] == "train-bert"
+    run_prolog(read_hook_env(ENV), head, Spool(tmp_path), now_s=NOW_S, until_s=1e18, times=_times)
+    assert "job_name" not in head.jobs["42"]
+
+
 def test_head_down_spools_then_forwarding_delivers_in_order(tmp_path: Path) -> None:
     head = FakeHead(down=True)
     env = read_hook_env(ENV)
@@ -313,6 +326,8 @@ def test_scontrol_line() -> None:
     assert times.time_limit_s == 90000.0 and times.deadline_s is None
     assert times.start_s is not None and times.submit_s is not None
     assert times.start_s - times.submit_s == 5.0
+    assert times.name == "wrap"
+    assert parse_show_job("JobId=9 SubmitTime=2026-11-29T10:00:00").name is None
 
 
 def test_squeue_json_22_05_and_24_11_shapes() -> None:
