@@ -343,6 +343,9 @@ class ControlConfig:
     model_family: str = _setting("bent", _choice(*MODEL_FAMILIES))
     power_forgetting: float = _setting(0.95, _in_range(0.0, 1.0, lo_open=True))
     time_forgetting: float = _setting(0.98, _in_range(0.0, 1.0, lo_open=True))
+    #: a new job of a known kind (its user, Slurm job name and GPU type) starts from the models
+    #: pooled over the jobs of that kind before it (`slurm_cdgpc.model.kind_prior`)
+    kind_prior: bool = _setting(False, _boolean)
     #: deadline pressure of jobs without a deadline
     default_pressure: float = _setting(0.5, _positive)
     #: lowest core clock the controller may choose, as a fraction of the top clock

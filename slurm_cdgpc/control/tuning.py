@@ -59,6 +59,7 @@ class Tuning:
                 family=control.model_family,
                 power=RlsSettings(forgetting=control.power_forgetting),
                 time=RlsSettings(forgetting=control.time_forgetting),
+                kind_prior=control.kind_prior,
             ),
         )
 

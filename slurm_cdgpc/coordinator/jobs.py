@@ -73,6 +73,8 @@ class JobInfo:
     start_s: float | None = None
     #: a serving job's latency objective at its percentile (``slo=p99:250ms``; None: trains)
     objective_s: float | None = None
+    #: the kind prior's key (`job_kind`: user, Slurm job name, GPU type; None: no name known)
+    kind: str | None = None
 
     @property
     def placement(self) -> tuple[tuple[GpuRef, ...], str]:
@@ -160,6 +162,12 @@ class RunningJobs:
         if not new:
             return
         typed = {g: j.gpu_type for j in self._jobs for g in j.gpus}
+        # the kind prior pools a job's readings with its kind's: not a serving job's (its
+        # load sets them) nor one joining a GPU another job holds (they are the GPU's)
+        kinds = [
+            None if job.objective_s is not None or any(g in typed for g in job.gpus) else job.kind
+            for job in new
+        ]
         for job in new:
             if job.gpu_type not in self.specs:
                 raise InputError(f"job {job.job_id}: unknown GPU type {job.gpu_type!r}")
@@ -177,7 +185,8 @@ class RunningJobs:
                 [self.specs[j.gpu_type] for j in new],
                 np.arange(len(new)),
                 np.array([len(j.gpus) for j in new], dtype=np.int64),
-            )
+            ),
+            kinds=kinds,
         )
         for job in new:
             self._row[job.job_id] = len(self._jobs)

@@ -16,6 +16,7 @@ from slurm_cdgpc.control.empc import EconomicMPC, QueueState
 from slurm_cdgpc.coordinator.jobs import GpuRef, JobInfo, RunningJobs
 from slurm_cdgpc.coordinator.nodes import NodeBook
 from slurm_cdgpc.errors import InputError
+from slurm_cdgpc.model.kind_prior import job_kind
 from slurm_cdgpc.store import Job, Store
 
 logger = logging.getLogger(__name__)
@@ -192,6 +193,7 @@ class Roster:
             # the Prolog runs as the job starts: its registration stands in for Slurm's word
             start_s=job.registered_at_s if job.started_at_s is None else job.started_at_s,
             objective_s=job.slo_latency_s,
+            kind=None if job.job_name is None else job_kind(job.user, job.job_name, gpu_type),
         )
 
     def _restore_models(self, job_ids: list[str]) -> None:

@@ -20,6 +20,7 @@ from slurm_cdgpc.model.families import (
     power_family,
     time_regressors,
 )
+from slurm_cdgpc.model.kind_prior import KIND_PRIOR_AFTER, KindPrior
 from slurm_cdgpc.model.rls import BoolArray, Rls, RlsSettings, RlsState, RlsUpdate
 
 if TYPE_CHECKING:
@@ -48,6 +49,9 @@ class EstimatorSettings:
     power: RlsSettings = field(default_factory=lambda: RlsSettings(forgetting=0.95))
     # Iteration time is steadier: a longer memory (≈ 50 intervals).
     time: RlsSettings = field(default_factory=lambda: RlsSettings(forgetting=0.98))
+    #: a new job of a known kind starts from the models pooled over the jobs of its kind
+    #: (`KindPrior`) once the pool has enough readings, not from the fixed shape
+    kind_prior: bool = False
 
 
 @dataclass(frozen=True)
@@ -151,6 +155,12 @@ class JobEstimator:
         nonneg_p = np.arange(k_p) < k_p - 1
         self.power = Rls(np.zeros((0, k_p)), self.settings.power, nonneg=nonneg_p)
         self.time = Rls(np.zeros((0, 3)), self.settings.time, nonneg=np.ones(3, dtype=bool))
+        #: every job's readings pooled per kind (None: `kind_prior` off)
+        self.pool = (
+            KindPrior(k_p, self.settings.power.initial_cov) if self.settings.kind_prior else None
+        )
+        #: per job, its kind's pool in `pool` (-1: none)
+        self.kind = np.zeros(0, dtype=np.int64)
         empty = np.zeros(0)
         self.statics = JobStatics(np.zeros(0, dtype=np.int64), *([empty] * 6))
         #: the clock (normalised) at which the firmware was last seen holding the job at its
@@ -196,9 +206,32 @@ class JobEstimator:
     def knee_x(self) -> FloatArray:
         return self.statics.knee_mhz / self.statics.graphics_max_mhz
 
-    def add_jobs(self, statics: JobStatics, iteration_s: FloatArray | None = None) -> None:
+    def add_jobs(
+        self,
+        statics: JobStatics,
+        iteration_s: FloatArray | None = None,
+        kinds: Sequence[str | None] | None = None,
+    ) -> None:
+        """New jobs from their priors. ``kinds`` (with `kind_prior`): each job's kind (`KindPrior`:
+        the same work on the same GPU type), None for a job of no known kind or whose readings
+        are not its own training steps' (a serving job, a shared GPU's tenant). A job of a kind
+        whose pool is ready starts from the pool's models."""
+        first = len(self)
         self.power.append(power_prior(self.family, statics))
         self.time.append(time_prior(statics, iteration_s))
+        kind = np.full(len(statics), -1, dtype=np.int64)
+        if self.pool is not None and kinds is not None:
+            rows = np.array([k is not None for k in kinds], dtype=bool).nonzero()[0]
+            kind[rows] = self.pool.ids([k for k in kinds if k is not None])
+            pooled = self.pool.models(kind[rows])
+            ready, rows = pooled.ready, rows[pooled.ready]
+            at = first + rows
+            scale = np.ones(len(statics)) if iteration_s is None else np.asarray(iteration_s)
+            self.power.theta[at] = pooled.power_theta[ready]
+            self.power.cov[at] = pooled.power_cov[ready]
+            self.time.theta[at] = pooled.time_theta[ready] * scale[rows, None]
+            self.time.cov[at] = pooled.time_cov[ready]
+        self.kind = np.concatenate([self.kind, kind])
         self.statics = JobStatics.concat([self.statics, statics])
         self.limit_x = np.concatenate([self.limit_x, np.full(len(statics), np.inf)])
         self.work_top_s = np.concatenate([self.work_top_s, np.zeros(len(statics))])
@@ -222,6 +255,7 @@ class JobEstimator:
         self.time.restore(time, rows)
 
     def keep(self, mask: BoolArray) -> None:
+        self.kind = self.kind[mask]
         self.power.keep(mask)
         self.time.keep(mask)
         self.statics = self.statics.select(mask)
@@ -315,9 +349,49 @@ class JobEstimator:
             )
         phi_p = self.power_regressors(x, x_m)
         phi_t = time_regressors(x, x_m, self.statics.mem_mask)
+        if self.pool is not None:
+            self._pool(phi_p, power_w, phi_t, iteration_s, mask, cotenants)
         _anchor_first(self.power, phi_p, power_w, mask)
         _anchor_first(self.time, phi_t, iteration_s, mask)
         return self.power.update(phi_p, power_w, mask), self.time.update(phi_t, iteration_s, mask)
+
+    def _pool(
+        self,
+        phi_p: FloatArray,
+        power_w: FloatArray,
+        phi_t: FloatArray,
+        iteration_s: FloatArray,
+        mask: BoolArray | None,
+        cotenants: NDArray[np.int64] | None,
+    ) -> None:
+        """Add the interval's readings to `pool`: every job of a kind, measured alone
+        (co-tenants known to be none, or not known on a fleet that does not share), whose
+        time model has its scale (`KIND_PRIOR_AFTER` readings), held by a power limit or
+        not (the reading is what the job drew at the clock it ran at). Its time over its own
+        model's at top clocks, before this reading teaches it."""
+        assert self.pool is not None
+        top = self.time.predict(
+            time_regressors(np.ones(len(self)), np.ones(len(self)), self.statics.mem_mask)
+        )
+        rows = (
+            (self.kind >= 0)
+            & (self.time.count >= KIND_PRIOR_AFTER)
+            & np.all(np.isfinite(phi_p), axis=1)
+            & np.all(np.isfinite(phi_t), axis=1)
+            & np.isfinite(power_w)
+            & (power_w > 0)
+            & np.isfinite(iteration_s)
+            & (iteration_s > 0)
+            & (top > 0)
+        )
+        if mask is not None:
+            rows &= mask
+        if cotenants is not None:
+            rows &= cotenants <= 0
+        idx = np.flatnonzero(rows)
+        self.pool.learn(
+            self.kind[idx], phi_p[idx], power_w[idx], phi_t[idx], iteration_s[idx] / top[idx]
+        )
 
     def _cotenant_steps(
         self,

@@ -29,6 +29,7 @@ from slurm_cdgpc.errors import InputError
 from slurm_cdgpc.gpu.catalog import GpuSpec
 from slurm_cdgpc.gpu.plant import Plant, WorkloadArrays
 from slurm_cdgpc.model.estimator import EstimatorSettings, JobEstimator, JobStatics
+from slurm_cdgpc.model.kind_prior import job_kind
 from slurm_cdgpc.sim.cluster import ClusterView, PlantPolicy, Policy, Setpoints
 from slurm_cdgpc.sim.fleet import FleetSpec
 from slurm_cdgpc.sim.sharing import TenantTimeErrors, co_tenants
@@ -301,6 +302,27 @@ class Cdgpc(Policy):
         rows = np.arange(len(self.estimator))
         self.time_errors.score(self.estimator, view, rows, self.controller.interference)
 
+    def _kinds(self, view: ClusterView, new: slice) -> list[str | None] | None:
+        """The new jobs' kinds for the kind prior, as the head keys them (`job_kind`): the
+        trace's model name stands for Slurm's job name, its user for no one's (a trace's
+        users are not the jobs' authors); none for a nameless job, a serving job or a shared
+        GPU's tenant."""
+        if view.job_name is None:
+            return None
+        shared = (
+            np.zeros(len(view), dtype=bool) if view.shared_gpu is None else view.shared_gpu >= 0
+        )
+        alone = (view.job_id >= 0) & ~shared & (view.job_name != "")
+        return [
+            job_kind("", str(name), self.specs[t].name) if ok else None
+            for name, t, ok in zip(
+                view.job_name[new].tolist(),
+                view.job_type[new].tolist(),
+                alone[new].tolist(),
+                strict=True,
+            )
+        ]
+
     def _measured_cotenants(self, view: ClusterView) -> tuple[IntArray, IntArray] | None:
         """Per row, the co-tenants it had over the interval the view reports (those of the
         last view: a job that ended within the interval was there for part of it; -1 for a
@@ -359,7 +381,8 @@ class Cdgpc(Policy):
         new = slice(len(view) - view.started, None)
         if view.started:
             self.estimator.add_jobs(
-                JobStatics.of(self.specs, view.job_type[new], view.job_gpus[new])
+                JobStatics.of(self.specs, view.job_type[new], view.job_gpus[new]),
+                kinds=self._kinds(view, new),
             )
         planned = np.concatenate([self.planned_w[view.kept], np.full(view.started, np.nan)])
         lever_w = np.concatenate([self.lever_w[view.kept], np.full(view.started, np.nan)])

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -10,7 +12,8 @@ from slurm_cdgpc.coordinator.jobs import GpuRef, GpuSample, JobInfo, RunningJobs
 from slurm_cdgpc.errors import InputError
 from slurm_cdgpc.gpu.catalog import CATALOG
 from slurm_cdgpc.gpu.device import ThrottleReason
-from slurm_cdgpc.model.estimator import JobEstimator
+from slurm_cdgpc.model.estimator import EstimatorSettings, JobEstimator
+from slurm_cdgpc.model.kind_prior import job_kind
 
 TYPES = ("A100-SXM4-80GB", "A40")
 
@@ -175,3 +178,19 @@ def test_any_limiter_below_the_lock_counts_the_job_at_the_clock_it_ran(
     table.add([_job("7", ("n1", 0))])
     m = table.measurements([GpuSample(GpuRef("n1", 0), 150.0, 705, 1593, int(reason))])
     assert m.power_capped is not None and m.power_capped.tolist() == [held]
+
+
+def test_a_jobs_kind_reaches_the_kind_prior_unless_it_serves_or_shares() -> None:
+    grid = ClockGrid.from_tables([(t, CATALOG[t].clocks) for t in TYPES])
+    table = RunningJobs(grid, JobEstimator(EstimatorSettings(kind_prior=True)), CATALOG)
+    kind = job_kind("alice", "train", "A100-SXM4-80GB")
+    table.add(
+        [
+            replace(_job("1", ("n1", 0)), kind=kind),
+            replace(_job("2", ("n1", 1)), kind=kind),
+            replace(_job("3", ("n1", 2)), kind=kind, objective_s=0.25),  # serves
+            replace(_job("4", ("n1", 3))),  # no name known
+        ]
+    )
+    table.add([replace(_job("5", ("n1", 0)), kind=kind)])  # joins job 1's GPU
+    np.testing.assert_array_equal(table.estimator.kind, [0, 0, -1, -1, -1])

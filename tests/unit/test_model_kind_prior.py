@@ -1,0 +1,109 @@
+from __future__ import annotations
+
+import numpy as np
+
+from slurm_cdgpc.gpu.catalog import catalog_spec
+from slurm_cdgpc.model.estimator import EstimatorSettings, JobEstimator, JobStatics
+from slurm_cdgpc.model.families import time_regressors
+from slurm_cdgpc.model.kind_prior import KIND_PRIOR_MIN_SAMPLES, KindPrior
+
+A100 = catalog_spec("A100-SXM4-80GB")
+
+
+def _statics(n: int) -> JobStatics:
+    return JobStatics.of([A100], np.zeros(n, dtype=np.intp), np.ones(n, dtype=np.int64))
+
+
+def _time_s(x: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """A job whose time is 0.4 core-bound and 0.6 fixed (the fixed prior says 0.7 / 0.3)."""
+    return scale * (0.4 / x + 0.6)
+
+
+def _run(estimator: JobEstimator, scale: np.ndarray, clocks: np.ndarray) -> None:
+    n = len(estimator)
+    for x in clocks:
+        xs = np.full(n, x)
+        power = 80.0 + 300.0 * xs
+        estimator.observe(xs, np.ones(n), power, _time_s(xs, scale))
+
+
+def test_a_new_job_starts_from_the_shape_earlier_jobs_on_its_type_showed() -> None:
+    est = JobEstimator(EstimatorSettings(kind_prior=True))
+    scales = np.array([0.2, 1.0, 3.0, 7.0])  # the shape is shared, the scale is each job's own
+    est.add_jobs(_statics(4), kinds=["A100-SXM4-80GB"] * 4)
+    _run(est, scales, np.array([1.0, 1.0, 0.9, 0.8, 0.7, 0.6, 0.9, 1.0]))
+    assert est.pool is not None and est.pool.samples.sum() >= KIND_PRIOR_MIN_SAMPLES
+
+    est.add_jobs(_statics(2), kinds=["A100-SXM4-80GB", None])
+    new = est.time.theta[4:]
+    # the pooled job: the fleet's 0.4 / 0.6 split; the job without a pool: the fixed prior's
+    np.testing.assert_allclose(new[0] / new[0].sum(), [0.4, 0.0, 0.6], atol=0.01)
+    np.testing.assert_allclose(new[1] / new[1].sum(), [0.7, 0.0, 0.3], atol=1e-9)
+    # its first reading at the top clock sets the scale and the shape holds down to 0.6
+    x = np.array([1.0, 1.0])
+    est.observe(
+        np.concatenate([np.full(4, np.nan), x]),
+        np.ones(6),
+        np.concatenate([np.full(4, np.nan), 80.0 + 300.0 * x]),
+        np.concatenate([np.full(4, np.nan), _time_s(x, np.array([5.0, 5.0]))]),
+    )
+    low = np.full(6, 0.6)
+    predicted = est.predict_iteration_s(low, np.ones(6))[4]
+    assert abs(predicted / _time_s(np.array([0.6]), np.array([5.0]))[0] - 1.0) < 0.01
+
+
+def test_a_pool_with_too_few_readings_leaves_the_fixed_prior() -> None:
+    est = JobEstimator(EstimatorSettings(kind_prior=True))
+    est.add_jobs(_statics(1), kinds=["A100-SXM4-80GB"])
+    _run(est, np.array([1.0]), np.array([1.0, 0.9, 0.8]))  # one reading pooled
+    assert est.pool is not None and 0 < est.pool.samples.sum() < KIND_PRIOR_MIN_SAMPLES
+    est.add_jobs(_statics(1), kinds=["A100-SXM4-80GB"])
+    theta = est.time.theta[1]
+    np.testing.assert_allclose(theta / theta.sum(), [0.7, 0.0, 0.3], atol=1e-9)
+
+
+def test_off_by_default_and_kinds_change_nothing_then() -> None:
+    est = JobEstimator()
+    assert est.pool is None
+    est.add_jobs(_statics(3), kinds=["A100-SXM4-80GB"] * 3)
+    _run(est, np.ones(3), np.linspace(1.0, 0.6, 30))
+    plain = JobEstimator()
+    plain.add_jobs(_statics(3))
+    _run(plain, np.ones(3), np.linspace(1.0, 0.6, 30))
+    np.testing.assert_array_equal(est.time.theta, plain.time.theta)
+    np.testing.assert_array_equal(est.power.theta, plain.power.theta)
+
+
+def test_readings_among_co_tenants_and_dropped_rows_stay_out_of_the_pool() -> None:
+    est = JobEstimator(EstimatorSettings(kind_prior=True))
+    est.add_jobs(_statics(3), kinds=["A100-SXM4-80GB", "A100-SXM4-80GB", None])
+    n = 3
+    for x in (1.0, 0.9, 0.8, 0.7):
+        xs = np.full(n, x)
+        est.observe(
+            xs,
+            np.ones(n),
+            80.0 + 300.0 * xs,
+            _time_s(xs, np.ones(n)),
+            cotenants=np.array([0, 7, 0], dtype=np.int64),  # the second shares its GPU
+        )
+    assert est.pool is not None
+    # only the first job, from its third reading on (its time model has its scale by then)
+    assert int(est.pool.samples.sum()) == 2
+    est.keep(np.array([False, True, True]))
+    np.testing.assert_array_equal(est.kind, [0, -1])
+
+
+def test_pooled_fit_is_least_squares_over_every_reading() -> None:
+    pool = KindPrior(3, 1e3)
+    kind = pool.ids(["a"] * 50)
+    rng = np.random.default_rng(0)
+    x = rng.uniform(0.5, 1.0, 50)
+    phi_t = time_regressors(x, np.ones(50), np.zeros(50))
+    truth = np.array([0.3, 0.0, 0.7])
+    phi_p = np.stack([x, np.zeros(50), np.ones(50)], axis=1)
+    pool.learn(kind, phi_p, phi_p @ np.array([250.0, 0.0, 60.0]), phi_t, phi_t @ truth)
+    got = pool.models(pool.ids(["a", "b"]))
+    np.testing.assert_array_equal(got.ready, [True, False])
+    np.testing.assert_allclose(got.time_theta[0], truth, atol=1e-3)
+    np.testing.assert_allclose(got.power_theta[0], [250.0, 0.0, 60.0], rtol=1e-6)
