@@ -304,9 +304,9 @@ class Cdgpc(Policy):
 
     def _kinds(self, view: ClusterView, new: slice) -> list[str | None] | None:
         """The new jobs' kinds for the kind prior, as the head keys them (`job_kind`): the
-        trace's model name stands for Slurm's job name, its user for no one's (a trace's
-        users are not the jobs' authors); none for a nameless job, a serving job or a shared
-        GPU's tenant."""
+        trace's model name stands for Slurm's job name, with no user (Philly's users are
+        virtual clusters, not the jobs' authors); none for a job without a name, a serving
+        job or a shared GPU's tenant (`RunningJobs.add`)."""
         if view.job_name is None:
             return None
         shared = (
