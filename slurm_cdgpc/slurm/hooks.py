@@ -34,6 +34,7 @@ from slurm_cdgpc.slurm.scontrol import SCONTROL, JobTimes, job_times
 from slurm_cdgpc.slurm.spool import DEFAULT_SPOOL_DIR, JobsClient, Spool, SpoolError
 from slurm_cdgpc.transport.credentials import signer_from_config
 from slurm_cdgpc.transport.http import HeadClient, HeadRefusedError
+from slurm_cdgpc.wire.names import MAX_JOB_NAME
 from slurm_cdgpc.wire.protocol import HOLD_PATH, MIG_PATH, RELEASE_PATH
 
 logger = logging.getLogger(__name__)
@@ -145,8 +146,10 @@ def registration(
         payload["time_limit_s"] = known.time_limit_s
     if known.start_s is not None:
         payload["start_s"] = known.start_s
-    if known.name:
-        payload["job_name"] = known.name
+    if known.name and known.name.isprintable():
+        # a name the head would refuse must not cost the job its registration: a longer one
+        # goes by its first characters (its kind still tells it from others)
+        payload["job_name"] = known.name[:MAX_JOB_NAME]
     notes.insert(0, _format_deadline(deadline))
     return payload, notes
 

@@ -34,10 +34,14 @@ def job_id(value: object, where: str = "job_id") -> str:
     raise InputError(f"{where}: must be a Slurm job id like 123 or 123_4, {_got(value)}")
 
 
+#: the longest job name the head keeps (the Prolog sends a longer one's first characters)
+MAX_JOB_NAME: Final = 200
+
+
 def job_name(value: object, where: str = "job_name") -> str:
-    """``value`` if it is a Slurm job name (printable, 1 to 200 characters), else
+    """``value`` if it is a Slurm job name (printable, 1 to `MAX_JOB_NAME` characters), else
     `InputError` naming ``where``."""
-    if isinstance(value, str) and 0 < len(value) <= 200 and value.isprintable():
+    if isinstance(value, str) and 0 < len(value) <= MAX_JOB_NAME and value.isprintable():
         return value
     raise InputError(f"{where}: must be 1 to 200 printable characters, {_got(value)}")
 

@@ -104,6 +104,11 @@ def test_prolog_sends_the_job_name_slurm_shows_and_none_when_it_shows_none(
     assert head.jobs["42"]["job_name"] == "train-bert"
     run_prolog(read_hook_env(ENV), head, Spool(tmp_path), now_s=NOW_S, until_s=1e18, times=_times)
     assert "job_name" not in head.jobs["42"]
+    long = JobTimes(submit_s=NOW_S - 60, name="n" * 300)  # Slurm takes longer names than the head
+    out = run_prolog(
+        read_hook_env(ENV), head, Spool(tmp_path), now_s=NOW_S, until_s=1e18, times=lambda _j: long
+    )
+    assert out.action == "registered" and head.jobs["42"]["job_name"] == "n" * 200
 
 
 def test_head_down_spools_then_forwarding_delivers_in_order(tmp_path: Path) -> None:
