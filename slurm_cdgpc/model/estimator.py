@@ -370,9 +370,8 @@ class JobEstimator:
         not (the reading is what the job drew at the clock it ran at). Its time over its own
         model's at top clocks, before this reading teaches it."""
         assert self.pool is not None
-        top = self.time.predict(
-            time_regressors(np.ones(len(self)), np.ones(len(self)), self.statics.mem_mask)
-        )
+        one = np.ones(len(self))
+        top = self.predict_iteration_s(one, one)
         rows = (
             (self.kind >= 0)
             & (self.time.count >= KIND_PRIOR_AFTER)

@@ -43,7 +43,7 @@ def job_name(value: object, where: str = "job_name") -> str:
     `InputError` naming ``where``."""
     if isinstance(value, str) and 0 < len(value) <= MAX_JOB_NAME and value.isprintable():
         return value
-    raise InputError(f"{where}: must be 1 to 200 printable characters, {_got(value)}")
+    raise InputError(f"{where}: must be 1 to {MAX_JOB_NAME} printable characters, {_got(value)}")
 
 
 def node_name(value: object, where: str = "node") -> str:
