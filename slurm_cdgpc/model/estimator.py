@@ -350,7 +350,7 @@ class JobEstimator:
         phi_p = self.power_regressors(x, x_m)
         phi_t = time_regressors(x, x_m, self.statics.mem_mask)
         if self.pool is not None:
-            self._pool(phi_p, power_w, phi_t, iteration_s, mask, cotenants)
+            self._pool(phi_p, power_w, phi_t, iteration_s, mask, cotenants, power_capped)
         _anchor_first(self.power, phi_p, power_w, mask)
         _anchor_first(self.time, phi_t, iteration_s, mask)
         return self.power.update(phi_p, power_w, mask), self.time.update(phi_t, iteration_s, mask)
@@ -363,12 +363,15 @@ class JobEstimator:
         iteration_s: FloatArray,
         mask: BoolArray | None,
         cotenants: NDArray[np.int64] | None,
+        power_capped: BoolArray | None,
     ) -> None:
         """Add the interval's readings to `pool`: every job of a kind, measured alone
         (co-tenants known to be none, or not known on a fleet that does not share), whose
-        time model has its scale (`KIND_PRIOR_AFTER` readings), held by a power limit or
-        not (the reading is what the job drew at the clock it ran at). Its time over its own
-        model's at top clocks, before this reading teaches it."""
+        time model has its scale (`KIND_PRIOR_AFTER` readings), not held by a power limit: the
+        firmware ran such a job below its lock, so its reading is not what the clock it is
+        filed under draws, and a pool that took it predicted the kind's later jobs under what
+        they drew there. Its time over its own model's at top clocks, before this reading
+        teaches it."""
         assert self.pool is not None
         one = np.ones(len(self))
         top = self.predict_iteration_s(one, one)
@@ -387,6 +390,8 @@ class JobEstimator:
             rows &= mask
         if cotenants is not None:
             rows &= cotenants <= 0
+        if power_capped is not None:
+            rows &= ~power_capped
         idx = np.flatnonzero(rows)
         self.pool.learn(
             self.kind[idx], phi_p[idx], power_w[idx], phi_t[idx], iteration_s[idx] / top[idx]

@@ -94,6 +94,26 @@ def test_readings_among_co_tenants_and_dropped_rows_stay_out_of_the_pool() -> No
     np.testing.assert_array_equal(est.kind, [0, -1])
 
 
+def test_readings_a_power_limit_held_stay_out_of_the_pool() -> None:
+    est = JobEstimator(EstimatorSettings(kind_prior=True))
+    est.add_jobs(_statics(2), kinds=["A100-SXM4-80GB"] * 2)
+    for x in (1.0, 0.9, 0.8, 0.7, 1.0, 1.0):
+        xs = np.full(2, x)
+        # the second job's board limit holds it at 300 W above 0.7 of top: it ran below its
+        # lock there, and its reading is not what that lock draws
+        held = np.array([False, x > 0.7])
+        est.observe(
+            xs,
+            np.ones(2),
+            np.where(held, 300.0, 80.0 + 300.0 * xs),
+            _time_s(xs, np.ones(2)),
+            power_capped=held,
+        )
+    assert est.pool is not None
+    # from the third reading on: the first job's four, the second's one at 0.7
+    assert int(est.pool.samples.sum()) == 5
+
+
 def test_pooled_fit_is_least_squares_over_every_reading() -> None:
     pool = KindPrior(3, 1e3)
     kind = pool.ids(["a"] * 50)
