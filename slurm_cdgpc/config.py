@@ -345,9 +345,11 @@ class ControlConfig:
     time_forgetting: float = _setting(0.98, _in_range(0.0, 1.0, lo_open=True))
     #: a new job of a known kind (its user, Slurm job name and GPU type) starts from the models
     #: pooled over the jobs of that kind before it (`slurm_cdgpc.model.kind_prior`)
-    kind_prior: bool = _setting(False, _boolean)
+    kind_prior: bool = _setting(True, _boolean)
     #: deadline pressure of jobs without a deadline
     default_pressure: float = _setting(0.5, _positive)
+    #: a job with a deadline weighs at least as much as one without
+    pressure_floor: bool = _setting(True, _boolean)
     #: lowest core clock the controller may choose, as a fraction of the top clock
     min_clock_fraction: float = _setting(0.6, _in_range(0.0, 1.0, hi_open=True))
     #: below the floor when nothing at or above it fits the budget

@@ -73,6 +73,10 @@ class ControllerSettings:
     offset_per_job: bool = _SHIPPED.offset_per_job
     #: deadline pressure of jobs without a deadline (1 = "just on time at top clocks")
     default_pressure: float = _SHIPPED.default_pressure
+    #: a job with a deadline weighs at least as much as one without (``default_pressure``):
+    #: a far deadline does not free its GPUs sooner, and the queue behind waits on them. Off:
+    #: a job with more slack than its work at top clocks needs weighs less than one with none
+    pressure_floor: bool = _SHIPPED.pressure_floor
     #: pressure cap for jobs at or past their deadline (their slack is floored at Δt)
     max_pressure: float = 1e3
     greedy_rounds: int = 8
@@ -1034,6 +1038,8 @@ class EconomicMPC:
         w = np.where(has_deadline, remaining * pressure_per_iter, low)
         # cap the pressure of late jobs: w T ≤ π_max at top clocks; of estimated ones at 1
         w = np.minimum(w, np.where(estimated, 1.0, s.max_pressure) / t_top)
+        if s.pressure_floor:
+            w = np.maximum(w, low)
         if s.triage:
             # hopeless: a miss even at top clocks from now on, R · T_top > D − t
             hopeless = (

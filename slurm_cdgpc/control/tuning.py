@@ -35,6 +35,7 @@ class Tuning:
                 offset_gain=control.offset_gain,
                 offset_per_job=control.offset_per_job,
                 default_pressure=control.default_pressure,
+                pressure_floor=control.pressure_floor,
                 exploration_sigmas=control.exploration_sigmas,
                 min_clock_fraction=control.min_clock_fraction,
                 floor_fallback=control.floor_fallback,
@@ -75,11 +76,12 @@ def shipped(interval_s: float | None = None) -> Tuning:
 
 def paper(interval_s: float | None = None) -> Tuning:
     """The method as published: linear power model, fixed guard band, one model-error offset,
-    clock floor 0.5 of max, new jobs counted at their power limits, no triage, drain, floor
-    fallback, plan at the clock a power limit holds a job at, time-limit work estimate,
-    exploration margin or re-anchoring of tenants' time models."""
+    clock floor 0.5 of max, new jobs counted at their power limits, no kind prior, triage,
+    pressure floor, drain, floor fallback, plan at the clock a power limit holds a job at,
+    time-limit work estimate, exploration margin or re-anchoring of tenants' time models."""
     config = ControlConfig(
         model_family="linear",
+        kind_prior=False,
         guard_per_sqrt_job=0.0,
         guard_tail=0.0,
         offset_per_job=False,
@@ -87,6 +89,7 @@ def paper(interval_s: float | None = None) -> Tuning:
         floor_fallback=False,
         held_at_limit=False,
         triage=False,
+        pressure_floor=False,
         reanchor_tenants=False,
         interference=False,
         drain_pressure=0.0,

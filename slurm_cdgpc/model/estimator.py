@@ -50,8 +50,9 @@ class EstimatorSettings:
     # Iteration time is steadier: a longer memory (≈ 50 intervals).
     time: RlsSettings = field(default_factory=lambda: RlsSettings(forgetting=0.98))
     #: a new job of a known kind starts from the models pooled over the jobs of its kind
-    #: (`KindPrior`) once the pool has enough readings, not from the fixed shape
-    kind_prior: bool = False
+    #: (`KindPrior`) once the pool has enough readings, not from the fixed shape (only the
+    #: jobs `add_jobs` is given kinds for)
+    kind_prior: bool = True
 
 
 @dataclass(frozen=True)

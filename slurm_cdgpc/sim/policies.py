@@ -521,7 +521,7 @@ class UniformClock(Policy):
     def start(self, fleet: FleetSpec, budget_w: float, interval_s: float) -> None:
         self.specs = fleet.specs
         self.levels = _Levels(fleet.specs)
-        self.estimator = JobEstimator(EstimatorSettings(family="bent"))
+        self.estimator = JobEstimator(EstimatorSettings(family="bent", kind_prior=False))
         self.planned_w = np.zeros(0)
         self.offset = 0.0  # δ: relative miss of recent plans
 

@@ -33,23 +33,26 @@ def _setup(
     return EconomicMPC(grid, settings), est, jobs
 
 
-def test_weights_are_deadline_pressure() -> None:
-    mpc, est, _ = _setup(3)
+@pytest.mark.parametrize(("floor", "far"), [(False, 0.125), (True, 0.25)])
+def test_weights_are_deadline_pressure_floored_at_a_job_without_deadline(
+    floor: bool, far: float
+) -> None:
+    mpc, est, _ = _setup(4, ControllerSettings(default_pressure=0.25, pressure_floor=floor))
     jobs = JobState(
-        gpu_type=np.zeros(3, dtype=np.int64),
-        remaining_iterations=np.array([1000.0, 1000.0, np.nan]),
-        deadline_s=np.array([1000.0, 4000.0, 2000.0]),
+        gpu_type=np.zeros(4, dtype=np.int64),
+        remaining_iterations=np.array([1000.0, 1000.0, np.nan, 1000.0]),
+        deadline_s=np.array([1000.0, 4000.0, 2000.0, np.nan]),
     )
     w = mpc.weights(est, jobs, now_s=0.0)[0]
-    t_top = est.predict_iteration_s(np.ones(3), np.ones(3))
-    # w T(top) = R T / slack: 1000 × 0.5 s over 1000 s = 0.5; over 4000 s = 0.125
-    np.testing.assert_allclose(w[:2] * t_top[:2], [0.5, 0.125])
-    # unknown remaining work: pressure 1 at top clocks
-    assert w[2] * t_top[2] == pytest.approx(1.0)
+    t_top = est.predict_iteration_s(np.ones(4), np.ones(4))
+    # w T(top) = R T / slack: 1000 × 0.5 s over 1000 s = 0.5; over 4000 s = 0.125, which
+    # the floor raises to the pressure of a job without a deadline
+    np.testing.assert_allclose(w * t_top, [0.5, far, 1.0, 0.25])
+    # unknown remaining work: pressure 1 at top clocks (the third job)
 
 
 def test_unknown_work_is_bounded_by_the_time_limit_and_never_pressed_above_one() -> None:
-    mpc, est, _ = _setup(4)
+    mpc, est, _ = _setup(4, ControllerSettings(pressure_floor=False))
     hour = 3600.0
     jobs = JobState(
         gpu_type=np.zeros(4, dtype=np.int64),
@@ -63,7 +66,9 @@ def test_unknown_work_is_bounded_by_the_time_limit_and_never_pressed_above_one()
     # at most min(4 h − 0.5 h, start + 4 h − now = 3 h) = 3 h of work left at top clocks:
     # 3 h over 100 h; over 2 h it would be 1.5, capped at 1; no time limit: pressure 1
     np.testing.assert_allclose(w, [0.03, 1.0, 1.0, 1.0])
-    off = EconomicMPC(mpc.grid, ControllerSettings(work_from_time_limit=False))
+    off = EconomicMPC(
+        mpc.grid, ControllerSettings(work_from_time_limit=False, pressure_floor=False)
+    )
     w_off = off.weights(est, jobs, now_s=0.0)[0] * est.predict_iteration_s(np.ones(4), np.ones(4))
     np.testing.assert_allclose(w_off, [1.0, 1.0, 1.0, 1.0])
 
@@ -103,7 +108,8 @@ def test_jobs_without_deadline_get_the_default_pressure_and_late_jobs_are_capped
 
 def test_urgent_jobs_get_higher_clocks() -> None:
     mpc, est, jobs = _setup(4)
-    jobs = JobState(jobs.gpu_type, jobs.remaining_iterations, np.array([3e4, 3e4, 1e6, 1e6]))
+    # 5000 s of work at top clocks: pressure 0.83 against the far jobs' floor of 0.5
+    jobs = JobState(jobs.gpu_type, jobs.remaining_iterations, np.array([6e3, 6e3, 1e6, 1e6]))
     budget = 4 * 4 * 250.0
     d = mpc.step(est, jobs, now_s=0.0, budget_w=budget)
     assert d.status is StepStatus.BINDING
@@ -338,7 +344,7 @@ def test_the_controller_takes_one_budget_the_one_in_force() -> None:
 def test_the_limit_share_is_learned_from_ended_jobs_and_a_job_past_it_gets_its_whole_limit() -> (
     None
 ):
-    mpc, est, _ = _setup(2)
+    mpc, est, _ = _setup(2, ControllerSettings(pressure_floor=False))
     hour = 3600.0
     assert mpc.limit_share.share == 1.0
     # 19 ended jobs are not enough; the 20th is: they used 0.3 to 0.6 of their limits

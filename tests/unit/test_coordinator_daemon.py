@@ -899,17 +899,17 @@ def test_a_job_that_says_no_total_is_bounded_by_its_time_limit(make_cluster: Mak
     cluster.store.set_budget(2000.0, "root")
     cluster.tick()
     hour = 3600.0
-    # started an hour ago with a 4 h limit and a deadline 100 h away: at most 3 h of work left
+    # started an hour ago with a 4 h limit and a deadline 5 h away: at most 3 h of work left
     cluster.head.register_job(
         "31",
         "alice",
         "n1",
         [0],
-        deadline_s=T0_S + 100 * hour,
+        deadline_s=T0_S + 5 * hour,
         time_limit_s=4 * hour,
         started_at_s=cluster.clock() - hour,
     )
-    cluster.head.register_job("32", "alice", "n2", [0], deadline_s=T0_S + 100 * hour)
+    cluster.head.register_job("32", "alice", "n2", [0], deadline_s=T0_S + 5 * hour)
     report = cluster.tick()
     limited, unlimited = _view(report, "31"), _view(report, "32")
     assert cluster.store.job("31").work_source == "time-limit"
@@ -923,7 +923,7 @@ def test_a_job_that_says_no_total_is_bounded_by_its_time_limit(make_cluster: Mak
     one = np.ones(2)
     pressure = w[0] * cluster.head.running.estimator.predict_iteration_s(one, one)
     rows = [j.job_id for j in cluster.head.running.jobs]
-    assert pressure[rows.index("31")] == pytest.approx(0.03, rel=0.01)  # 3 h over 100 h
+    assert pressure[rows.index("31")] == pytest.approx(0.6, rel=0.01)  # 3 h over 5 h
     assert pressure[rows.index("32")] == pytest.approx(1.0)  # nothing known: just in time
     # Slurm raises the limit (scontrol update): the same controller row takes the new bound
     for _ in range(4):

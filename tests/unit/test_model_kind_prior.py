@@ -62,12 +62,12 @@ def test_a_pool_with_too_few_readings_leaves_the_fixed_prior() -> None:
     np.testing.assert_allclose(theta / theta.sum(), [0.7, 0.0, 0.3], atol=1e-9)
 
 
-def test_off_by_default_and_kinds_change_nothing_then() -> None:
-    est = JobEstimator()
+def test_off_kinds_change_nothing() -> None:
+    est = JobEstimator(EstimatorSettings(kind_prior=False))
     assert est.pool is None
     est.add_jobs(_statics(3), kinds=["A100-SXM4-80GB"] * 3)
     _run(est, np.ones(3), np.linspace(1.0, 0.6, 30))
-    plain = JobEstimator()
+    plain = JobEstimator(EstimatorSettings(kind_prior=False))
     plain.add_jobs(_statics(3))
     _run(plain, np.ones(3), np.linspace(1.0, 0.6, 30))
     np.testing.assert_array_equal(est.time.theta, plain.time.theta)

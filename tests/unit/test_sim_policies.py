@@ -214,12 +214,12 @@ def test_cdgpc_passes_the_time_limit_and_start_into_the_controllers_job_state() 
 
     policy.controller.step = spy  # type: ignore[method-assign,assignment]
     hour = 3600.0
-    # neither job says its total; both have a far deadline; only the first has a time limit
+    # neither job says its total; both have a deadline 5 h away; only the first has a limit
     policy.decide(
         _view(
             now_s=hour,
             start_s=np.zeros(2),
-            deadline_s=np.full(2, 100 * hour),
+            deadline_s=np.full(2, 6 * hour),
             time_limit_s=np.array([4 * hour, np.nan]),
             iterations=np.full(2, np.nan),
             remaining_iterations=np.full(2, np.nan),
@@ -231,8 +231,8 @@ def test_cdgpc_passes_the_time_limit_and_start_into_the_controllers_job_state() 
     est = policy.estimator
     t_top = est.predict_iteration_s(np.ones(2), np.ones(2))
     pressure = policy.controller.weights(est, jobs, now_s=hour)[0] * t_top
-    # at most start + 4 h − now = 3 h of work left over 99 h of slack; no limit: pressure 1
-    np.testing.assert_allclose(pressure, [3 / 99, 1.0])
+    # at most start + 4 h − now = 3 h of work left over 5 h of slack; no limit: pressure 1
+    np.testing.assert_allclose(pressure, [3 / 5, 1.0])
 
 
 def test_cdgpc_sends_the_guard_rails_limits_as_the_head_does() -> None:
