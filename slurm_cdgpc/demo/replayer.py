@@ -45,6 +45,7 @@ from slurm_cdgpc.slurm.hooks import (
     run_epilog,
     run_prolog,
 )
+from slurm_cdgpc.slurm.scontrol import JobTimes
 from slurm_cdgpc.slurm.spool import Spool
 from slurm_cdgpc.transport.credentials import signer_from_config
 from slurm_cdgpc.transport.http import HeadClient
@@ -148,7 +149,8 @@ class Replayer:
             Spool(self.cluster.run_dir / "spool" / node.name),
             now_s=time.time(),
             until_s=time.monotonic() + HOOK_BUDGET_S,
-            times=lambda _job: None,
+            # what `scontrol show job` says of a job submitted as `sbatch -J MODEL`: its name
+            times=lambda _job: JobTimes(name=job.model),
         )
         outcome = hold_gpus(self._hook_env(placed), outcome, self._holds[node.name])
         if outcome.action != "registered" or "local hold failed" in outcome.line:

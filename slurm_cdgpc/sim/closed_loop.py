@@ -32,12 +32,15 @@ from slurm_cdgpc.gpu.catalog import GpuSpec, catalog_spec
 from slurm_cdgpc.gpu.plant import NoiseModel, Plant, PlantState, WorkloadArrays, draw_workloads
 from slurm_cdgpc.model.estimator import EstimatorSettings, JobEstimator, JobStatics
 from slurm_cdgpc.model.families import FloatArray
+from slurm_cdgpc.model.kind_prior import job_kind
 
 IntArray = NDArray[np.int64]
 
-#: GPU types of the synthetic fleet and their shares of the jobs
 #: GPUs per node of the packed placement `ClosedLoop.queue` reports
 NODE_GPUS = 8
+#: job names the loop's jobs share (per GPU type: the kinds the kind prior pools)
+LOOP_NAMES = 64
+#: GPU types of the synthetic fleet and their shares of the jobs
 DEFAULT_MIX: tuple[tuple[str, float], ...] = (
     ("A100-SXM4-80GB", 0.40),
     ("H100-SXM", 0.25),
@@ -188,7 +191,14 @@ class ClosedLoop:
         )
         self.controller = EconomicMPC(self.grid, settings)
         self.estimator = JobEstimator(estimator_settings)
-        self.estimator.add_jobs(fleet.statics())
+        # a few dozen job names per GPU type, as a site's users reuse them: with the kind
+        # prior on their readings are pooled every step (every job starts at once here, so
+        # none starts from a pool)
+        kinds = [
+            job_kind("", f"job{i % LOOP_NAMES}", fleet.specs[t].name)
+            for i, t in enumerate(fleet.gpu_type.tolist())
+        ]
+        self.estimator.add_jobs(fleet.statics(), kinds=kinds)
         self._plant = fleet.plant()
         self._measured: Measurements | None = None
         self.t_s = 0.0
