@@ -350,7 +350,7 @@ class JobEstimator:
             )
         phi_p = self.power_regressors(x, x_m)
         phi_t = time_regressors(x, x_m, self.statics.mem_mask)
-        if self.pool is not None:
+        if self.pool is not None and (self.kind >= 0).any():
             self._pool(phi_p, power_w, phi_t, iteration_s, mask, cotenants, power_capped)
         _anchor_first(self.power, phi_p, power_w, mask)
         _anchor_first(self.time, phi_t, iteration_s, mask)
