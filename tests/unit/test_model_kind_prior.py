@@ -3,6 +3,7 @@ from __future__ import annotations
 import numpy as np
 
 from slurm_cdgpc.gpu.catalog import catalog_spec
+from slurm_cdgpc.model import kind_prior as kp
 from slurm_cdgpc.model.estimator import EstimatorSettings, JobEstimator, JobStatics
 from slurm_cdgpc.model.families import time_regressors
 from slurm_cdgpc.model.kind_prior import KIND_PRIOR_MIN_SAMPLES, KindPrior
@@ -127,3 +128,57 @@ def test_pooled_fit_is_least_squares_over_every_reading() -> None:
     np.testing.assert_array_equal(got.ready, [True, False])
     np.testing.assert_allclose(got.time_theta[0], truth, atol=1e-3)
     np.testing.assert_allclose(got.power_theta[0], [250.0, 0.0, 60.0], rtol=1e-6)
+
+
+def _readings(n: int, kinds: int, seed: int = 0) -> tuple[np.ndarray, ...]:
+    rng = np.random.default_rng(seed)
+    x = rng.uniform(0.4, 1.0, n)
+    phi_p = np.stack([x, x**3, rng.uniform(0.5, 1.0, n), np.ones(n)], axis=1)
+    phi_t = time_regressors(x, np.ones(n), np.ones(n))
+    return rng.integers(0, kinds, n), phi_p, rng.uniform(80.0, 700.0, n), phi_t, rng.random(n)
+
+
+def test_pooled_sums_do_not_depend_on_how_the_readings_are_batched() -> None:
+    """One call with more rows than a pass takes, and the same rows one at a time: the same
+    sums to the last bit (each sum takes its rows in their order, whatever the batch)."""
+    kind, phi_p, power_w, phi_t, time_rel = _readings(kp._CHUNK + 301, 7)
+    names = [str(i) for i in range(7)]
+    at_once, one_by_one = KindPrior(4, 1e3), KindPrior(4, 1e3)
+    at_once.ids(names)
+    one_by_one.ids(names)
+    at_once.learn(kind, phi_p, power_w, phi_t, time_rel)
+    for r in range(kind.shape[0]):
+        one_by_one.learn(
+            kind[r : r + 1],
+            phi_p[r : r + 1],
+            power_w[r : r + 1],
+            phi_t[r : r + 1],
+            time_rel[r : r + 1],
+        )
+    np.testing.assert_array_equal(at_once.sums, one_by_one.sums)
+    np.testing.assert_array_equal(at_once.samples, np.bincount(kind, minlength=7))
+
+
+def test_pooled_matrices_are_the_full_sums_of_outer_products() -> None:
+    """The pool keeps upper triangles; the fits see the whole symmetric sums, bit for bit what
+    adding every row's full φφᵀ gives."""
+    kind, phi_p, power_w, phi_t, time_rel = _readings(500, 3, seed=1)
+    pool = KindPrior(4, 1e3)
+    ids = pool.ids(["a", "b", "c"])
+    pool.learn(kind, phi_p, power_w, phi_t, time_rel)
+    lay, sums = pool.layout, pool.sums
+    gram, info = np.zeros((3, 4, 4)), np.zeros((3, 4, 4))
+    time_gram, time_rhs = np.zeros((3, 3, 3)), np.zeros((3, 3))
+    for r in range(kind.shape[0]):
+        outer = np.outer(phi_p[r], phi_p[r])
+        gram[kind[r]] += outer
+        info[kind[r]] += outer / power_w[r] ** 2
+        time_gram[kind[r]] += np.outer(phi_t[r], phi_t[r])
+        time_rhs[kind[r]] += phi_t[r] * time_rel[r]
+    np.testing.assert_array_equal(kp._symmetric(sums[:, lay.power_gram], lay.p_i, lay.p_j, 4), gram)
+    np.testing.assert_array_equal(kp._symmetric(sums[:, lay.power_info], lay.p_i, lay.p_j, 4), info)
+    np.testing.assert_array_equal(
+        kp._symmetric(sums[:, lay.time_gram], lay.t_i, lay.t_j, 3), time_gram
+    )
+    np.testing.assert_array_equal(sums[:, lay.time_rhs], time_rhs)
+    assert pool.models(ids).power_cov.shape == (3, 4, 4)
