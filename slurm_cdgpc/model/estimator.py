@@ -21,7 +21,14 @@ from slurm_cdgpc.model.families import (
     time_regressors,
 )
 from slurm_cdgpc.model.kind_prior import KIND_PRIOR_AFTER, KindPrior
-from slurm_cdgpc.model.rls import BoolArray, Rls, RlsSettings, RlsState, RlsUpdate
+from slurm_cdgpc.model.rls import (
+    BoolArray,
+    Rls,
+    RlsSettings,
+    RlsState,
+    RlsUpdate,
+    finite_rows,
+)
 
 if TYPE_CHECKING:
     from slurm_cdgpc.gpu.catalog import GpuSpec
@@ -374,18 +381,15 @@ class JobEstimator:
         they drew there. Its time over its own model's at top clocks, before this reading
         teaches it."""
         assert self.pool is not None
-        one = np.ones(len(self))
-        top = self.predict_iteration_s(one, one)
         rows = (
             (self.kind >= 0)
             & (self.time.count >= KIND_PRIOR_AFTER)
-            & np.all(np.isfinite(phi_p), axis=1)
-            & np.all(np.isfinite(phi_t), axis=1)
+            & finite_rows(phi_p)
+            & finite_rows(phi_t)
             & np.isfinite(power_w)
             & (power_w > 0)
             & np.isfinite(iteration_s)
             & (iteration_s > 0)
-            & (top > 0)
         )
         if mask is not None:
             rows &= mask
@@ -394,8 +398,16 @@ class JobEstimator:
         if power_capped is not None:
             rows &= ~power_capped
         idx = np.flatnonzero(rows)
+        one = np.ones(idx.size)
+        top = self.time.predict(time_regressors(one, one, self.statics.mem_mask[idx]), idx)
+        idx, top = idx[top > 0], top[top > 0]
+        # np.take: a few times faster than indexing on the 2-D arrays, the same rows
         self.pool.learn(
-            self.kind[idx], phi_p[idx], power_w[idx], phi_t[idx], iteration_s[idx] / top[idx]
+            self.kind[idx],
+            np.take(phi_p, idx, axis=0),
+            power_w[idx],
+            np.take(phi_t, idx, axis=0),
+            iteration_s[idx] / top,
         )
 
     def _cotenant_steps(

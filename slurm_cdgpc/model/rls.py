@@ -116,14 +116,16 @@ class Rls:
     def k(self) -> int:
         return int(self.theta.shape[1])
 
-    def predict(self, phi: FloatArray) -> FloatArray:
-        """ŷ = φᵀθ for every job; ``phi`` has shape (N, k) or (..., N, k)."""
-        return np.asarray(np.einsum("...nk,nk->...n", phi, self.theta), dtype=np.float64)
+    def predict(self, phi: FloatArray, rows: NDArray[np.intp] | None = None) -> FloatArray:
+        """ŷ = φᵀθ for every job, or for the jobs ``rows`` only; ``phi`` has shape (N, k) or
+        (..., N, k), N the jobs predicted."""
+        theta = self.theta if rows is None else np.take(self.theta, rows, axis=0)
+        return np.asarray(np.einsum("...nk,nk->...n", phi, theta), dtype=np.float64)
 
     def update(self, phi: FloatArray, y: FloatArray, mask: BoolArray | None = None) -> RlsUpdate:
         """Learn from one measurement per job; jobs with ``mask`` False are left alone."""
         s = self.settings
-        active = np.isfinite(y) & np.all(np.isfinite(phi), axis=1)
+        active = np.isfinite(y) & finite_rows(phi)
         if mask is not None:
             active &= mask
         y = np.where(active, y, 0.0)
@@ -146,7 +148,7 @@ class Rls:
 
         idx = np.flatnonzero(learn)
         if idx.size:
-            self._update_rows(idx, phi[idx], e[idx])
+            self._update_rows(idx, np.take(phi, idx, axis=0), e[idx])
         self.count[active] += 1
         self.fresh &= ~active
         with np.errstate(divide="ignore", invalid="ignore"):
@@ -160,8 +162,9 @@ class Rls:
 
     def _update_rows(self, idx: NDArray[np.intp], phi: FloatArray, e: FloatArray) -> None:
         s = self.settings
-        cov = self.cov[idx]
-        theta = self.theta[idx]
+        # np.take: a few times faster than indexing on the 2-D arrays, the same rows
+        cov = np.take(self.cov, idx, axis=0)
+        theta = np.take(self.theta, idx, axis=0)
         p_phi = np.einsum("nij,nj->ni", cov, phi)  # Pφ
         den = s.forgetting + np.einsum("ni,ni->n", phi, p_phi)  # ϕ + φᵀPφ
         gain = p_phi / den[:, None]  # K
@@ -235,3 +238,13 @@ def _project_nonneg(theta: FloatArray, cov: FloatArray, nonneg: BoolArray) -> No
             col = cov[bad, :, j]
             theta[bad] -= col * (theta[bad, j] / col[:, j])[:, None]
     theta[:, nonneg] = np.maximum(theta[:, nonneg], 0.0)
+
+
+def finite_rows(a: FloatArray) -> BoolArray:
+    """Per row of ``a`` (n, k), whether every entry is finite: ``np.isfinite(a).all(axis=1)``
+    a column at a time (numpy reduces a short axis slowly: 0.3 against 1.3 ms at 100,000
+    rows)."""
+    finite = np.isfinite(a[:, 0])
+    for j in range(1, a.shape[1]):
+        finite &= np.isfinite(a[:, j])
+    return finite

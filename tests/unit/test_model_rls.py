@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from slurm_cdgpc.errors import InputError
-from slurm_cdgpc.model.rls import Rls, RlsSettings
+from slurm_cdgpc.model.rls import Rls, RlsSettings, finite_rows
 
 
 def _random_regressors(rng: np.random.Generator, n: int) -> np.ndarray:
@@ -121,3 +121,10 @@ def test_job_churn_appends_and_drops_rows() -> None:
 def test_bad_settings_are_refused(kwargs: dict[str, float], message: str) -> None:
     with pytest.raises(InputError, match=message):
         RlsSettings(**kwargs)
+
+
+def test_finite_rows_is_whether_every_entry_of_a_row_is_finite() -> None:
+    a = np.ones((6, 3))
+    a[1, 0], a[2, 1], a[3, 2], a[4, :] = np.nan, np.inf, -np.inf, np.nan
+    np.testing.assert_array_equal(finite_rows(a), [True, False, False, False, False, True])
+    np.testing.assert_array_equal(finite_rows(a), np.isfinite(a).all(axis=1))
