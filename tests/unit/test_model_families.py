@@ -71,3 +71,18 @@ def test_time_regressors_mask_memory_on_hbm() -> None:
 def test_unknown_family_is_a_one_line_error() -> None:
     with pytest.raises(InputError, match=r"unknown model family 'quartic' \(known: bent, cubic"):
         power_family("quartic")
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_regressors_over_a_horizon_are_the_basis_memory_and_intercept_columns(name: str) -> None:
+    """(H, N) clocks against per-job masks and knees: [h(x), mask·x_m, 1] and [1/x, mask/x_m, 1]."""
+    fam = power_family(name)
+    x = np.array([[0.5, 1.0], [0.8, 0.9]])
+    x_m, mask, knee = np.full((2, 2), 0.8), np.array([1.0, 0.0]), np.array([0.7, 0.7])
+    phi = fam.regressors(x, x_m, mask, knee)
+    assert phi.shape == (2, 2, fam.n_params)
+    np.testing.assert_array_equal(phi[..., : fam.core_params], fam.basis(x, knee))
+    np.testing.assert_array_equal(phi[..., -2], mask * x_m)
+    np.testing.assert_array_equal(phi[..., -1], 1.0)
+    phi_t = time_regressors(x, x_m, mask)
+    np.testing.assert_array_equal(phi_t, np.stack([1.0 / x, mask / x_m, np.ones_like(x)], axis=-1))
