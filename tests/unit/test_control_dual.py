@@ -11,6 +11,7 @@ from slurm_cdgpc.control.dual import (
     DualProblem,
     StepStatus,
     _grouped,
+    _nan_to_zero,
     solve_domain_prices,
     solve_price,
 )
@@ -174,3 +175,9 @@ def test_a_margin_re_solve_keeps_the_groups_and_answers_as_a_fresh_solve() -> No
     assert again.status[0] is StepStatus.BINDING
     np.testing.assert_array_equal(again.price, fresh.price)
     np.testing.assert_array_equal(again.roots, fresh.roots)
+
+
+def test_nan_to_zero_is_numpys_nan_to_num() -> None:
+    a = np.array([[1.5, np.nan, np.inf, -np.inf, -2.0, 0.0, 1e308]])
+    np.testing.assert_array_equal(_nan_to_zero(a), np.nan_to_num(a))
+    assert _nan_to_zero(a).shape == a.shape
