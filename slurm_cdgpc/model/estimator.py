@@ -400,7 +400,8 @@ class JobEstimator:
         idx = np.flatnonzero(rows)
         one = np.ones(idx.size)
         top = self.time.predict(time_regressors(one, one, self.statics.mem_mask[idx]), idx)
-        idx, top = idx[top > 0], top[top > 0]
+        known = top > 0
+        idx, top = idx[known], top[known]
         # np.take: a few times faster than indexing on the 2-D arrays, the same rows
         self.pool.learn(
             self.kind[idx],
