@@ -169,6 +169,9 @@ class JobEstimator:
         )
         #: per job, its kind's pool in `pool` (-1: none)
         self.kind = np.zeros(0, dtype=np.int64)
+        #: per job, whether its power model started from its kind's pool: watts as the kind
+        #: drew them, which its first reading does not rescale (`_anchor_first`)
+        self.pooled = np.zeros(0, dtype=bool)
         empty = np.zeros(0)
         self.statics = JobStatics(np.zeros(0, dtype=np.int64), *([empty] * 6))
         #: the clock (normalised) at which the firmware was last seen holding the job at its
@@ -228,18 +231,21 @@ class JobEstimator:
         self.power.append(power_prior(self.family, statics))
         self.time.append(time_prior(statics, iteration_s))
         kind = np.full(len(statics), -1, dtype=np.int64)
+        pooled = np.zeros(len(statics), dtype=bool)
         if self.pool is not None and kinds is not None:
             rows = np.array([k is not None for k in kinds], dtype=bool).nonzero()[0]
             kind[rows] = self.pool.ids([k for k in kinds if k is not None])
-            pooled = self.pool.models(kind[rows])
-            ready, rows = pooled.ready, rows[pooled.ready]
+            models = self.pool.models(kind[rows])
+            ready, rows = models.ready, rows[models.ready]
             at = first + rows
             scale = np.ones(len(statics)) if iteration_s is None else np.asarray(iteration_s)
-            self.power.theta[at] = pooled.power_theta[ready]
-            self.power.cov[at] = pooled.power_cov[ready]
-            self.time.theta[at] = pooled.time_theta[ready] * scale[rows, None]
-            self.time.cov[at] = pooled.time_cov[ready]
+            self.power.theta[at] = models.power_theta[ready]
+            self.power.cov[at] = models.power_cov[ready]
+            self.time.theta[at] = models.time_theta[ready] * scale[rows, None]
+            self.time.cov[at] = models.time_cov[ready]
+            pooled[rows] = True
         self.kind = np.concatenate([self.kind, kind])
+        self.pooled = np.concatenate([self.pooled, pooled])
         self.statics = JobStatics.concat([self.statics, statics])
         self.limit_x = np.concatenate([self.limit_x, np.full(len(statics), np.inf)])
         self.work_top_s = np.concatenate([self.work_top_s, np.zeros(len(statics))])
@@ -264,6 +270,7 @@ class JobEstimator:
 
     def keep(self, mask: BoolArray) -> None:
         self.kind = self.kind[mask]
+        self.pooled = self.pooled[mask]
         self.power.keep(mask)
         self.time.keep(mask)
         self.statics = self.statics.select(mask)
@@ -359,7 +366,10 @@ class JobEstimator:
         phi_t = time_regressors(x, x_m, self.statics.mem_mask)
         if self.pool is not None and (self.kind >= 0).any():
             self._pool(phi_p, power_w, phi_t, iteration_s, mask, cotenants, power_capped)
-        _anchor_first(self.power, phi_p, power_w, mask)
+        # a pooled power model is the kind's watts already: its first reading teaches it
+        # as any other does
+        scaled = ~(self.pooled & (self.power.count == 0))
+        _anchor_first(self.power, phi_p, power_w, scaled if mask is None else mask & scaled)
         _anchor_first(self.time, phi_t, iteration_s, mask)
         return self.power.update(phi_p, power_w, mask), self.time.update(phi_t, iteration_s, mask)
 

@@ -28,8 +28,11 @@ KIND_PRIOR_MIN_SAMPLES: Final = 20
 #: readings a job's time model needs before its own join the pool (its scale is known then)
 KIND_PRIOR_AFTER: Final = 2
 #: what the pooled prior weighs against a job's own readings, in readings: its covariance is
-#: the inverse of this many average samples' information
+#: the inverse of this many average samples' information (the power model's: at most this)
 KIND_PRIOR_WEIGHT: Final = 10.0
+#: σ, a power reading's own relative noise (the simulated GPU's): the pooled power model
+#: weighs as (σ / r)² readings, r its fit's relative error per reading (`KindPrior.models`)
+POWER_READING_NOISE: Final = 0.01
 
 
 def job_kind(user: str, name: str, gpu_type: str) -> str:
@@ -129,10 +132,16 @@ class KindPrior:
         power_info = _symmetric(sums[:, lay.power_info], lay.p_i, lay.p_j, k)
         power_gram = _symmetric(sums[:, lay.power_gram], lay.p_i, lay.p_j, k)
         time_gram = _symmetric(sums[:, lay.time_gram], lay.t_i, lay.t_j, 3)
-        power_theta = _solve(power_info + 1e-12 * np.eye(k), sums[:, lay.power_rhs])
+        rhs_p = sums[:, lay.power_rhs]
+        power_theta = _solve(power_info + 1e-12 * np.eye(k), rhs_p)
         time_theta = _solve(time_gram + ridge_t, sums[:, lay.time_rhs])
-        n = np.maximum(self.samples[kind], 1).astype(np.float64)[:, None, None]
-        power_cov = _inverse(power_gram / n * KIND_PRIOR_WEIGHT + ridge_p)
+        samples = np.maximum(self.samples[kind], 1).astype(np.float64)
+        n = samples[:, None, None]
+        weight = np.minimum(
+            KIND_PRIOR_WEIGHT,
+            POWER_READING_NOISE**2 / _relative_misfit(power_theta, power_info, rhs_p, samples),
+        )
+        power_cov = _inverse(power_gram / n * weight[:, None, None] + ridge_p)
         time_cov = _inverse(time_gram / n * KIND_PRIOR_WEIGHT + ridge_t)
         # a coefficient a hair below 0 is round-off; a fit that needs one clearly below is
         # no shape to start from
@@ -145,6 +154,18 @@ class KindPrior:
         )
         time_theta = np.maximum(time_theta, 0.0)
         return PooledModels(ready.reshape(m), power_theta, power_cov, time_theta, time_cov)
+
+
+def _relative_misfit(
+    theta: FloatArray, info: FloatArray, rhs: FloatArray, samples: FloatArray
+) -> FloatArray:
+    """(M,) r², the pooled power fit's mean squared relative error per reading, from the
+    sums alone: Σ (1 − φᵀθ/y)² = n − 2 θᵀ Σ φ/y + θᵀ (Σ φφᵀ/y²) θ, over n − k (floored)."""
+    info_theta = np.einsum("nij,nj->ni", info, theta)
+    squares = samples - 2.0 * np.einsum("ni,ni->n", theta, rhs)
+    squares += np.einsum("ni,ni->n", theta, info_theta)
+    dof = np.maximum(samples - theta.shape[1], 1.0)
+    return np.maximum(squares / dof, 1e-12)  # type: ignore[no-any-return]
 
 
 class _Layout:

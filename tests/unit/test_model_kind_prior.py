@@ -182,3 +182,56 @@ def test_pooled_matrices_are_the_full_sums_of_outer_products() -> None:
     )
     np.testing.assert_array_equal(sums[:, lay.time_rhs], time_rhs)
     assert pool.models(ids).power_cov.shape == (3, 4, 4)
+
+
+def _pooled_after(scatter: float) -> JobEstimator:
+    """An estimator whose A100 pool learned four jobs drawing its power family's
+    `_KIND_THETA` curve, each reading scattered by ``scatter`` (relative), and one new job of
+    that kind that has started from it."""
+    est = JobEstimator(EstimatorSettings(kind_prior=True))
+    est.add_jobs(_statics(4), kinds=["A100-SXM4-80GB"] * 4)
+    rng = np.random.default_rng(1)
+    for x in (1.0, 1.0, 0.9, 0.8, 0.7, 0.6, 0.9, 1.0, 0.75, 0.65):
+        xs = np.full(4, x)
+        watts = est.power_regressors(xs, np.ones(4)) @ _KIND_THETA
+        watts *= 1.0 + scatter * rng.standard_normal(4)
+        est.observe(xs, np.ones(4), watts, _time_s(xs, np.ones(4)))
+    est.add_jobs(_statics(1), kinds=["A100-SXM4-80GB"])
+    assert est.pooled.tolist() == [False] * 4 + [True]
+    return est
+
+
+#: the kind's power curve in the shipped family's regressors
+_KIND_THETA = np.array([300.0, 0.0, 80.0])
+
+
+def _watts(est: JobEstimator, x: float) -> float:
+    return float(est.predict_power_w(np.full(len(est), x), np.ones(len(est)))[-1])
+
+
+def _observe_last(est: JobEstimator, x: float, power_w: float) -> None:
+    n = len(est)
+    xs = np.where(np.arange(n) == n - 1, x, np.nan)
+    est.observe(xs, np.ones(n), np.where(np.isnan(xs), np.nan, power_w), _time_s(xs, np.ones(n)))
+
+
+def test_a_pooled_power_model_is_not_rescaled_by_its_first_reading() -> None:
+    est = _pooled_after(0.0)
+    kind_low, kind_top = _watts(est, 0.6), _watts(est, 1.0)
+    _observe_last(est, 0.6, 1.1 * kind_low)  # its first reading, at the floor: 10 % above
+    # rescaled, the whole curve would move 10 %; the reading teaches the kind's exactly
+    # fitted curve through RLS instead, as one reading against the pool's ten
+    assert _watts(est, 1.0) < 1.03 * kind_top
+    assert kind_low < _watts(est, 0.6) < 1.03 * kind_low
+    assert not est.pooled[:4].any()
+
+
+def test_a_pooled_power_model_weighs_what_its_fit_explains() -> None:
+    # one kind its family fits exactly, one whose readings scatter 5 % about the curve: the
+    # scattered pool weighs (1 % / 5 %)² of a reading, and its job's own readings move it
+    exact, noisy = _pooled_after(0.0), _pooled_after(0.05)
+    before = [_watts(est, 0.8) for est in (exact, noisy)]
+    for est, watts in zip((exact, noisy), before, strict=True):
+        _observe_last(est, 0.8, 1.2 * watts)
+    assert _watts(exact, 0.8) < 1.03 * before[0]
+    assert _watts(noisy, 0.8) > 1.15 * before[1]
