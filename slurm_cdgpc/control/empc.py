@@ -393,17 +393,28 @@ class EconomicMPC:
                 # a shared GPU's readings once, split as the plan that was measured split them:
                 # a tenant that came or left since changes today's split, not that reading's
                 drawn = estimator.statics.gpus * measured.power_w * estimator.share
-                both = np.isfinite(drawn) & np.isfinite(measured.planned_power_w)
-                if measured.power_capped is not None:
-                    # a job held down by the firmware drew less than planned for a reason that
-                    # leaves with the next budget change; the clock clamp, not δ, handles it
-                    both &= ~measured.power_capped
                 # a serving job draws what its load asks, not what its plan said: no model error
-                both &= ~jobs.serving()
+                compared = np.isfinite(drawn) & np.isfinite(measured.planned_power_w)
+                compared &= ~jobs.serving()
+                # a job held down by the firmware drew less than planned for a reason that
+                # leaves with the next budget change; the clock clamp, not δ, handles it
+                held = (
+                    np.zeros_like(compared)
+                    if measured.power_capped is None
+                    else measured.power_capped
+                )
+                both = compared & ~held
                 if s.offset_per_job:  # each job's own miss; the plan's δ: `_weigh_offsets`
-                    own = both & (measured.planned_power_w > 0)
+                    own = np.flatnonzero(compared & (measured.planned_power_w > 0))
                     miss_n = drawn[own] / measured.planned_power_w[own] - 1.0
                     start = self.job_offsets(estimator)[own]
+                    # held, its miss says nothing of its model; a pooled job's model starts
+                    # weak in its kind's shape and may be planned far from its readings, so
+                    # an offset it learned there fades while it is held instead of standing
+                    fade = held[own] & estimator.pooled[own]
+                    keep = ~held[own] | fade
+                    miss_n = np.where(fade, 0.0, miss_n)[keep]
+                    own, start = own[keep], start[keep]
                     estimator.offset[own] = start + s.offset_gain * (miss_n - start)
                 elif (planned_w := float(np.sum(measured.planned_power_w[both]))) > 0:
                     miss = float(np.sum(drawn[both])) / planned_w - 1.0

@@ -367,3 +367,30 @@ def test_the_limit_share_is_learned_from_ended_jobs_and_a_job_past_it_gets_its_w
     np.testing.assert_allclose(w, [(share * 10 - 1) / 100, (10 - 7) / 100])
     with pytest.raises(InputError, match="limit share quantile"):
         ControllerSettings(limit_share_quantile=0.0)
+
+
+def test_a_held_pooled_jobs_offset_fades_instead_of_standing() -> None:
+    # three jobs that all learned δ_n = −0.3; the firmware then holds the first two at their
+    # limit, and the third runs free, drawing 10 % under its plan
+    settings = ControllerSettings(offset_gain=0.3, exploration_sigmas=0.0, offset_per_job=True)
+    mpc, est, jobs = _setup(3, settings)
+    est.offset[:] = -0.3
+    # the first started from its kind's pool: its offset may have been learned where its
+    # weak model was planned far from its readings; the second's model is its own
+    est.pooled[:] = [True, False, False]
+    d = mpc.step(est, jobs, now_s=0.0, budget_w=3 * 4 * 260.0)
+    for k in range(1, 10):
+        measured = Measurements(
+            graphics_mhz=d.graphics_mhz.astype(float),
+            memory_mhz=d.memory_mhz.astype(float),
+            power_w=0.9 * d.job_power_w / est.statics.gpus,
+            iteration_s=np.full(3, 0.5),
+            planned_power_w=d.job_power_w,  # as if settled: each job's plan is compared
+            power_capped=np.array([True, True, False]),
+        )
+        d = mpc.step(est, jobs, now_s=30.0 * k, budget_w=3 * 4 * 260.0, measured=measured)
+    # nine held intervals: the pooled job's offset decays at the gain, the other's stands,
+    # the free job's learns its miss
+    assert est.offset[0] == pytest.approx(-0.3 * 0.7**9)
+    assert est.offset[1] == -0.3
+    assert est.offset[2] == pytest.approx(-0.1, abs=0.01)
